@@ -1,0 +1,143 @@
+"""RMSNorm, Attention and FeedForward, each with its experts built in by construction.
+
+`weights` below is a dict from expert type name (Q, K, V, PROMPT, O, FFN_UP,
+FFN_GATE, FFN_DOWN) to that expert's per-token weight [B,T].
+"""
+import math
+
+import numpy as np
+
+import Utils.jittor_env  # noqa: F401
+import jittor as jt
+from jittor import nn
+
+from .Experts import MOELoraLayer, prompt_attention
+from .ModelArgs import ModelArgs
+from .utils import apply_rope, repeat_kv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        self.eps = eps
+        self.weight = jt.ones((dim,), "float32")
+
+    def execute(self, x: jt.Var) -> jt.Var:
+        # x [..., D] -> [..., D], statistics in fp32
+        x32 = x.float32()
+        normed = x32 * jt.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
+        return normed.cast(x.dtype) * self.weight
+
+
+def lora_for(args: ModelArgs, layer_id: int, target: str, in_features: int, out_features: int):
+    """The LoRA expert on `target` in this layer, or None."""
+    if layer_id not in args.lora_layer_set or target not in args.targets:
+        return None
+    return MOELoraLayer(in_features, out_features, args.lora_rank, args.lora_alpha,
+                        args.expert_num, args.hydra_moe)
+
+
+def with_lora(base: jt.Var, lora, x: jt.Var, weights: dict, target: str) -> jt.Var:
+    return base if lora is None else base + lora(x, weights[target])
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        D, H, Hkv, hd = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = H, Hkv, hd
+        self.n_rep = H // Hkv
+        self.wq = nn.Linear(D, H * hd, bias=False)
+        self.wk = nn.Linear(D, Hkv * hd, bias=False)
+        self.wv = nn.Linear(D, Hkv * hd, bias=False)
+        self.wo = nn.Linear(H * hd, D, bias=False)
+        self.lora_Q = lora_for(args, layer_id, "Q", D, H * hd)
+        self.lora_K = lora_for(args, layer_id, "K", D, Hkv * hd)
+        self.lora_V = lora_for(args, layer_id, "V", D, Hkv * hd)
+        self.lora_O = lora_for(args, layer_id, "O", H * hd, D)
+        self.has_prompt = layer_id in args.prompt_layer_set
+        if self.has_prompt:
+            self.prompt = nn.Embedding(args.expert_num * args.prompt_len, D)
+            self.prompt_gate = jt.zeros((1, H, 1, 1), "float32")  # zero: the prompt starts silent
+        self._cache_k = self._cache_v = None
+
+    def reset_cache(self):
+        self._cache_k = self._cache_v = None
+
+    def update_cache(self, xk: jt.Var, xv: jt.Var, write: jt.Var, keep: jt.Var, max_seq_len: int):
+        """Write this step's keys/values at their positions with a one-hot matmul.
+
+        The graph is the same at every step (positions are data, not shapes), so
+        Jittor compiles it once. xk/xv [B,T,Hkv,hd], write [S,T], keep [S,1]
+        """
+        B, T = xk.shape[:2]
+        if self._cache_k is None or self._cache_k.shape[0] != B:
+            self._cache_k = jt.zeros((B, max_seq_len, self.n_kv_heads, self.head_dim), "float32")
+            self._cache_v = jt.zeros((B, max_seq_len, self.n_kv_heads, self.head_dim), "float32")
+        new_k = nn.matmul(write, xk.reshape(B, T, -1)).reshape(self._cache_k.shape)  # [B,S,Hkv,hd]
+        new_v = nn.matmul(write, xv.reshape(B, T, -1)).reshape(self._cache_v.shape)
+        keep = keep.reshape(1, max_seq_len, 1, 1)
+        self._cache_k = (self._cache_k * keep + new_k).stop_grad()
+        self._cache_v = (self._cache_v * keep + new_v).stop_grad()
+        return self._cache_k, self._cache_v
+
+    def execute(self, x, cos, sin, mask, weights, cache=None):
+        # x [B,T,D]; cos/sin [T,hd/2]; mask [T,S] additive; cache None or (write, keep, S)
+        B, T, _ = x.shape
+        H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        xq = with_lora(self.wq(x), self.lora_Q, x, weights, "Q").reshape(B, T, H, hd)
+        xk = with_lora(self.wk(x), self.lora_K, x, weights, "K").reshape(B, T, Hkv, hd)
+        xv = with_lora(self.wv(x), self.lora_V, x, weights, "V").reshape(B, T, Hkv, hd)
+        xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
+        keys, values = (xk, xv) if cache is None else self.update_cache(xk, xv, *cache)
+        keys = repeat_kv(keys, self.n_rep).transpose(0, 2, 1, 3)  # [B,H,S,hd]
+        values = repeat_kv(values, self.n_rep).transpose(0, 2, 1, 3)  # [B,H,S,hd]
+        xq = xq.transpose(0, 2, 1, 3)  # [B,H,T,hd]
+        scores = nn.matmul(xq, keys.transpose(0, 1, 3, 2)) / math.sqrt(hd) + mask  # [B,H,T,S]
+        out = nn.matmul(nn.softmax(scores.float32(), dim=-1), values)  # [B,H,T,hd]
+        if self.has_prompt:
+            out = out + self.prompt_output(xq, weights["PROMPT"])
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, H * hd)  # [B,T,D]
+        return with_lora(self.wo(out), self.lora_O, out, weights, "O")
+
+    def prompt_output(self, xq: jt.Var, type_weight: jt.Var) -> jt.Var:
+        # xq [B,H,T,hd], type_weight [B,T] -> [B,H,T,hd]
+        L = self.prompt.weight.shape[0]
+        prompt_k = self.wk(self.prompt.weight).reshape(1, L, self.n_kv_heads, self.head_dim)  # base proj, no RoPE
+        prompt_v = self.wv(self.prompt.weight).reshape(1, L, self.n_kv_heads, self.head_dim)
+        prompt_k = repeat_kv(prompt_k, self.n_rep).transpose(0, 2, 1, 3)  # [1,H,L,hd]
+        prompt_v = repeat_kv(prompt_v, self.n_rep).transpose(0, 2, 1, 3)
+        out = prompt_attention(xq, prompt_k, prompt_v, self.prompt_gate)  # [B,H,T,hd]
+        return out * type_weight.reshape(xq.shape[0], 1, xq.shape[2], 1)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 is the gate branch, w3 the up branch (Meta's names)."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        D, F = args.dim, args.ffn_hidden_dim
+        self.w1 = nn.Linear(D, F, bias=False)
+        self.w2 = nn.Linear(F, D, bias=False)
+        self.w3 = nn.Linear(D, F, bias=False)
+        self.lora_UP = lora_for(args, layer_id, "FFN_UP", D, F)
+        self.lora_GATE = lora_for(args, layer_id, "FFN_GATE", D, F)
+        self.lora_DOWN = lora_for(args, layer_id, "FFN_DOWN", F, D)
+
+    def execute(self, x: jt.Var, weights: dict) -> jt.Var:
+        # x [B,T,D] -> [B,T,D]; hidden [B,T,F]
+        gate = with_lora(self.w1(x), self.lora_GATE, x, weights, "FFN_GATE")
+        up = with_lora(self.w3(x), self.lora_UP, x, weights, "FFN_UP")
+        hidden = nn.silu(gate) * up
+        return with_lora(self.w2(hidden), self.lora_DOWN, hidden, weights, "FFN_DOWN")
+
+
+def attention_mask(T: int, S: int, start_pos: int) -> np.ndarray:
+    """Additive causal mask [T,S]: query t (at position start_pos+t) sees keys 0..start_pos+t."""
+    key_pos = np.arange(S)[None, :]
+    query_pos = start_pos + np.arange(T)[:, None]
+    return np.where(key_pos <= query_pos, 0.0, -np.inf).astype(np.float32)
+
+
+def cache_writer(T: int, S: int, start_pos: int):
+    """write [S,T] one-hot of the new positions; keep [S,1] zero where they land."""
+    write = np.zeros((S, T), np.float32)
+    write[start_pos + np.arange(T), np.arange(T)] = 1.0
+    return write, 1.0 - write.sum(1, keepdims=True)

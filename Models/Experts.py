@@ -1,0 +1,102 @@
+"""The experts: LoRA (MOELoraLayer), the parallel adapter (PAdapterLayer), prompt tuning.
+
+Every expert takes its input and its per-token type weight [B,T] and returns its
+contribution already multiplied by that weight; the block owns the routing.
+"""
+import math
+
+import Utils.jittor_env  # noqa: F401
+import jittor as jt
+from jittor import init, nn
+
+
+def zero_linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    layer.weight = jt.zeros((out_features, in_features), "float32")
+    if bias:
+        layer.bias = jt.zeros((out_features,), "float32")
+    return layer
+
+
+def xavier_linear(in_features: int, out_features: int, gain: float) -> nn.Linear:
+    """Xavier-uniform weight and zero bias: the parallel adapter starts as (almost) nothing."""
+    layer = nn.Linear(in_features, out_features, bias=True)
+    bound = gain * math.sqrt(6.0 / (in_features + out_features))
+    layer.weight = init.uniform((out_features, in_features), "float32", -bound, bound)
+    layer.bias = jt.zeros((out_features,), "float32")
+    return layer
+
+
+def mix_experts(gate: jt.Var, outputs: list) -> jt.Var:
+    """sum_e gate[..., e] * outputs[e]; gate [B,T,E], outputs E x [B,T,F]."""
+    mixed = outputs[0] * gate[:, :, 0:1]
+    for e in range(1, len(outputs)):
+        mixed = mixed + outputs[e] * gate[:, :, e:e + 1]
+    return mixed
+
+
+class MOELoraLayer(nn.Module):
+    """LoRA on one projection: (x A^T) B^T * alpha/r.
+
+    expert_num > 1 mixes several LoRAs with a bias-free softmax router (MoE-LoRA);
+    hydra shares one A across the experts (HydraLoRA). B starts at zero, so the
+    layer adds nothing until trained.
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float,
+                 expert_num: int = 1, hydra: bool = False):
+        self.scaling = alpha / rank
+        self.expert_num = expert_num
+        if expert_num == 1:
+            self.lora_A = nn.Linear(in_features, rank, bias=False)
+            self.lora_B = zero_linear(rank, out_features)
+        else:
+            self.lora_router = nn.Linear(in_features, expert_num, bias=False)
+            n_a = 1 if hydra else expert_num
+            self.lora_A = nn.ModuleList([nn.Linear(in_features, rank, bias=False) for _ in range(n_a)])
+            self.lora_B = nn.ModuleList([zero_linear(rank, out_features) for _ in range(expert_num)])
+
+    def execute(self, x: jt.Var, type_weight: jt.Var) -> jt.Var:
+        # x [B,T,in], type_weight [B,T] -> [B,T,out]
+        weight = type_weight.unsqueeze(-1)
+        if self.expert_num == 1:
+            return self.lora_B(self.lora_A(x)) * self.scaling * weight
+        gate = nn.softmax(self.lora_router(x), dim=-1)  # [B,T,E]
+        shared = [a(x) for a in self.lora_A]  # hydra: one A serves every B
+        outputs = [b(shared[e % len(shared)]) for e, b in enumerate(self.lora_B)]
+        return mix_experts(gate, outputs) * self.scaling * weight
+
+
+class PAdapterLayer(nn.Module):
+    """Parallel adapter beside the FFN: up(silu(down(x))), biases on, near-zero start."""
+
+    def __init__(self, dim: int, size: int, expert_num: int = 1, hydra: bool = False):
+        self.expert_num = expert_num
+        if expert_num == 1:
+            self.down_proj = xavier_linear(dim, size, gain=1e-4)
+            self.up_proj = xavier_linear(size, dim, gain=1e-4)
+        else:
+            self.adapter_router = nn.Linear(dim, expert_num, bias=True)
+            self.adapter_router.bias = jt.zeros((expert_num,), "float32")
+            n_down = 1 if hydra else expert_num
+            self.down_proj = nn.ModuleList([xavier_linear(dim, size, 1e-4) for _ in range(n_down)])
+            self.up_proj = nn.ModuleList([xavier_linear(size, dim, 1e-4) for _ in range(expert_num)])
+
+    def execute(self, x: jt.Var, type_weight: jt.Var) -> jt.Var:
+        # x [B,T,D] (the normalised FFN input), type_weight [B,T] -> [B,T,D]
+        weight = type_weight.unsqueeze(-1)
+        if self.expert_num == 1:
+            return self.up_proj(nn.silu(self.down_proj(x))) * weight
+        gate = nn.softmax(self.adapter_router(x), dim=-1)  # [B,T,E]
+        hidden = [nn.silu(d(x)) for d in self.down_proj]
+        outputs = [u(hidden[e % len(hidden)]) for e, u in enumerate(self.up_proj)]
+        return mix_experts(gate, outputs) * weight
+
+
+def prompt_attention(xq: jt.Var, prompt_k: jt.Var, prompt_v: jt.Var, gate: jt.Var) -> jt.Var:
+    """Rotated queries attend to the learned prompt (no mask, no cache), scaled by a per-head gate.
+
+    xq [B,H,T,hd], prompt_k/prompt_v [1,H,L,hd], gate [1,H,1,1] -> [B,H,T,hd]
+    """
+    scores = nn.matmul(xq, prompt_k.transpose(0, 1, 3, 2)) / math.sqrt(xq.shape[-1])  # [B,H,T,L]
+    return gate * nn.matmul(nn.softmax(scores, dim=-1), prompt_v)

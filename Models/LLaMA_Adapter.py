@@ -1,0 +1,78 @@
+"""LLaMA_adapter: a frozen LLaMA-3 base with MoA experts, the masked loss, router records.
+
+One naming rule drives freezing, the optimiser and saving: a parameter is an
+adapter parameter when its name contains `lora`, `prompt` or `adapter` (which
+catches the authors' `adapter_type_router` and `adapter_threshold_fn`).
+"""
+from collections import Counter
+
+import numpy as np
+
+import Utils.jittor_env  # noqa: F401
+import jittor as jt
+from jittor import nn
+
+from .LLM import LLaMA
+from .ModelArgs import ModelArgs
+
+ADAPTER_KEYS = ("lora", "prompt", "adapter")
+EXPERT_FAMILIES = {"lora_Q": "Q", "lora_K": "K", "lora_V": "V", "lora_O": "O", "lora_UP": "FFN_UP",
+                   "lora_GATE": "FFN_GATE", "lora_DOWN": "FFN_DOWN", "prompt": "PROMPT",
+                   "p_adapter": "PADAPTER", "adapter_type_router": "ROUTER", "adapter_threshold_fn": "GAMMA"}
+
+
+def is_adapter_param(name: str) -> bool:
+    return any(key in name for key in ADAPTER_KEYS)
+
+
+def expert_family(name: str) -> str:
+    """The expert type a parameter belongs to, for the per-type parameter count."""
+    for part in name.split("."):
+        if part in EXPERT_FAMILIES:
+            return EXPERT_FAMILIES[part]
+    return "BASE"
+
+
+class LLaMA_adapter(nn.Module):
+    def __init__(self, args: ModelArgs):
+        self.args = args
+        self.llama = LLaMA(args)
+        self.freeze_base()
+
+    def freeze_base(self):
+        for name, param in self.named_parameters():
+            param.requires_grad = is_adapter_param(name)
+
+    def adapter_parameters(self) -> dict:
+        """name -> Var of every trainable (adapter) parameter, in module order."""
+        return {name: p for name, p in self.named_parameters() if is_adapter_param(name)}
+
+    def base_parameters(self) -> dict:
+        return {name: p for name, p in self.named_parameters() if not is_adapter_param(name)}
+
+    def parameter_counts(self) -> dict:
+        """Trainable parameter count per expert type, plus 'total' and 'base'."""
+        counts = Counter()
+        for name, p in self.named_parameters():
+            size = int(np.prod(p.shape))
+            if is_adapter_param(name):
+                counts[expert_family(name)] += size
+                counts["total"] += size
+            else:
+                counts["base"] += size
+        return dict(counts)
+
+    def execute(self, tokens: jt.Var, loss_mask: jt.Var, records=None):
+        """Masked next-token loss.
+
+        tokens [B,T]; loss_mask [B,T] float: loss_mask[:, t] weighs predicting
+        tokens[:, t] from the prefix before it (column 0 is never used).
+        Returns (loss scalar, logits [B,T,V]).
+        """
+        logits = self.llama(tokens, records=records)  # [B,T,V]
+        log_probs = nn.log_softmax(logits[:, :-1], dim=-1)  # [B,T-1,V]
+        targets = tokens[:, 1:].unsqueeze(-1)  # [B,T-1,1]
+        nll = -jt.gather(log_probs, 2, targets).squeeze(-1)  # [B,T-1]
+        mask = loss_mask[:, 1:].float32()
+        loss = (nll * mask).sum() / mask.sum().maximum(1.0)
+        return loss, logits

@@ -1,0 +1,163 @@
+"""The one configuration dataclass: Meta's params.json plus the PEFT/MoA fields."""
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+LORA_TARGETS = ("Q", "K", "V", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN")
+# The router's column order is fixed by the authors' code, whatever order lora_targets lists.
+TYPE_ORDER = ("Q", "K", "V", "PROMPT", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN", "PADAPTER")
+VARIANTS = ("soft", "sparse")
+GAMMA_GRADS = ("authors", "ste")
+META_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+               "ffn_dim_multiplier", "norm_eps", "rope_theta", "use_scaled_rope")
+
+
+def parse_layer_span(spec: str, n_layers: int, field: str = "layers") -> frozenset:
+    """'0-8,24-32' -> {0..7, 24..31}; spans are half-open, '0-0' means none."""
+    layers = set()
+    for part in str(spec).replace(" ", "").split(","):
+        if not part:
+            continue
+        bounds = part.split("-")
+        if len(bounds) != 2 or not all(b.isdigit() for b in bounds):
+            raise ValueError(f"{field}={spec!r}: '{part}' is not a span 'start-end' of two integers")
+        start, end = map(int, bounds)
+        if start > end:
+            raise ValueError(f"{field}={spec!r}: span '{part}' ends before it starts")
+        if end > n_layers:
+            raise ValueError(f"{field}={spec!r}: span '{part}' reaches past the model's {n_layers} layers")
+        layers.update(range(start, end))
+    return frozenset(layers)
+
+
+@dataclass
+class ModelArgs:
+    # Meta's params.json
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: Optional[int] = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    use_scaled_rope: bool = False
+    # runtime
+    max_batch_size: int = 32
+    max_seq_len: int = 2048
+    # MoA: experts
+    variant: str = "sparse"
+    lora_layers: str = "0-0"
+    lora_rank: int = 8
+    lora_targets: str = "Q,K,V,O,FFN_DOWN"
+    lora_alpha: float = 8.0
+    expert_num: int = 1
+    hydra_moe: bool = False
+    p_adapter_layers: str = "0-0"
+    p_adapter_size: int = 16
+    p_adapter_hydra: bool = False
+    prompt_layers: str = "0-0"
+    prompt_len: int = 10
+    # MoA: routing
+    swi_x: int = 4
+    max_threshold: float = 0.5
+    const_threshold: bool = False
+    gamma_grad: str = "authors"
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        for f in fields(self):
+            value = getattr(self, f.name)
+            want = {int: int, float: (int, float), bool: bool, str: str}.get(f.type)
+            if f.type in (Optional[int], "Optional[int]"):
+                want = (int, type(None))
+            elif f.type in (Optional[float], "Optional[float]"):
+                want = (int, float, type(None))
+            if want is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
+                raise TypeError(f"ModelArgs.{f.name}={value!r}: expected {f.type}, got {type(value).__name__}")
+        positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+                    "max_batch_size", "max_seq_len", "lora_rank", "expert_num", "p_adapter_size", "prompt_len")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelArgs.{name}={getattr(self, name)} must be positive")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant={self.variant!r}: choose one of {VARIANTS}")
+        if self.gamma_grad not in GAMMA_GRADS:
+            raise ValueError(f"gamma_grad={self.gamma_grad!r}: choose one of {GAMMA_GRADS}")
+        if self.swi_x < 0:
+            raise ValueError(f"swi_x={self.swi_x} must be >= 0 (0 means a Linear router)")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"lora_targets={self.lora_targets!r}: unknown target(s) {unknown}; "
+                             f"choose from {','.join(LORA_TARGETS)}")
+        self.lora_layer_set = parse_layer_span(self.lora_layers, self.n_layers, "lora_layers")
+        self.p_adapter_layer_set = parse_layer_span(self.p_adapter_layers, self.n_layers, "p_adapter_layers")
+        self.prompt_layer_set = parse_layer_span(self.prompt_layers, self.n_layers, "prompt_layers")
+        if self.variant == "sparse" and self.prompt_layer_set:
+            raise ValueError("prompt tuning is not a token-level expert: Sparse MoA needs prompt_layers='0-0'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def targets(self) -> tuple:
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def type_names(self, layer: int) -> list:
+        """The router's columns in layer `layer`, in the authors' fixed order."""
+        present = set(self.targets) if layer in self.lora_layer_set else set()
+        if layer in self.prompt_layer_set:
+            present.add("PROMPT")
+        if layer in self.p_adapter_layer_set:
+            present.add("PADAPTER")
+        return [t for t in TYPE_ORDER if t in present]
+
+    def adapter_config(self) -> dict:
+        """Every field except Meta's and the runtime ones: what an adapter file must agree on."""
+        skip = set(META_FIELDS) | {"max_batch_size", "max_seq_len"}
+        return {k: v for k, v in asdict(self).items() if k not in skip}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_params_json(cls, path: str, **overrides) -> "ModelArgs":
+        """Meta's params.json (any extra keys rejected) updated with runtime/MoA overrides."""
+        if os.path.isdir(path):
+            path = os.path.join(path, "params.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no params.json (a Meta checkpoint directory holds params.json, "
+                                    "consolidated.NN.pth and tokenizer.model)")
+        try:
+            with open(path) as f:
+                params = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(params, dict):
+            raise ValueError(f"{path}: expected a JSON object of model parameters")
+        unknown = sorted(set(params) - set(META_FIELDS))
+        if unknown:
+            raise ValueError(f"{path}: unknown field(s) {unknown}; Meta's params.json has {list(META_FIELDS)}")
+        if "rope_theta" in params and isinstance(params["rope_theta"], int):
+            params["rope_theta"] = float(params["rope_theta"])
+        try:
+            return cls(**{**params, **overrides})
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{path}: {e}") from None

@@ -1,0 +1,68 @@
+"""Routing between expert types: the type router and the Sparse threshold Gamma."""
+import Utils.jittor_env  # noqa: F401
+import jittor as jt
+from jittor import nn
+
+
+def biased_linear(in_features: int, out_features: int) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=True)
+    layer.bias = jt.zeros((out_features,), "float32")
+    return layer
+
+
+class SwiGLURouter(nn.Module):
+    """w2(silu(w1 x) * w3 x) with hidden size n_types * swi_x, biases on (zero at start)."""
+
+    def __init__(self, dim: int, n_types: int, swi_x: int):
+        hidden = n_types * swi_x
+        self.w1 = biased_linear(dim, hidden)
+        self.w3 = biased_linear(dim, hidden)
+        self.w2 = biased_linear(hidden, n_types)
+
+    def execute(self, x: jt.Var) -> jt.Var:
+        # x [B,T,D] -> logits [B,T,n_types]
+        return self.w2(nn.silu(self.w1(x)) * self.w3(x))
+
+
+def type_router(dim: int, n_types: int, swi_x: int) -> nn.Module:
+    """The heterogeneous router: Linear when swi_x == 0, else SwiGLU."""
+    return biased_linear(dim, n_types) if swi_x == 0 else SwiGLURouter(dim, n_types, swi_x)
+
+
+STE_TEMPERATURE = 0.1
+
+
+def hard_select(probs: jt.Var, gamma: jt.Var, gamma_grad: str) -> jt.Var:
+    """1[probs - gamma >= 0] as float.
+
+    "authors": a plain step, no gradient reaches Gamma (the PyTorch release).
+    "ste": the same forward value; the backward uses the slope of
+    sigmoid((probs - gamma) / STE_TEMPERATURE), so Gamma and the router learn where to cut.
+    """
+    margin = probs - gamma
+    step = (margin >= 0).float32().stop_grad()
+    if gamma_grad == "authors":
+        return step
+    surrogate = jt.sigmoid(margin / STE_TEMPERATURE)
+    return step + surrogate - surrogate.stop_grad()
+
+
+class Gamma(nn.Module):
+    """Per-token threshold: max_threshold * sigmoid(x W^T + b), or the constant max_threshold.
+
+    It holds the Linear's weight and bias itself so that its checkpoint names are
+    the authors' `adapter_threshold_fn.weight` / `.bias`.
+    """
+
+    def __init__(self, dim: int, max_threshold: float, const: bool):
+        self.max_threshold = max_threshold
+        self.const = const
+        if not const:
+            linear = nn.Linear(dim, 1, bias=True)
+            self.weight, self.bias = linear.weight, linear.bias
+
+    def execute(self, x: jt.Var) -> jt.Var:
+        # x [B,T,D] -> gamma [B,T,1]
+        if self.const:
+            return jt.full((x.shape[0], x.shape[1], 1), self.max_threshold, "float32")
+        return self.max_threshold * jt.sigmoid(nn.matmul_transpose(x, self.weight) + self.bias)

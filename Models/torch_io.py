@@ -1,0 +1,331 @@
+"""Read and write PyTorch zip checkpoints (the torch.save format since 1.6) without torch.
+
+A checkpoint is a zip holding `<prefix>/data.pkl` (a pickle of the containers) and
+`<prefix>/data/<key>` (one raw storage per key). Plain unpickling would run any
+callable the pickle names, so `load_pth` resolves globals through an allow-list:
+only the tensor rebuild functions, storage/dtype markers and plain containers.
+Tensors come back as numpy arrays; bfloat16 becomes float32 exactly.
+"""
+import collections
+import io
+import os
+import pickle
+import struct
+import tempfile
+import zipfile
+
+import numpy as np
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is malformed, unsupported or unsafe; the message names the file."""
+
+
+class _DType:
+    """Stands in for a torch dtype: how one storage element is laid out in bytes."""
+
+    def __init__(self, name, numpy_code):
+        self.name = name
+        self.numpy_code = numpy_code  # bfloat16 is read as raw uint16 bits
+
+    def numpy_dtype(self, byteorder):
+        return np.dtype(self.numpy_code).newbyteorder("<" if byteorder == "little" else ">")
+
+
+_DTYPES = {name: _DType(name, code) for name, code in [
+    ("float32", "f4"), ("float64", "f8"), ("float16", "f2"), ("bfloat16", "u2"),
+    ("int64", "i8"), ("int32", "i4"), ("int16", "i2"), ("int8", "i1"), ("uint8", "u1"),
+    ("uint16", "u2"), ("uint32", "u4"), ("uint64", "u8"), ("bool", "?"),
+    ("complex64", "c8"), ("complex128", "c16")]}
+for _alias, _name in [("float", "float32"), ("double", "float64"), ("half", "float16"),
+                      ("long", "int64"), ("int", "int32"), ("short", "int16"),
+                      ("cfloat", "complex64"), ("cdouble", "complex128")]:
+    _DTYPES[_alias] = _DTYPES[_name]
+
+# Legacy typed storage classes, as torch.save names them in each storage's persistent id.
+_STORAGE_DTYPES = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+}
+_STORAGE_NAMES = {dtype: name for name, dtype in _STORAGE_DTYPES.items()}
+
+
+class _StorageType:
+    """Stands in for a torch storage class: only its element type matters."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
+_UNTYPED_STORAGE = _StorageType(_DTYPES["uint8"])  # torch reads untyped storages as bytes
+
+
+def bf16_bits_to_float32(bits):
+    """bfloat16 bit patterns (uint16) -> float32, exactly: bf16 is the top half of an fp32."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_to_bf16_bits(values):
+    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest, ties to even."""
+    values = np.asarray(values, dtype=np.float32, order="C")
+    bits = values.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    quiet_nan = (bits >> 16) | 0x40  # rounding could turn a NaN payload into inf
+    return np.where(np.isnan(values), quiet_nan, rounded).astype(np.uint16)
+
+
+class _Storage:
+    """One `data/<key>` record, read lazily so a large checkpoint is never held twice."""
+
+    def __init__(self, reader, key, dtype, numel):
+        self.reader, self.key, self.dtype, self.numel = reader, key, dtype, numel
+
+    def elements(self, dtype):
+        raw = self.reader.record(f"data/{self.key}")
+        expected = self.numel * self.dtype.numpy_dtype("little").itemsize
+        if len(raw) != expected:
+            raise self.reader.error(f"storage '{self.key}' has {len(raw)} bytes, expected {expected}")
+        itemsize = dtype.numpy_dtype("little").itemsize
+        return np.frombuffer(raw, dtype=dtype.numpy_dtype(self.reader.byteorder),
+                             count=len(raw) // itemsize)
+
+
+class _CheckpointReader(pickle.Unpickler):
+    """Unpickles data.pkl, resolving globals only from the allow-list below."""
+
+    def __init__(self, path, archive, prefix):
+        self.path, self.archive, self.prefix = path, archive, prefix
+        self.byteorder = "little"
+        if prefix + "byteorder" in archive.namelist():
+            self.byteorder = self.record("byteorder").decode("ascii", "replace").strip()
+            if self.byteorder not in ("little", "big"):
+                raise self.error(f"unknown byteorder '{self.byteorder}'")
+        super().__init__(io.BytesIO(self.record("data.pkl")))
+        self.allowed = {
+            ("torch._utils", "_rebuild_tensor"): self._rebuild_tensor,
+            ("torch._utils", "_rebuild_tensor_v2"): self._rebuild_tensor,
+            ("torch._utils", "_rebuild_tensor_v3"): self._rebuild_tensor_v3,
+            ("torch._utils", "_rebuild_parameter"): lambda data, *flags: data,
+            ("torch", "UntypedStorage"): _UNTYPED_STORAGE,
+            ("torch.storage", "UntypedStorage"): _UNTYPED_STORAGE,
+            ("collections", "OrderedDict"): collections.OrderedDict,
+            **{("builtins", c.__name__): c for c in (dict, list, tuple, set, frozenset)},
+            **{("torch", name): _StorageType(_DTYPES[dtype]) for name, dtype in _STORAGE_DTYPES.items()},
+            **{("torch", name): dtype for name, dtype in _DTYPES.items()},
+        }
+
+    def error(self, message):
+        return CheckpointError(f"{self.path}: {message}")
+
+    def record(self, name):
+        try:
+            return self.archive.read(self.prefix + name)
+        except KeyError:
+            raise self.error(f"record '{self.prefix}{name}' is missing") from None
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+            raise self.error(f"record '{self.prefix}{name}' is unreadable ({exc})") from exc
+
+    def find_class(self, module, name):
+        found = self.allowed.get((module, name))
+        if found is None:
+            raise self.error(f"refusing to load global '{module}.{name}' "
+                             "(only tensors, storages and plain containers are allowed)")
+        return found
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
+            raise self.error(f"unsupported persistent id {pid!r:.80}")
+        storage_type, key, _location, numel = pid[1:]
+        dtype = storage_type if isinstance(storage_type, _DType) else getattr(storage_type, "dtype", None)
+        if not isinstance(dtype, _DType) or not isinstance(numel, int) or numel < 0:
+            raise self.error(f"malformed storage reference {pid!r:.80}")
+        key = key.decode("ascii") if isinstance(key, bytes) else str(key)
+        return _Storage(self, key, dtype, numel)
+
+    def _rebuild_tensor(self, storage, offset, size, stride, *_flags):
+        return self._rebuild_tensor_v3(storage, offset, size, stride, None, None, None)
+
+    def _rebuild_tensor_v3(self, storage, offset, size, stride, _grad, _hooks, dtype, *_meta):
+        """The torch view (offset, size, stride in elements of dtype) as an owned numpy array."""
+        dtype = dtype or getattr(storage, "dtype", None)
+        if not isinstance(storage, _Storage) or not isinstance(dtype, _DType):
+            raise self.error("tensor without a storage or dtype")
+        where = f"tensor on storage '{storage.key}'"
+        if not all(isinstance(v, int) and v >= 0 for v in (offset, *size, *stride)) \
+                or len(size) != len(stride):
+            raise self.error(f"{where} has a bad view: offset {offset}, size {size}, stride {stride}")
+        flat = storage.elements(dtype)
+        if 0 in size:
+            view = np.empty(size, dtype=flat.dtype)
+        else:
+            last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+            if last >= flat.size:
+                raise self.error(f"{where} reads element {last} of {flat.size}")
+            view = np.lib.stride_tricks.as_strided(
+                flat[offset:], shape=size, strides=[s * flat.itemsize for s in stride],
+                writeable=False)
+        array = np.array(view, dtype=flat.dtype.newbyteorder("="))
+        return bf16_bits_to_float32(array) if dtype.name == "bfloat16" else array
+
+
+def _materialise(obj, reader):
+    """Bare storages (rare: saved without a tensor) become 1-D arrays of their dtype."""
+    if isinstance(obj, _Storage):
+        return reader._rebuild_tensor(obj, 0, (obj.numel,), (1,))
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            obj[key] = _materialise(value, reader)
+    elif isinstance(obj, list):
+        obj[:] = [_materialise(value, reader) for value in obj]
+    elif isinstance(obj, tuple):
+        return tuple(_materialise(value, reader) for value in obj)
+    return obj
+
+
+def load_pth(path):
+    """Load a torch zip checkpoint as its containers with numpy arrays in place of tensors."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot open ({exc})") from exc
+    if not zipfile.is_zipfile(path):
+        if head.startswith(b"\x80"):
+            raise CheckpointError(f"{path}: legacy (pre-1.6, non-zip) torch pickle; refusing to "
+                                  "load it, re-save it with torch.save from torch >= 1.6")
+        if head.startswith(b"PK"):
+            raise CheckpointError(f"{path}: truncated or damaged zip archive")
+        raise CheckpointError(f"{path}: not a torch zip checkpoint")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [n for n in archive.namelist() if n.count("/") == 1 and n.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                raise CheckpointError(f"{path}: expected one '<prefix>/data.pkl', found {len(pickles)}")
+            reader = _CheckpointReader(path, archive, pickles[0][:-len("data.pkl")])
+            try:
+                return _materialise(reader.load(), reader)
+            except CheckpointError:
+                raise
+            except Exception as exc:  # malformed pickle: wrong opcodes, arguments, truncation
+                raise CheckpointError(f"{path}: bad data.pkl ({type(exc).__name__}: {exc})") from exc
+    except zipfile.BadZipFile as exc:
+        raise CheckpointError(f"{path}: damaged zip archive ({exc})") from exc
+
+
+# ---- writing ----
+
+_ARCHIVE = "archive"  # the record prefix torch.save uses for file objects
+_ALIGNMENT = 64  # torch starts every record's data on this boundary so storages can be mmapped
+
+
+class _PickleWriter:
+    """Writes data.pkl opcode by opcode. torch is not importable here, so pickle.Pickler could
+    not name torch's rebuild function; hand-picked opcodes also keep to what
+    torch.load(weights_only=True) accepts."""
+
+    def __init__(self, path, bf16):
+        self.path, self.bf16 = path, bf16
+        self.out = bytearray(b"\x80\x02")  # PROTO 2, as torch.save writes
+        self.storages = []  # contiguous little-endian arrays; the index is the record key
+
+    def text(self, value):
+        data = value.encode("utf-8")
+        self.out += b"X" + struct.pack("<I", len(data)) + data
+
+    def emit(self, obj, where):
+        if obj is None or isinstance(obj, bool):
+            self.out += {None: b"N", True: b"\x88", False: b"\x89"}[obj]
+        elif isinstance(obj, np.generic):
+            self.emit(obj.item(), where)
+        elif isinstance(obj, int):
+            if -2**31 <= obj < 2**31:
+                self.out += b"J" + struct.pack("<i", obj)
+            else:
+                data = obj.to_bytes(obj.bit_length() // 8 + 1, "little", signed=True)
+                self.out += b"\x8a" + bytes([len(data)]) + data
+        elif isinstance(obj, float):
+            self.out += b"G" + struct.pack(">d", obj)
+        elif isinstance(obj, str):
+            self.text(obj)
+        elif isinstance(obj, np.ndarray):
+            self.tensor(obj, where)
+        elif isinstance(obj, (tuple, list)):
+            self.out += b"(" if isinstance(obj, tuple) else b"]("
+            for i, value in enumerate(obj):
+                self.emit(value, f"{where}[{i}]")
+            self.out += b"t" if isinstance(obj, tuple) else b"e"
+        elif isinstance(obj, dict):
+            is_ordered = isinstance(obj, collections.OrderedDict)
+            self.out += b"ccollections\nOrderedDict\n)R(" if is_ordered else b"}("
+            for key, value in obj.items():
+                self.emit(key, where)
+                self.emit(value, f"{where}.{key}" if where else str(key))
+            self.out += b"u"
+        else:
+            raise CheckpointError(f"{self.path}: cannot save {type(obj).__name__} at '{where}'")
+
+    def tensor(self, array, where):
+        """torch._utils._rebuild_tensor_v2(storage, 0, shape, contiguous strides, False, {})."""
+        if self.bf16 and array.dtype.kind == "f":
+            data, dtype = float32_to_bf16_bits(array.astype(np.float32)), "bfloat16"
+        else:
+            data, dtype = array, array.dtype.name
+        if dtype not in _STORAGE_NAMES:
+            raise CheckpointError(f"{self.path}: cannot save {dtype} array at '{where}'")
+        data = np.ascontiguousarray(data).astype(data.dtype.newbyteorder("<"), copy=False)
+        strides = [int(np.prod(array.shape[i + 1:])) for i in range(array.ndim)]
+        self.out += b"ctorch._utils\n_rebuild_tensor_v2\n(("
+        self.text("storage")
+        self.out += f"ctorch\n{_STORAGE_NAMES[dtype]}\n".encode()
+        self.text(str(len(self.storages)))
+        self.text("cpu")
+        self.emit(int(array.size), where)
+        self.out += b"tQ"  # the persistent id tuple, then BINPERSID
+        self.storages.append(data.reshape(-1))
+        for item in [0, tuple(int(n) for n in array.shape), tuple(strides), False]:
+            self.emit(item, where)
+        self.out += b"ccollections\nOrderedDict\n)RtR"  # empty backward hooks, args tuple, call
+
+
+def _write_record(archive, file, name, data):
+    """One stored (uncompressed) record whose data starts on an _ALIGNMENT boundary."""
+    data = memoryview(data).cast("B")
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.file_size = len(data)
+    zip64 = len(data) * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule; adds a 20-byte extra
+    start = file.tell() + 30 + len(name.encode()) + 4 + (20 if zip64 else 0)
+    padding = -start % _ALIGNMENT
+    info.extra = b"FB" + struct.pack("<H", padding) + b"Z" * padding  # torch's padding field
+    with archive.open(info, "w", force_zip64=zip64) as record:
+        record.write(data)
+
+
+def save_pth(obj, path, bf16=False):
+    """Write containers of numpy arrays as a torch zip checkpoint, atomically.
+
+    bf16=True stores floating arrays as bfloat16 (round to nearest even; float64 goes
+    through float32 first). Other arrays keep their dtype."""
+    path = os.fspath(path)
+    writer = _PickleWriter(path, bf16)
+    writer.emit(obj, "")
+    records = [("data.pkl", bytes(writer.out + b".")), (".format_version", b"1"),
+               (".storage_alignment", str(_ALIGNMENT).encode()), ("byteorder", b"little")]
+    records += [(f"data/{key}", data) for key, data in enumerate(writer.storages)]
+    records += [("version", b"3\n")]
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pth",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as file:
+            with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED) as archive:
+                for name, data in records:
+                    _write_record(archive, file, f"{_ARCHIVE}/{name}", data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,71 @@
+"""RoPE tables (Meta's adjacent-pair layout, LLaMA-3.1 scaling), repeat_kv, top-p sampling."""
+import math
+
+import numpy as np
+
+import Utils.jittor_env  # noqa: F401
+import jittor as jt
+
+# LLaMA-3.1 scaled RoPE constants
+ROPE_SCALE_FACTOR = 8.0
+ROPE_LOW_FREQ_FACTOR = 1.0
+ROPE_HIGH_FREQ_FACTOR = 4.0
+ROPE_ORIGINAL_CONTEXT = 8192
+
+
+def rope_frequencies(head_dim: int, theta: float, use_scaled: bool) -> np.ndarray:
+    """theta^(-2i/hd) for i < hd/2, in float32 as Meta computes them; optionally 3.1-scaled."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32)[: head_dim // 2] / np.float32(head_dim)
+    freqs = (np.float32(1.0) / np.power(np.float32(theta), exponents)).astype(np.float32)
+    if use_scaled:
+        freqs = scale_rope_frequencies(freqs)
+    return freqs
+
+
+def scale_rope_frequencies(freqs: np.ndarray) -> np.ndarray:
+    """Keep high frequencies, divide low ones by 8, interpolate smoothly in between."""
+    low_freq_wavelen = ROPE_ORIGINAL_CONTEXT / ROPE_LOW_FREQ_FACTOR
+    high_freq_wavelen = ROPE_ORIGINAL_CONTEXT / ROPE_HIGH_FREQ_FACTOR
+    wavelen = 2 * math.pi / freqs.astype(np.float64)
+    smooth = (ROPE_ORIGINAL_CONTEXT / wavelen - ROPE_LOW_FREQ_FACTOR) / (ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR)
+    blended = (1 - smooth) * freqs / ROPE_SCALE_FACTOR + smooth * freqs
+    scaled = np.where(wavelen < high_freq_wavelen, freqs,
+                      np.where(wavelen > low_freq_wavelen, freqs / ROPE_SCALE_FACTOR, blended))
+    return scaled.astype(np.float32)
+
+
+def rope_tables(head_dim: int, end: int, theta: float, use_scaled: bool):
+    """cos, sin of shape [end, hd/2]; angles in float32 like Meta's torch.outer."""
+    freqs = rope_frequencies(head_dim, theta, use_scaled)
+    angles = np.outer(np.arange(end, dtype=np.float32), freqs).astype(np.float32)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: jt.Var, cos: jt.Var, sin: jt.Var) -> jt.Var:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of each head vector; x [B,T,H,hd], cos/sin [T,hd/2]."""
+    B, T, H, hd = x.shape
+    pairs = x.reshape(B, T, H, hd // 2, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]  # [B,T,H,hd/2]
+    cos = cos.reshape(1, T, 1, hd // 2)
+    sin = sin.reshape(1, T, 1, hd // 2)
+    rotated = jt.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)  # [B,T,H,hd/2,2]
+    return rotated.reshape(B, T, H, hd)
+
+
+def repeat_kv(x: jt.Var, n_rep: int) -> jt.Var:
+    """[B,S,Hkv,hd] -> [B,S,Hkv*n_rep,hd], each kv head repeated n_rep times in a row."""
+    if n_rep == 1:
+        return x
+    B, S, Hkv, hd = x.shape
+    return x.reshape(B, S, Hkv, 1, hd).broadcast((B, S, Hkv, n_rep, hd)).reshape(B, S, Hkv * n_rep, hd)
+
+
+def sample_top_p(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> np.ndarray:
+    """Nucleus sampling on the host: probs [B,V] -> token ids [B]."""
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    sorted_probs = np.take_along_axis(probs, order, axis=-1).astype(np.float64)
+    cumulative = np.cumsum(sorted_probs, axis=-1)
+    sorted_probs[cumulative - sorted_probs > top_p] = 0.0
+    sorted_probs /= sorted_probs.sum(axis=-1, keepdims=True)
+    picks = np.array([rng.choice(len(p), p=p) for p in sorted_probs])
+    return np.take_along_axis(order, picks[:, None], axis=-1)[:, 0]

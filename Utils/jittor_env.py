@@ -1,0 +1,62 @@
+"""The one place that prepares Jittor's environment; import it before `jittor`.
+
+Jittor reads its configuration from environment variables at import time, and
+three defaults break on an offline CPU machine:
+- a stray `nvcc` without a CUDA runtime makes `import jittor` fail, so on a
+  machine without an NVIDIA GPU we set `nvcc_path=` (a GPU machine is untouched);
+- Jittor downloads oneDNN on import; we expose Debian's `libdnnl` (package
+  libdnnl-dev) in the cache folder Jittor looks in, since its env vars
+  `mkl_include_path`/`mkl_lib_path` are broken in 1.3.11;
+- without oneDNN we fall back to `use_mkl=0` (slower, but never a download).
+"""
+import glob
+import os
+import sys
+
+ONEDNN_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "mkl", "dnnl_lnx_2.2.0_cpu_gomp")
+SYSTEM_DNNL_LIBS = ("/usr/lib/x86_64-linux-gnu/libdnnl.so", "/usr/lib/aarch64-linux-gnu/libdnnl.so", "/usr/lib/libdnnl.so")
+
+
+def gpu_present():
+    """True when an NVIDIA driver exposes a device node."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def ensure_onednn():
+    """Make Jittor's expected oneDNN folder point at the system libdnnl; True when usable."""
+    lib_dir, inc_dir = os.path.join(ONEDNN_DIR, "lib"), os.path.join(ONEDNN_DIR, "include")
+    if os.path.isfile(os.path.join(lib_dir, "libmkldnn.so")) and os.path.isfile(os.path.join(inc_dir, "dnnl.hpp")):
+        return True
+    system_lib = next((p for p in SYSTEM_DNNL_LIBS if os.path.exists(p)), None)
+    if system_lib is None or not os.path.isfile("/usr/include/dnnl.hpp"):
+        return False
+    os.makedirs(lib_dir, exist_ok=True)
+    os.makedirs(inc_dir, exist_ok=True)
+    for header in glob.glob("/usr/include/dnnl*.h*") + ["/usr/include/oneapi"]:
+        link = os.path.join(inc_dir, os.path.basename(header))
+        if os.path.exists(header) and not os.path.lexists(link):
+            os.symlink(header, link)
+    link = os.path.join(lib_dir, "libmkldnn.so")
+    if not os.path.lexists(link):
+        os.symlink(os.path.realpath(system_lib), link)
+    return True
+
+
+def prepare():
+    if "jittor" in sys.modules:
+        return  # too late to change anything; whoever imported it chose
+    if "nvcc_path" not in os.environ and not gpu_present():
+        os.environ["nvcc_path"] = ""
+    if os.environ.get("use_mkl", "1") == "1" and not ensure_onednn():
+        print("[moa] oneDNN not found (apt-get install libdnnl-dev); using Jittor's slower "
+              "built-in matmul (use_mkl=0)", file=sys.stderr)
+        os.environ["use_mkl"] = "0"
+    # Jittor logs every start at info level; MOA_JITTOR_LOG=1 brings it back.
+    if os.environ.get("MOA_JITTOR_LOG", "0") != "1":
+        os.environ.setdefault("log_silent", "1")
+    # OpenMPI refuses root unless told; harmless elsewhere.
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+
+
+prepare()
