@@ -21,15 +21,14 @@ class CheckpointError(ValueError):
     """A checkpoint that is malformed, unsupported or unsafe; the message names the file."""
 
 
-class _DType:
-    """Stands in for a torch dtype: how one storage element is laid out in bytes."""
+# Stand-ins for torch dtypes and storage classes. Immutable, because a pickle's BUILD opcode
+# may set attributes on any object it can name, and these are shared between loads.
+_DType = collections.namedtuple("_DType", "name numpy_code")  # bfloat16 reads as uint16 bits
+_StorageType = collections.namedtuple("_StorageType", "dtype")
 
-    def __init__(self, name, numpy_code):
-        self.name = name
-        self.numpy_code = numpy_code  # bfloat16 is read as raw uint16 bits
 
-    def numpy_dtype(self, byteorder):
-        return np.dtype(self.numpy_code).newbyteorder("<" if byteorder == "little" else ">")
+def _numpy_dtype(dtype, byteorder="little"):
+    return np.dtype(dtype.numpy_code).newbyteorder("<" if byteorder == "little" else ">")
 
 
 _DTYPES = {name: _DType(name, code) for name, code in [
@@ -37,10 +36,6 @@ _DTYPES = {name: _DType(name, code) for name, code in [
     ("int64", "i8"), ("int32", "i4"), ("int16", "i2"), ("int8", "i1"), ("uint8", "u1"),
     ("uint16", "u2"), ("uint32", "u4"), ("uint64", "u8"), ("bool", "?"),
     ("complex64", "c8"), ("complex128", "c16")]}
-for _alias, _name in [("float", "float32"), ("double", "float64"), ("half", "float16"),
-                      ("long", "int64"), ("int", "int32"), ("short", "int16"),
-                      ("cfloat", "complex64"), ("cdouble", "complex128")]:
-    _DTYPES[_alias] = _DTYPES[_name]
 
 # Legacy typed storage classes, as torch.save names them in each storage's persistent id.
 _STORAGE_DTYPES = {
@@ -51,13 +46,6 @@ _STORAGE_DTYPES = {
     "ComplexDoubleStorage": "complex128",
 }
 _STORAGE_NAMES = {dtype: name for name, dtype in _STORAGE_DTYPES.items()}
-
-
-class _StorageType:
-    """Stands in for a torch storage class: only its element type matters."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
 
 
 _UNTYPED_STORAGE = _StorageType(_DTYPES["uint8"])  # torch reads untyped storages as bytes
@@ -85,12 +73,11 @@ class _Storage:
 
     def elements(self, dtype):
         raw = self.reader.record(f"data/{self.key}")
-        expected = self.numel * self.dtype.numpy_dtype("little").itemsize
+        expected = self.numel * _numpy_dtype(self.dtype).itemsize
         if len(raw) != expected:
             raise self.reader.error(f"storage '{self.key}' has {len(raw)} bytes, expected {expected}")
-        itemsize = dtype.numpy_dtype("little").itemsize
-        return np.frombuffer(raw, dtype=dtype.numpy_dtype(self.reader.byteorder),
-                             count=len(raw) // itemsize)
+        element = _numpy_dtype(dtype, self.reader.byteorder)  # differs from self.dtype for v3 views
+        return np.frombuffer(raw, dtype=element, count=len(raw) // element.itemsize)
 
 
 class _CheckpointReader(pickle.Unpickler):
@@ -171,17 +158,18 @@ class _CheckpointReader(pickle.Unpickler):
         return bf16_bits_to_float32(array) if dtype.name == "bfloat16" else array
 
 
-def _materialise(obj, reader):
-    """Bare storages (rare: saved without a tensor) become 1-D arrays of their dtype."""
+def _materialise(obj, reader, seen):
+    """Bare storages (saved without a tensor; rare) become 1-D arrays. Each container is
+    visited once, so shared or cyclic containers in a crafted pickle cannot blow up the walk."""
     if isinstance(obj, _Storage):
         return reader._rebuild_tensor(obj, 0, (obj.numel,), (1,))
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            obj[key] = _materialise(value, reader)
-    elif isinstance(obj, list):
-        obj[:] = [_materialise(value, reader) for value in obj]
-    elif isinstance(obj, tuple):
-        return tuple(_materialise(value, reader) for value in obj)
+    if id(obj) in seen or not isinstance(obj, (dict, list, tuple)):
+        return obj
+    seen.add(id(obj))
+    if isinstance(obj, tuple):
+        return tuple(_materialise(value, reader, seen) for value in obj)
+    for key, value in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+        obj[key] = _materialise(value, reader, seen)
     return obj
 
 
@@ -207,7 +195,7 @@ def load_pth(path):
                 raise CheckpointError(f"{path}: expected one '<prefix>/data.pkl', found {len(pickles)}")
             reader = _CheckpointReader(path, archive, pickles[0][:-len("data.pkl")])
             try:
-                return _materialise(reader.load(), reader)
+                return _materialise(reader.load(), reader, set())
             except CheckpointError:
                 raise
             except Exception as exc:  # malformed pickle: wrong opcodes, arguments, truncation

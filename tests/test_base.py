@@ -1,0 +1,152 @@
+"""The LLaMA-3 base: Meta checkpoint loading, parity with the authors' logits, RoPE, bad input."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import shared_path
+from golden import max_abs
+import jittor as jt
+from Models.checkpoints import build_model, load_base
+from Models.LLaMA_Adapter import LLaMA_adapter
+from Models.ModelArgs import ModelArgs, parse_layer_span
+from Models.torch_io import CheckpointError, load_pth, save_pth
+from Models.utils import rope_frequencies
+
+RUNTIME = dict(max_seq_len=32, max_batch_size=4)
+
+
+def kv_logits(llama, tokens: np.ndarray, prefill: int) -> np.ndarray:
+    """Prefill, then one token at a time; row j = last-position logits of step j."""
+    llama.reset_cache()
+    rows = [llama(jt.array(tokens[:, :prefill]), start_pos=0)[:, -1].numpy()]
+    for pos in range(prefill, tokens.shape[1]):
+        rows.append(llama(jt.array(tokens[:, pos:pos + 1]), start_pos=pos)[:, -1].numpy())
+    return np.stack(rows, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_meta():
+    return shared_path("golden", "tiny_meta")
+
+
+def test_base_logits_match_authors(tiny_meta):
+    ref = np.load(tiny_meta / "base_logits.npz", allow_pickle=False)
+    model = build_model(str(tiny_meta), **RUNTIME)
+    assert model.adapter_parameters() == {}
+    tokens = ref["tokens"].astype(np.int32)
+    logits = model.llama(jt.array(tokens)).numpy()
+    assert max_abs(logits, ref["logits"]) <= 1e-4
+    model.eval()
+    prefill = json.loads(str(ref["meta"]))["kv_prefill"]
+    assert max_abs(kv_logits(model.llama, tokens, prefill), ref["kv_logits"]) <= 1e-4
+
+
+def test_kv_cache_rejected_in_training_mode(tiny_meta):
+    model = build_model(str(tiny_meta), **RUNTIME)
+    model.train()
+    with pytest.raises(RuntimeError, match="eval mode"):
+        model.llama(jt.array(np.ones((1, 4), np.int32)), start_pos=0)
+
+
+def test_scaled_rope_frequencies():
+    plain = rope_frequencies(128, 500000.0, use_scaled=False).astype(np.float64)
+    scaled = rope_frequencies(128, 500000.0, use_scaled=True).astype(np.float64)
+    wavelen = 2 * np.pi / plain
+    high = wavelen < 8192 / 4  # high frequencies: untouched
+    low = wavelen > 8192 / 1  # low frequencies: divided by the factor 8
+    middle = ~high & ~low
+    assert high.any() and low.any() and middle.any()
+    np.testing.assert_allclose(scaled[high], plain[high], rtol=1e-6)
+    np.testing.assert_allclose(scaled[low], plain[low] / 8, rtol=1e-6)
+    smooth = (8192 / wavelen[middle] - 1) / (4 - 1)
+    np.testing.assert_allclose(scaled[middle], (1 - smooth) * plain[middle] / 8 + smooth * plain[middle], rtol=1e-5)
+    assert np.all(scaled[middle] < plain[middle]) and np.all(scaled[middle] > plain[middle] / 8)
+
+
+def test_sharded_checkpoint_joins(tiny_meta, tmp_path):
+    """Two model-parallel shards (column- and row-split) load to the same weights as one."""
+    full = load_pth(tiny_meta / "consolidated.00.pth")
+    column = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")
+    shards = [{}, {}]
+    for name, value in full.items():
+        if "norm" in name:
+            shards[0][name] = shards[1][name] = value
+        else:
+            axis = 0 if any(f"{c}." in name for c in column) else 1
+            for i, half in enumerate(np.array_split(value, 2, axis=axis)):
+                shards[i][name] = half
+    shutil.copy(tiny_meta / "params.json", tmp_path / "params.json")
+    for i, shard in enumerate(shards):
+        save_pth(shard, tmp_path / f"consolidated.0{i}.pth", bf16=True)
+    joined = build_model(str(tmp_path), **RUNTIME)
+    single = build_model(str(tiny_meta), **RUNTIME)
+    for name, var in single.base_parameters().items():
+        assert np.array_equal(var.numpy(), joined.base_parameters()[name].numpy()), name
+
+
+@pytest.fixture
+def meta_copy(tiny_meta, tmp_path):
+    shutil.copy(tiny_meta / "params.json", tmp_path / "params.json")
+    shutil.copy(tiny_meta / "consolidated.00.pth", tmp_path / "consolidated.00.pth")
+    return tmp_path
+
+
+def test_missing_params_json(meta_copy):
+    (meta_copy / "params.json").unlink()
+    with pytest.raises(FileNotFoundError, match="params.json"):
+        build_model(str(meta_copy), **RUNTIME)
+
+
+def test_params_json_wrong_type(meta_copy):
+    params = json.loads((meta_copy / "params.json").read_text())
+    params["n_heads"] = "four"
+    (meta_copy / "params.json").write_text(json.dumps(params))
+    with pytest.raises(TypeError, match=r"params.json.*n_heads"):
+        build_model(str(meta_copy), **RUNTIME)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("drop", r"consolidated.00.pth.*missing base tensor.*layers.1.ffn_norm.weight"),
+    ("extra", r"consolidated.00.pth.*unexpected.*layers.9.attention.wq.weight"),
+    ("shape", r"consolidated.00.pth.*'layers.0.attention.wk.weight' has shape \[16, 64\].*\[32, 64\]"),
+])
+def test_bad_checkpoint_tensors(meta_copy, change, message):
+    state = load_pth(meta_copy / "consolidated.00.pth")
+    if change == "drop":
+        del state["layers.1.ffn_norm.weight"]
+    elif change == "extra":
+        state["layers.9.attention.wq.weight"] = state["layers.0.attention.wq.weight"]
+    else:
+        state["layers.0.attention.wk.weight"] = state["layers.0.attention.wk.weight"][:16]
+    save_pth(state, meta_copy / "consolidated.00.pth", bf16=True)
+    with pytest.raises(CheckpointError, match=message):
+        build_model(str(meta_copy), **RUNTIME)
+
+
+def test_missing_checkpoint_file(meta_copy):
+    (meta_copy / "consolidated.00.pth").unlink()
+    model = LLaMA_adapter(ModelArgs.from_params_json(str(meta_copy / "params.json"), **RUNTIME))
+    with pytest.raises(FileNotFoundError, match="consolidated"):
+        load_base(model, str(meta_copy))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(dim=65, n_heads=4), "not divisible"),
+    (dict(n_heads=4, n_kv_heads=3, dim=64), "n_kv_heads"),
+    (dict(n_layers=0), "n_layers"),
+    (dict(variant="dense"), "variant"),
+])
+def test_impossible_config(fields, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        ModelArgs(**{**dict(dim=64, n_layers=2, n_heads=4, vocab_size=97), **fields})
+
+
+def test_layer_spans():
+    assert parse_layer_span("0-2", 4) == {0, 1}
+    assert parse_layer_span("0-1,3-4", 4) == {0, 3}
+    assert parse_layer_span("0-0", 4) == set()
+    for bad in ("0-", "3-1", "a-b", "0-5", "2"):
+        with pytest.raises(ValueError, match="layers"):
+            parse_layer_span(bad, 4)
