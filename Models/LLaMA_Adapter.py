@@ -17,7 +17,7 @@ from .ModelArgs import ModelArgs
 
 ADAPTER_KEYS = ("lora", "prompt", "adapter")
 EXPERT_FAMILIES = {"lora_Q": "Q", "lora_K": "K", "lora_V": "V", "lora_O": "O", "lora_UP": "FFN_UP",
-                   "lora_GATE": "FFN_GATE", "lora_DOWN": "FFN_DOWN", "prompt": "PROMPT",
+                   "lora_GATE": "FFN_GATE", "lora_DOWN": "FFN_DOWN", "prompt": "PROMPT", "prompt_gate": "PROMPT",
                    "p_adapter": "PADAPTER", "adapter_type_router": "ROUTER", "adapter_threshold_fn": "GAMMA"}
 
 

@@ -44,7 +44,7 @@ def hard_select(probs: jt.Var, gamma: jt.Var, gamma_grad: str) -> jt.Var:
     if gamma_grad == "authors":
         return step
     surrogate = jt.sigmoid(margin / STE_TEMPERATURE)
-    return step + surrogate - surrogate.stop_grad()
+    return step + surrogate - surrogate.detach()  # detach copies; stop_grad() would freeze surrogate itself
 
 
 class Gamma(nn.Module):

@@ -65,9 +65,10 @@ def assign_strict(params: dict, arrays: dict, source: str, what: str):
         problems.append(f"missing {what} tensor(s): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if unexpected:
         problems.append(f"unexpected tensor(s): {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-    for name in sorted(set(params) & set(arrays)):
-        if tuple(arrays[name].shape) != tuple(params[name].shape):
-            problems.append(f"'{name}' has shape {list(arrays[name].shape)}, the model expects {list(params[name].shape)}")
+    misshaped = [f"'{name}' has shape {list(arrays[name].shape)}, the model expects {list(params[name].shape)}"
+                 for name in sorted(set(params) & set(arrays))
+                 if tuple(arrays[name].shape) != tuple(params[name].shape)]
+    problems += misshaped[:4] + ([f"... and {len(misshaped) - 4} more mis-shaped"] if len(misshaped) > 4 else [])
     if problems:
         raise CheckpointError(f"{source}: " + "; ".join(problems))
     for name, var in params.items():
@@ -145,7 +146,8 @@ def load_adapter(model: LLaMA_adapter, path: str):
             differences = config_differences(json.load(f), model.args)
         if differences:
             raise CheckpointError(f"{config_path}: adapter from another configuration: " + "; ".join(differences))
-    assign_strict(model.adapter_parameters(), read_adapter(path), path, "adapter")
+    weights = os.path.join(path, ADAPTER_WEIGHTS) if os.path.isdir(path) else path
+    assign_strict(model.adapter_parameters(), read_adapter(weights), weights, "adapter")
 
 
 def export_authors_adapter(adapter_path: str, out_path: str, bf16: bool = False):

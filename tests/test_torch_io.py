@@ -208,7 +208,7 @@ def test_shared_and_cyclic_containers_load_quickly(tmp_path):
 
 def test_build_cannot_alter_the_allowed_markers(tmp_path):
     """BUILD sets attributes on whatever it is given; the shared markers must not change."""
-    poison = _global("torch", "FloatStorage") + b"}(" + _str("dtype") + _global("torch", "int8") + b"ub0"
+    poison = _global("torch", "float32") + b"}(" + _str("numpy_code") + _str("i1") + b"ub0"
     path = _write_zip(tmp_path / "poison.pth", b"\x80\x02" + poison + _dict_pickle()[2:])
     with pytest.raises(CheckpointError, match="bad data.pkl"):
         load_pth(path)
