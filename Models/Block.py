@@ -12,8 +12,9 @@ import jittor as jt
 from jittor import nn
 
 from .Experts import MOELoraLayer, prompt_attention
+from .kernels import attention, repeat_kv
 from .ModelArgs import ModelArgs
-from .utils import apply_rope, repeat_kv
+from .utils import apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -72,8 +73,8 @@ class Attention(nn.Module):
         if self._cache_k is None or self._cache_k.shape[0] != B:
             self._cache_k = jt.zeros((B, max_seq_len, self.n_kv_heads, self.head_dim), "float32")
             self._cache_v = jt.zeros((B, max_seq_len, self.n_kv_heads, self.head_dim), "float32")
-        new_k = nn.matmul(write, xk.reshape(B, T, -1)).reshape(self._cache_k.shape)  # [B,S,Hkv,hd]
-        new_v = nn.matmul(write, xv.reshape(B, T, -1)).reshape(self._cache_v.shape)
+        new_k = scatter_rows(write, xk).reshape(self._cache_k.shape)  # [B,S,Hkv,hd]
+        new_v = scatter_rows(write, xv).reshape(self._cache_v.shape)
         keep = keep.reshape(1, max_seq_len, 1, 1)
         self._cache_k = (self._cache_k * keep + new_k).stop_grad()
         self._cache_v = (self._cache_v * keep + new_v).stop_grad()
@@ -88,25 +89,21 @@ class Attention(nn.Module):
         xv = with_lora(self.wv(x), self.lora_V, x, weights, "V").reshape(B, T, Hkv, hd)
         xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
         keys, values = (xk, xv) if cache is None else self.update_cache(xk, xv, *cache)
-        keys = repeat_kv(keys, self.n_rep).transpose(0, 2, 1, 3)  # [B,H,S,hd]
-        values = repeat_kv(values, self.n_rep).transpose(0, 2, 1, 3)  # [B,H,S,hd]
-        xq = xq.transpose(0, 2, 1, 3)  # [B,H,T,hd]
-        scores = nn.matmul(xq, keys.transpose(0, 1, 3, 2)) / math.sqrt(hd) + mask  # [B,H,T,S]
-        out = nn.matmul(nn.softmax(scores.float32(), dim=-1), values)  # [B,H,T,hd]
+        out = attention(xq, keys, values, mask)  # [B,T,H,hd]
         if self.has_prompt:
             out = out + self.prompt_output(xq, weights["PROMPT"])
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, H * hd)  # [B,T,D]
+        out = out.reshape(B, T, H * hd)  # [B,T,D]
         return with_lora(self.wo(out), self.lora_O, out, weights, "O")
 
     def prompt_output(self, xq: jt.Var, type_weight: jt.Var) -> jt.Var:
-        # xq [B,H,T,hd], type_weight [B,T] -> [B,H,T,hd]
+        # xq [B,T,H,hd], type_weight [B,T] -> [B,T,H,hd]
         L = self.prompt.weight.shape[0]
         prompt_k = self.wk(self.prompt.weight).reshape(1, L, self.n_kv_heads, self.head_dim)  # base proj, no RoPE
         prompt_v = self.wv(self.prompt.weight).reshape(1, L, self.n_kv_heads, self.head_dim)
         prompt_k = repeat_kv(prompt_k, self.n_rep).transpose(0, 2, 1, 3)  # [1,H,L,hd]
         prompt_v = repeat_kv(prompt_v, self.n_rep).transpose(0, 2, 1, 3)
-        out = prompt_attention(xq, prompt_k, prompt_v, self.prompt_gate)  # [B,H,T,hd]
-        return out * type_weight.reshape(xq.shape[0], 1, xq.shape[2], 1)
+        out = prompt_attention(xq.transpose(0, 2, 1, 3), prompt_k, prompt_v, self.prompt_gate)  # [B,H,T,hd]
+        return out.transpose(0, 2, 1, 3) * type_weight.reshape(xq.shape[0], xq.shape[1], 1, 1)
 
 
 class FeedForward(nn.Module):
@@ -134,6 +131,13 @@ def attention_mask(T: int, S: int, start_pos: int) -> np.ndarray:
     key_pos = np.arange(S)[None, :]
     query_pos = start_pos + np.arange(T)[:, None]
     return np.where(key_pos <= query_pos, 0.0, -np.inf).astype(np.float32)
+
+
+def scatter_rows(write: jt.Var, x: jt.Var) -> jt.Var:
+    """write [S,T] @ x [B,T,...] -> [B,S,F] as one 2-D matmul (oneDNN) over [T, B*F]."""
+    B, T = x.shape[:2]
+    rows = x.reshape(B, T, -1).transpose(1, 0, 2).reshape(T, -1)  # [T, B*F]
+    return nn.matmul(write, rows).reshape(write.shape[0], B, -1).transpose(1, 0, 2)  # [B,S,F]
 
 
 def cache_writer(T: int, S: int, start_pos: int):

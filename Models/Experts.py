@@ -9,6 +9,8 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import init, nn
 
+from .kernels import bmm
+
 
 def zero_linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
     layer = nn.Linear(in_features, out_features, bias=bias)
@@ -98,5 +100,6 @@ def prompt_attention(xq: jt.Var, prompt_k: jt.Var, prompt_v: jt.Var, gate: jt.Va
 
     xq [B,H,T,hd], prompt_k/prompt_v [1,H,L,hd], gate [1,H,1,1] -> [B,H,T,hd]
     """
-    scores = nn.matmul(xq, prompt_k.transpose(0, 1, 3, 2)) / math.sqrt(xq.shape[-1])  # [B,H,T,L]
-    return gate * nn.matmul(nn.softmax(scores, dim=-1), prompt_v)
+    batch = (xq.shape[0],) + tuple(prompt_k.shape[1:])
+    scores = bmm(xq, prompt_k.broadcast(batch), trans_b=True) / math.sqrt(xq.shape[-1])  # [B,H,T,L]
+    return gate * bmm(nn.softmax(scores, dim=-1), prompt_v.broadcast(batch))

@@ -1,4 +1,4 @@
-"""RoPE tables (Meta's adjacent-pair layout, LLaMA-3.1 scaling), repeat_kv, top-p sampling."""
+"""RoPE tables (Meta's adjacent-pair layout, LLaMA-3.1 scaling) and top-p sampling."""
 import math
 
 import numpy as np
@@ -50,14 +50,6 @@ def apply_rope(x: jt.Var, cos: jt.Var, sin: jt.Var) -> jt.Var:
     sin = sin.reshape(1, T, 1, hd // 2)
     rotated = jt.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)  # [B,T,H,hd/2,2]
     return rotated.reshape(B, T, H, hd)
-
-
-def repeat_kv(x: jt.Var, n_rep: int) -> jt.Var:
-    """[B,S,Hkv,hd] -> [B,S,Hkv*n_rep,hd], each kv head repeated n_rep times in a row."""
-    if n_rep == 1:
-        return x
-    B, S, Hkv, hd = x.shape
-    return x.reshape(B, S, Hkv, 1, hd).broadcast((B, S, Hkv, n_rep, hd)).reshape(B, S, Hkv * n_rep, hd)
 
 
 def sample_top_p(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> np.ndarray:

@@ -1,0 +1,349 @@
+"""Evaluate a MoA adapter (or the base alone) on math test sets: generate, score, dump router weights.
+
+    python Infer.py                          # newest ./output/*/adapter, its base, the synthetic test set
+    python Infer.py --adapter_path output/run/adapter --data_path ../shared/data/math --save_weights
+    python Infer.py --no_adapter --llama_path assets/tiny-math-base
+    mpirun -np 2 python Infer.py ...         # rank r takes examples r::world; rank 0 merges and scores
+
+Writes into --output_dir: <dataset>_predictions.jsonl per data set, scores.json
+(accuracy per data set and their average) and, with --save_weights,
+type_weight.pkl, token_weight.pkl and heatmaps (structure: Utils/plots.py).
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+
+from tqdm import tqdm
+
+import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
+import jittor as jt
+
+from Data.dataset import load_examples
+from Data.prompts import format_prompt
+from Data.scoring import CHOICE, answer_kind, extract_answer, is_correct
+from Data.synthetic import make_splits
+from Models.ModelArgs import META_FIELDS, ModelArgs
+from Models.Tokenizer import Tokenizer
+from Models.checkpoints import ADAPTER_PARAMS, ADAPTER_WEIGHTS, build_model, load_adapter
+from Models.generate import generate
+from Models.tiny_base import ensure_default_base
+from Models.torch_io import CheckpointError
+from Utils import misc
+
+SPLIT_NAMES = ("test", "val", "validation", "train")
+MOA_FLAGS = {  # flag: (type, help) -- for the authors' adapter.pth, which carries no config
+    "variant": (str, "soft or sparse"),
+    "lora_layers": (str, "LoRA layer spans, half-open, e.g. '0-32'"),
+    "lora_rank": (int, "LoRA rank r"),
+    "lora_targets": (str, "comma-separated LoRA targets, e.g. 'Q,K,V,O,FFN_DOWN'"),
+    "lora_alpha": (float, "LoRA alpha"),
+    "expert_num": (int, "LoRA experts per target (MoE-LoRA when > 1)"),
+    "p_adapter_layers": (str, "parallel adapter layer spans"),
+    "p_adapter_size": (int, "parallel adapter bottleneck size"),
+    "prompt_layers": (str, "prompt tuning layer spans (Soft only)"),
+    "prompt_len": (int, "prompt length"),
+    "swi_x": (int, "type router: 0 = Linear, else SwiGLU hidden n_types*swi_x"),
+    "max_threshold": (float, "Sparse MoA: Gamma's upper bound"),
+    "gamma_grad": (str, "Sparse MoA: 'authors' or 'ste' (training only; must match the adapter)"),
+}
+MOA_SWITCHES = {"hydra_moe": "HydraLoRA (one shared A)", "p_adapter_hydra": "hydra parallel adapter",
+                "const_threshold": "Sparse MoA: constant Gamma = max_threshold"}
+
+
+def get_args_parser():
+    p = argparse.ArgumentParser(description="Generate answers with a MoA adapter, score them, dump router weights.")
+    p.add_argument("--adapter_path", default=None,
+                   help="our adapter dir (adapter.pth + adapter_params.json) or the authors' adapter.pth; "
+                        "default: the newest ./output/*/adapter")
+    p.add_argument("--output_root", default="./output", help="where training runs live (for the defaults)")
+    p.add_argument("--llama_path", default=None,
+                   help="Meta base dir (params.json, consolidated.*.pth, tokenizer.model); default: the run's "
+                        "args.json llama_path, else the tiny demo base")
+    p.add_argument("--no_adapter", action="store_true", help="evaluate the base alone (no experts)")
+    p.add_argument("--data_path", nargs="+", default=None,
+                   help="test files (JSON lists in the LLM-Adapters schema) or dirs holding test.json or "
+                        "sub-dirs with test.json; default: the run's synthetic test set, else 300+ generated problems")
+    p.add_argument("--output_dir", default=None,
+                   help="predictions, scores and plots; default: <run dir>/eval (or eval_base with --no_adapter)")
+    p.add_argument("--max_examples", type=int, default=None, help="evaluate only the first N examples of each data set")
+    p.add_argument("--max_gen_len", type=int, default=200, help="most tokens generated per example (authors: 200)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (the demo's default); the authors used 0.1 with top_p 0.75")
+    p.add_argument("--top_p", type=float, default=0.75, help="nucleus sampling mass when temperature > 0")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (each batch draws from (seed, rank, batch))")
+    p.add_argument("--batch_size", type=int, default=8, help="prompts generated together per rank")
+    p.add_argument("--save_weights", action="store_true",
+                   help="save type_weight.pkl / token_weight.pkl and draw router heatmaps")
+    p.add_argument("--plot_examples", type=int, default=3, help="examples drawn in the token_weight heatmap")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
+    moa = p.add_argument_group("MoA settings (needed for the authors' adapter.pth; override adapter_params.json)")
+    for name, (kind, text) in MOA_FLAGS.items():
+        moa.add_argument(f"--{name}", type=kind, default=None, help=text)
+    for name, text in MOA_SWITCHES.items():
+        moa.add_argument(f"--{name}", action="store_true", default=None, help=text)
+    return p
+
+
+# ---- where things are ---------------------------------------------------------------
+
+def newest_adapter(output_root):
+    found = glob.glob(os.path.join(output_root, "*", "adapter", ADAPTER_WEIGHTS))
+    return os.path.dirname(max(found, key=os.path.getmtime)) if found else None
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def resolve_run(args):
+    """(adapter path or None, run dir or None, run's args.json dict, llama_path)."""
+    adapter = None if args.no_adapter else args.adapter_path or newest_adapter(args.output_root)
+    if not args.no_adapter and adapter is None:
+        raise FileNotFoundError(f"no adapter under {args.output_root}/*/adapter: train one with Math.py, "
+                                "pass --adapter_path, or use --no_adapter")
+    if adapter is not None and not os.path.exists(adapter):
+        raise FileNotFoundError(f"{adapter}: no such adapter file or directory")
+    if adapter is not None:
+        folder = adapter if os.path.isdir(adapter) else os.path.dirname(adapter)
+        run_dir = os.path.dirname(os.path.abspath(folder))
+    else:
+        newest = newest_adapter(args.output_root)
+        run_dir = os.path.dirname(newest) if newest and not args.llama_path else None
+    run_args_path = os.path.join(run_dir, "args.json") if run_dir else None
+    run_args = read_json(run_args_path) if run_args_path and os.path.isfile(run_args_path) else {}
+    llama_path = args.llama_path or run_args.get("llama_path") or ensure_default_base()
+    return adapter, run_dir, run_args, llama_path
+
+
+def dataset_name(path):
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.basename(os.path.dirname(os.path.abspath(path))) if stem in SPLIT_NAMES else stem
+
+
+def data_files(paths):
+    """[(name, file)] from files and dirs (a dir's test.json, or each sub-dir's test.json)."""
+    files = []
+    for path in paths:
+        if os.path.isfile(path):
+            files.append((dataset_name(path), path))
+        elif os.path.isdir(path):
+            inside = [os.path.join(path, "test.json")] if os.path.isfile(os.path.join(path, "test.json")) \
+                else sorted(glob.glob(os.path.join(path, "*", "test.json")))
+            if not inside:
+                raise FileNotFoundError(f"{path}: no test.json in it or in its sub-directories")
+            files += [(dataset_name(f), f) for f in inside]
+        else:
+            raise FileNotFoundError(f"{path}: no such test file or directory")
+    return files
+
+
+def default_test_set(run_dir, run_args, output_dir):
+    """The run's synthetic test file if it saved one, else generated disjoint from its training split."""
+    candidates = [run_args.get(k) for k in ("test_path", "test_data_path")]
+    if run_dir:
+        candidates += [os.path.join(run_dir, *p) for p in (("data", "test.json"), ("synthetic", "test.json"),
+                                                           ("test.json",))]
+    for path in candidates:
+        if path and os.path.isfile(path):
+            return [("synthetic", path)]
+    # make_splits draws train, val, test from one stream: the same n_train/n_val/seed give the same
+    # training set, so this test split is disjoint from what the run trained on.
+    _, _, test = make_splits(int(run_args.get("n_train", 2000)), int(run_args.get("n_val", 200)),
+                             max(300, int(run_args.get("n_test", 300))), seed=int(run_args.get("seed", 0)))
+    path = os.path.join(output_dir, "synthetic_test.json")
+    if misc.is_main_process():
+        with open(path, "w") as f:
+            json.dump(test, f, indent=1)
+    return [("synthetic", test)]
+
+
+def scoring_rule(name, examples):
+    """The scorer's data-set name: the real one when known, else chosen from the answers' form."""
+    try:
+        answer_kind(name)
+        return name
+    except ValueError:
+        letters = all(CHOICE.fullmatch(ex["answer"].strip()) for ex in examples)
+        return "aqua" if letters else "synthetic"
+
+
+def model_overrides(args, adapter, llama_path):
+    """ModelArgs fields for the model: the adapter's config, then the MoA flags given."""
+    overrides = {}
+    config_path = os.path.join(adapter if os.path.isdir(adapter) else os.path.dirname(adapter),
+                               ADAPTER_PARAMS) if adapter else None
+    if config_path and os.path.isfile(config_path):
+        config = read_json(config_path)
+        base = ModelArgs.from_params_json(llama_path).to_dict()
+        other_base = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in META_FIELDS
+                      if k in config and config[k] != base[k]]
+        if other_base:
+            raise CheckpointError(f"{config_path}: adapter trained on another base than {llama_path}: "
+                                  + "; ".join(other_base))
+        overrides = {k: v for k, v in config.items() if k not in META_FIELDS}
+    flags = {k: getattr(args, k) for k in (*MOA_FLAGS, *MOA_SWITCHES) if getattr(args, k) is not None}
+    return {**overrides, **flags}
+
+
+# ---- running ------------------------------------------------------------------------
+
+def generate_share(model, tok, prompts, indices, args, save_weights, rank):
+    """Generate for the examples `indices` (longest-first batches); {index: result}."""
+    order = sorted(indices, key=lambda i: -len(prompts[i]))
+    results = {}
+    bar = tqdm(total=len(order), desc="generate", disable=rank != 0, dynamic_ncols=True)
+    for start in range(0, len(order), args.batch_size):
+        batch = order[start:start + args.batch_size]
+        records = [] if save_weights else None
+        outputs = generate(model, tok, [prompts[i] for i in batch], args.max_gen_len, args.temperature,
+                           args.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size)
+        for j, (i, out) in enumerate(zip(batch, outputs)):
+            results[i] = {"generation": tok.decode(out), "token_ids": prompts[i] + out,
+                          "records": records[j] if records is not None else None}
+        bar.update(len(batch))
+    bar.close()
+    return results
+
+
+def gather_results(local, output_dir, rank, world):
+    """Rank 0 gets every rank's {index: result}: each writes a part file, a barrier, rank 0 reads them."""
+    if world == 1:
+        return local
+    import pickle
+    part = os.path.join(output_dir, f".part{rank}.pkl")
+    with open(part, "wb") as f:
+        pickle.dump(local, f)
+    misc.all_reduce_sum([1.0])  # barrier: every part is written
+    if rank != 0:
+        return None
+    merged = {}
+    for r in range(world):
+        path = os.path.join(output_dir, f".part{r}.pkl")
+        with open(path, "rb") as f:
+            merged.update(pickle.load(f))
+        os.remove(path)
+    return merged
+
+
+def write_jsonl(path, rows):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:  # overwritten, never appended
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def score_and_write(datasets, examples, results, output_dir, meta):
+    """Predictions JSONL per data set, scores.json (accuracy per data set and the average); returns scores."""
+    scores = {}
+    for name, path, rule, first, count in datasets:
+        rows, correct = [], 0
+        for i in range(first, first + count):
+            ex, generation = examples[i], results[i]["generation"]
+            ok = is_correct(rule, generation, ex["answer"])
+            correct += ok
+            rows.append({"index": i - first, "instruction": ex["instruction"], "input": ex["input"],
+                         "answer": ex["answer"], "generation": generation,
+                         "prediction": extract_answer(rule, generation), "correct": ok})
+        write_jsonl(os.path.join(output_dir, f"{name}_predictions.jsonl"), rows)
+        scores[name] = {"accuracy": correct / count, "correct": correct, "total": count, "rule": rule,
+                        "path": path if isinstance(path, str) else os.path.join(output_dir, "synthetic_test.json")}
+    summary = {"datasets": scores, "average": sum(s["accuracy"] for s in scores.values()) / len(scores), **meta}
+    with open(os.path.join(output_dir, "scores.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def weight_pickles(datasets, tok, results, model):
+    """The two --save_weights dicts (structure: Utils/plots.py)."""
+    base = {"variant": model.args.variant, "layer_types": [list(l.type_names) for l in model.llama.layers]}
+    type_data, token_data = {"kind": "type_weight", **base, "examples": []}, {"kind": "token_weight", **base, "examples": []}
+    for name, _, _, first, count in datasets:
+        for i in range(first, first + count):
+            r = results[i]
+            common = {"dataset": name, "index": i - first, "token_ids": r["token_ids"],
+                      "tokens": [tok.decode([t]) for t in r["token_ids"]], "n_prompt": r["n_prompt"],
+                      "generation": r["generation"]}
+            type_data["examples"].append({**common, "weights": [l["type_weight"] for l in r["records"]]})
+            token_data["examples"].append({**common, "weights": [l["token_weight"] for l in r["records"]]})
+    return type_data, token_data
+
+
+def run(args):
+    misc.init_distributed_mode(args)
+    rank, world = misc.get_rank(), misc.get_world_size()
+    adapter, run_dir, run_args, llama_path = resolve_run(args)
+    output_dir = args.output_dir or (os.path.join(run_dir, "eval_base" if args.no_adapter else "eval") if run_dir
+                                     else os.path.join(args.output_root, "eval_base"))
+    os.makedirs(output_dir, exist_ok=True)
+    tok = Tokenizer(os.path.join(llama_path, "tokenizer.model"))
+
+    sources = data_files(args.data_path) if args.data_path else default_test_set(run_dir, run_args, output_dir)
+    examples, datasets = [], []
+    for name, source in sources:
+        loaded = load_examples(source) if isinstance(source, str) else source
+        loaded = loaded[:args.max_examples] if args.max_examples else loaded
+        datasets.append((name, source, scoring_rule(name, loaded), len(examples), len(loaded)))
+        examples += loaded
+    prompts = [tok.encode(format_prompt(ex), bos=True, eos=False) for ex in examples]
+
+    max_seq_len = max(map(len, prompts)) + args.max_gen_len
+    overrides = model_overrides(args, adapter, llama_path) if adapter else {}
+    try:
+        model = build_model(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": args.batch_size})
+    except TypeError as e:  # a config field of the wrong type
+        raise ValueError(str(e)) from None
+    if adapter:
+        try:
+            load_adapter(model, adapter)
+        except CheckpointError as e:
+            has_config = os.path.isfile(os.path.join(os.path.dirname(adapter), ADAPTER_PARAMS)) or os.path.isdir(adapter)
+            hint = "" if has_config else (" -- an adapter.pth without adapter_params.json needs the MoA flags it was "
+                                          "trained with (--variant, --lora_layers, --lora_targets, --p_adapter_layers, ...)")
+            raise CheckpointError(f"{e}{hint}") from None
+    print(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
+          f"{len(datasets)} data set(s); {world} rank(s); max_seq_len {max_seq_len}")
+
+    local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, args.save_weights, rank)
+    for i, r in local.items():
+        r["n_prompt"] = len(prompts[i])
+    results = gather_results(local, output_dir, rank, world)
+    if rank != 0:
+        return None
+    meta = {"adapter": adapter, "llama_path": llama_path, "max_gen_len": args.max_gen_len,
+            "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "world_size": world}
+    summary = score_and_write(datasets, examples, results, output_dir, meta)
+    for name, s in summary["datasets"].items():
+        print(f"  {name:<12} {100 * s['accuracy']:6.2f}%  ({s['correct']}/{s['total']})")
+    print(f"  {'average':<12} {100 * summary['average']:6.2f}%   -> {output_dir}/scores.json")
+    log_path = os.path.join(run_dir, "log.txt") if run_dir else None
+    from Utils import plots  # matplotlib only on rank 0
+    type_data = token_data = None
+    if args.save_weights:
+        type_data, token_data = weight_pickles(datasets, tok, results, model)
+        misc.save_on_master(type_data, os.path.join(output_dir, "type_weight.pkl"))
+        misc.save_on_master(token_data, os.path.join(output_dir, "token_weight.pkl"))
+    pngs = plots.plot_all(output_dir, type_data, token_data, log_path, tuple(range(args.plot_examples)))
+    if pngs:
+        print("[infer] plots: " + ", ".join(sorted(pngs.values())))
+    return summary
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
+        if misc.get_rank() == 0:
+            sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

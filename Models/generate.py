@@ -1,0 +1,142 @@
+"""Batched generation through the KV cache (Meta's llama3 / gpt-fast style).
+
+Every row starts at position 0 and is right-padded. The prefill feeds the first
+P tokens of all rows at once, P a bucketed length <= the shortest prompt (so
+only a few prefill shapes ever compile); after that one token per step, and a
+row whose prompt is not finished yet is fed its own next prompt token instead
+of the picked one. Each row thus sees exactly its own tokens at its own
+positions: a batch gives the same tokens as batch size 1 (greedy), and the
+router values recorded at a position are those computed when its token was fed.
+"""
+import numpy as np
+
+import Utils.jittor_env  # noqa: F401
+import jittor as jt
+from jittor import nn
+
+from .utils import sample_top_p
+
+PAD_TOKEN = 0  # fed in padded slots that are never read (pad_id -1 is not a valid embedding row)
+
+
+def prefill_length(shortest_prompt: int, step: int = 64) -> int:
+    """The largest bucket <= shortest_prompt: a multiple of `step`, or a power of two below it."""
+    if shortest_prompt >= step:
+        return shortest_prompt // step * step
+    return 1 << (shortest_prompt.bit_length() - 1)
+
+
+def prefill(model, tokens: np.ndarray, records=None) -> jt.Var:
+    """Fresh cache, feed tokens [B,P] at positions 0..P-1; logits [B,V] that predict position P."""
+    model.llama.reset_cache()
+    return model.llama(jt.array(tokens.astype(np.int32)), start_pos=0, records=records)[:, -1]
+
+
+def decode_step(model, tokens: np.ndarray, pos: int, records=None) -> jt.Var:
+    """Feed one token per row [B] at position `pos`; logits [B,V] that predict pos + 1."""
+    return model.llama(jt.array(tokens.astype(np.int32)[:, None]), start_pos=pos, records=records)[:, -1]
+
+
+def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
+    """Greedy (argmax on the device) when temperature == 0, else temperature + nucleus sampling."""
+    if temperature == 0:
+        return jt.argmax(logits, dim=-1)[0].numpy().astype(np.int64)
+    probs = nn.softmax(logits / temperature, dim=-1).numpy()
+    return sample_top_p(probs, top_p, rng)
+
+
+def fetch_records(step_records: list, store: list):
+    """Per-layer numpy copies of one forward's router records, appended to `store`."""
+    vars_ = [r[k] for r in step_records for k in ("type_weight", "threshold") if r[k] is not None]
+    jt.sync(vars_)
+    store.append([{k: None if r[k] is None else r[k].numpy() for k in ("type_weight", "threshold")}
+                  for r in step_records])
+
+
+def row_records(steps: list, row: int, n_tokens: int) -> list:
+    """Join the steps along time for one row: per layer {type_weight [n,n_types], token_weight [n,1]}."""
+    layers = []
+    for layer in range(len(steps[0])):
+        out = {}
+        for key, name in (("type_weight", "type_weight"), ("threshold", "token_weight")):
+            parts = [step[layer][key][row] for step in steps if step[layer][key] is not None]
+            out[name] = np.concatenate(parts, 0)[:n_tokens].astype(np.float32) if parts else None
+        layers.append(out)
+    return layers
+
+
+def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature: float = 0.0,
+             top_p: float = 0.9, seed: int = 0, records=None, batch_size=None, prefill_step: int = 64):
+    """Continue each prompt (a list of token ids, bos included) by up to max_gen_len tokens.
+
+    Returns one list of generated ids per prompt, cut before the first stop token.
+    records: a list that receives, per prompt, a per-layer list of dicts
+      {"type_weight": [n, n_types] or None, "token_weight": [n, 1] (Sparse Gamma) or None}
+    for the n = len(prompt) + len(generated) tokens, as numpy float32.
+    batch_size: pad the batch with copies of the first prompt to this many rows,
+      so the last, smaller batch of a run reuses the compiled shapes.
+    """
+    prompts = [list(map(int, p)) for p in prompt_token_lists]
+    n_real = len(prompts)
+    if n_real == 0:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (the bos)")
+    if batch_size is not None:
+        if n_real > batch_size:
+            raise ValueError(f"{n_real} prompts do not fit batch_size={batch_size}")
+        prompts += [prompts[0]] * (batch_size - n_real)
+    max_seq_len = model.llama.args.max_seq_len
+    lengths = np.array([len(p) for p in prompts])
+    if lengths.max() >= max_seq_len:
+        raise ValueError(f"a prompt of {lengths.max()} tokens leaves no room to generate in max_seq_len={max_seq_len}")
+    if max_gen_len <= 0:
+        if records is not None:
+            records.extend([] for _ in range(n_real))
+        return [[] for _ in range(n_real)]
+
+    B = len(prompts)
+    total_len = min(max_seq_len, int(lengths.max()) + max_gen_len)
+    tokens = np.full((B, total_len), PAD_TOKEN, dtype=np.int64)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    is_prompt = np.arange(total_len)[None, :] < lengths[:, None]  # [B, total_len]
+    stop_ids = np.array(sorted(tokenizer.stop_tokens))
+    rng = np.random.default_rng(seed)
+    steps = [] if records is not None else None
+    done = np.zeros(B, dtype=bool)
+
+    def forward(fn, *args):
+        step_records = [] if steps is not None else None
+        logits = fn(model, *args, records=step_records)
+        if steps is not None:
+            fetch_records(step_records, steps)
+        return logits
+
+    model.eval()
+    with jt.no_grad():
+        P = prefill_length(int(lengths.min()), prefill_step)
+        logits = forward(prefill, tokens[:, :P])
+        last_fed = P - 1
+        for pos in range(P, total_len):
+            picked = pick_tokens(logits, temperature, top_p, rng)
+            tokens[:, pos] = np.where(is_prompt[:, pos], tokens[:, pos], picked)
+            generated = pos - lengths + 1  # tokens each row has generated so far (<= 0: still in its prompt)
+            done |= ~is_prompt[:, pos] & np.isin(tokens[:, pos], stop_ids)
+            done |= generated >= max_gen_len
+            last_pos = pos
+            if done.all() or pos + 1 == total_len:
+                break
+            logits = forward(decode_step, tokens[:, pos], pos)
+            last_fed = pos
+        if steps is not None and last_fed < last_pos:
+            forward(decode_step, tokens[:, last_pos], last_pos)  # router values of the last kept token
+
+    outputs = []
+    for b in range(n_real):
+        out = tokens[b, lengths[b]:min(last_pos + 1, lengths[b] + max_gen_len)].tolist()
+        stops = [i for i, t in enumerate(out) if t in tokenizer.stop_tokens]
+        outputs.append(out[:stops[0]] if stops else out)
+        if records is not None:
+            records.append(row_records(steps, b, lengths[b] + len(outputs[-1])))
+    return outputs

@@ -1,0 +1,240 @@
+"""Heatmaps of the router's decisions and loss curves, as PNG files (matplotlib, Agg).
+
+`Infer.py --save_weights` writes two pickles (plain Python lists/dicts, numpy
+arrays and None; nothing else) into its output directory:
+
+    type_weight.pkl = {
+        "kind": "type_weight",
+        "variant": "soft" | "sparse",
+        "layer_types": [[str, ...], ...],  # per layer, the router's column names in order,
+                                           # e.g. ["Q", "K", "V", "O", "FFN_DOWN", "PADAPTER"];
+                                           # [] for a layer without experts
+        "examples": [                      # in input order (data files in the order given)
+            {"dataset": str,               # e.g. "AddSub" or "synthetic"
+             "index": int,                 # position of the example in its data file
+             "tokens": [str, ...],         # text of each token (prompt then generation), n_tokens long
+             "token_ids": [int, ...],      # n_tokens ids; token 0 is bos
+             "n_prompt": int,              # the first n_prompt tokens are the prompt
+             "generation": str,            # decoded generated text (stop token excluded)
+             "weights": [np.ndarray float32 [n_tokens, n_types_of_layer] or None, ...]},  # per layer
+            ...]}
+
+    token_weight.pkl = the same, with "kind": "token_weight" and "weights" per layer
+        np.ndarray float32 [n_tokens, 1]: Sparse MoA's per-token threshold Gamma, or None
+        (Soft MoA, or a layer without experts).
+
+Row t of a weight array belongs to token t: the values the router computed when
+that token was fed to the model (a token's weights decide how the experts
+process it, and thereby what comes next). type_weight is the weight w each
+expert type's output is multiplied by (Sparse: 0 for an unselected expert).
+
+Functions take the loaded dicts, write a PNG and return the matplotlib Figure.
+"""
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+TYPE_ORDER = ("Q", "K", "V", "PROMPT", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN", "PADAPTER")
+
+
+def load_pickle(path):
+    import pickle
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def type_columns(data) -> list:
+    """The union of expert types over layers, in the router's fixed order."""
+    present = {name for names in data["layer_types"] for name in names}
+    return [t for t in TYPE_ORDER if t in present] + sorted(present - set(TYPE_ORDER))
+
+
+def stacked_tokens(data, layer: int):
+    """All examples' weights of one layer joined over tokens: [sum n_tokens, n_types] or None."""
+    arrays = [ex["weights"][layer] for ex in data["examples"] if ex["weights"][layer] is not None]
+    return np.concatenate(arrays, 0) if arrays else None
+
+
+def layer_by_type(data, statistic) -> np.ndarray:
+    """[n_layers, n_columns] of statistic(weights [N, n_types]) -> [n_types]; NaN where a type is absent."""
+    columns = type_columns(data)
+    table = np.full((len(data["layer_types"]), len(columns)), np.nan)
+    for layer, names in enumerate(data["layer_types"]):
+        weights = stacked_tokens(data, layer)
+        if weights is None or not names:
+            continue
+        values = statistic(weights)
+        for j, name in enumerate(names):
+            table[layer, columns.index(name)] = values[j]
+    return table
+
+
+def heatmap(ax, table, x_labels, y_labels, cmap="viridis", annotate=True, vmin=None, vmax=None):
+    image = ax.imshow(np.ma.masked_invalid(table), aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax,
+                      interpolation="nearest")
+    ax.set_xticks(range(len(x_labels)))
+    ax.set_xticklabels(x_labels, rotation=45, ha="right")
+    ax.set_yticks(range(len(y_labels)))
+    ax.set_yticklabels(y_labels)
+    if annotate and table.size <= 400:
+        for (i, j), value in np.ndenumerate(table):
+            if np.isfinite(value):
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color="w")
+    return image
+
+
+def save(fig, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
+
+
+def plot_type_weight(type_data, path):
+    """Layers x expert types: the mean type weight over every token of every example."""
+    table = layer_by_type(type_data, lambda w: w.mean(0))
+    if not np.isfinite(table).any():
+        return None
+    columns = type_columns(type_data)
+    fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(columns), 1.5 + 0.4 * table.shape[0]))
+    image = heatmap(ax, table, columns, [f"layer {i}" for i in range(table.shape[0])], vmin=0.0, vmax=1.0)
+    fig.colorbar(image, ax=ax, label="mean type weight")
+    ax.set_xlabel("expert type")
+    ax.set_ylabel("layer")
+    ax.set_title(f"{type_data['variant']} MoA: type weights (mean over {len(type_data['examples'])} examples)")
+    return save(fig, path)
+
+
+def token_label(text: str) -> str:
+    """A token's text as a tick label: escapes visible, no mathtext."""
+    label = repr(text)[1:-1]
+    label = label if len(label) <= 16 else label[:14] + ".."
+    return label.replace("$", r"\$") or "''"
+
+
+def plot_token_weight(token_data, path, examples=(0,), max_tokens=96):
+    """Tokens x layers of Sparse MoA's threshold Gamma for a few examples (the last max_tokens each)."""
+    examples = [i for i in examples if i < len(token_data["examples"])]
+    n_layers = len(token_data["layer_types"])
+    chosen = [token_data["examples"][i] for i in examples
+              if any(w is not None for w in token_data["examples"][i]["weights"])]
+    if not chosen:
+        return None  # Soft MoA or no experts: there is no Gamma
+    heights = [min(len(ex["tokens"]), max_tokens) for ex in chosen]
+    top = max(np.nanmax([w.max() for ex in chosen for w in ex["weights"] if w is not None]), 1e-6)
+    width, height = (2.5 + 0.5 * n_layers) * len(chosen) + 1.0, 1.5 + 0.16 * max(heights)
+    fig, axes = plt.subplots(1, len(chosen), squeeze=False, figsize=(width, height))
+    fig.subplots_adjust(wspace=0.9)
+    for ax, ex, n in zip(axes[0], chosen, heights):
+        start = len(ex["tokens"]) - n
+        table = np.full((n, n_layers), np.nan)
+        for layer, w in enumerate(ex["weights"]):
+            if w is not None:
+                table[:, layer] = w[start:, 0]
+        labels = [token_label(t) for t in ex["tokens"][start:]]
+        image = heatmap(ax, table, [f"L{i}" for i in range(n_layers)], labels, cmap="magma", annotate=False,
+                        vmin=0.0, vmax=top)
+        for tick in ax.get_yticklabels():
+            tick.set_fontsize(6)
+        if ex["n_prompt"] - 1 >= start:  # a line under the last prompt token
+            ax.axhline(ex["n_prompt"] - start - 0.5, color="c", linewidth=1.0)
+        ax.set_xlabel("layer")
+        ax.set_title(f"{ex['dataset']} #{ex['index']}" + (f" (last {n} tokens)" if start else ""), fontsize=9)
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=min(1.0, 6.0 / height), label="Gamma (token threshold)")
+    return save(fig, path)
+
+
+def plot_router_stats(type_data, path):
+    """Per layer: how often each expert type is active, and the spread of weights across types."""
+    sparse = type_data["variant"] == "sparse"
+    cut = 0.0 if sparse else 0.5
+    active = layer_by_type(type_data, lambda w: (w > cut).mean(0) if sparse else (w >= cut).mean(0))
+    if not np.isfinite(active).any():
+        return None
+    columns = type_columns(type_data)
+    n_layers = active.shape[0]
+    spread = np.full(n_layers, np.nan)
+    for layer in range(n_layers):
+        weights = stacked_tokens(type_data, layer)
+        if weights is not None and weights.shape[1] > 1:
+            spread[layer] = weights.std(1).mean()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(3.0 + 1.2 * len(columns), 1.8 + 0.4 * n_layers),
+                                      gridspec_kw={"width_ratios": [2, 1]})
+    image = heatmap(left, active, columns, [f"layer {i}" for i in range(n_layers)], cmap="Blues", vmin=0.0, vmax=1.0)
+    fig.colorbar(image, ax=left)
+    left.set_title("activation rate (w > 0)" if sparse else "share of tokens with w >= 0.5")
+    left.set_xlabel("expert type")
+    right.plot(spread, np.arange(n_layers), marker="o")
+    right.set_yticks(range(n_layers))
+    right.set_yticklabels([f"layer {i}" for i in range(n_layers)])
+    right.invert_yaxis()
+    right.set_xlabel("std of weights across expert types\n(mean over tokens)")
+    right.grid(alpha=0.3)
+    fig.suptitle(f"{type_data['variant']} MoA router statistics", y=1.06)
+    return save(fig, path)
+
+
+TRAIN_KEYS = ("c_train_loss", "train_loss", "loss")
+X_KEYS = ("step", "iteration", "epoch")
+
+
+def read_log(log_path):
+    """JSON lines of a run's log.txt; lines that are not JSON objects are skipped."""
+    rows = []
+    with open(log_path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def plot_loss_curves(log_path, path):
+    """Train and validation loss from a run's log.txt (x: step, else epoch, else line number)."""
+    rows = read_log(log_path)
+    x_key = next((k for k in X_KEYS if any(k in r for r in rows)), None)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    plotted = False
+    train_key = next((k for k in TRAIN_KEYS if any(k in r for r in rows)), None)
+    for label, key in (("train", train_key), ("val", "val_loss")):
+        points = [(r.get(x_key, i) if x_key else i, r.get(key)) for i, r in enumerate(rows)]
+        points = [(x, y) for x, y in points if isinstance(y, (int, float)) and np.isfinite(y)]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o" if label == "val" else None, markersize=3, label=f"{label} loss")
+            plotted = True
+    if not plotted:
+        plt.close(fig)
+        return None
+    ax.set_xlabel(x_key or "log line")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    ax.set_title(os.path.basename(os.path.dirname(os.path.abspath(log_path))) or "loss")
+    return save(fig, path)
+
+
+def plot_all(out_dir, type_data=None, token_data=None, log_path=None, examples=(0, 1, 2)):
+    """Every plot that has data; returns {name: png path}."""
+    jobs = []
+    if type_data is not None:
+        jobs += [("type_weight", plot_type_weight, (type_data,)), ("router_stats", plot_router_stats, (type_data,))]
+    if token_data is not None:
+        jobs.append(("token_weight", lambda d, p: plot_token_weight(d, p, examples), (token_data,)))
+    if log_path and os.path.isfile(log_path):
+        jobs.append(("loss_curves", plot_loss_curves, (log_path,)))
+    written = {}
+    for name, fn, inputs in jobs:
+        path = os.path.join(out_dir, f"{name}.png")
+        fig = fn(*inputs, path)
+        if fig is not None:
+            written[name] = path
+            plt.close(fig)
+    return written

@@ -1,0 +1,117 @@
+"""Training and decoding speed of MoA-Jittor on this machine; prints key=value pairs last.
+
+python bench/bench.py --variant sparse --config small
+The model is random (speed does not depend on the values); the sgemm roofline
+for MFU is measured in the same run.
+"""
+import argparse
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import Utils.jittor_env  # noqa: E402,F401
+import jittor as jt  # noqa: E402
+
+from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
+from Models.ModelArgs import ModelArgs  # noqa: E402
+
+CONFIGS = {
+    "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=64),
+    "medium": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=8192, multiple_of=128),
+}
+MOA = dict(lora_layers="0-{L}", lora_rank=8, lora_alpha=8, lora_targets="Q,K,V,O,FFN_UP,FFN_DOWN",
+           p_adapter_layers="0-{L}", p_adapter_size=16, swi_x=4)
+TRAIN_BATCH, TRAIN_SEQ = 8, 256
+DECODE_BATCH, PROMPT_LEN, NEW_TOKENS = 4, 32, 64
+
+
+def model_args(config: str, variant: str) -> ModelArgs:
+    base = CONFIGS[config]
+    moa = {k: v.format(L=base["n_layers"]) if isinstance(v, str) else v for k, v in MOA.items()}
+    if variant == "soft":
+        moa.update(prompt_layers=f"0-{base['n_layers']}", prompt_len=10)
+    return ModelArgs(**base, **moa, variant=variant, max_seq_len=TRAIN_SEQ, max_batch_size=TRAIN_BATCH)
+
+
+def train_flops_per_token(model: LLaMA_adapter, seq: int) -> float:
+    """Frozen base: forward 2N and activation-only backward 2N; adapters 6N; attention 12*L*T*D."""
+    args = model.args
+    base_matmul = sum(int(np.prod(p.shape)) for n, p in model.base_parameters().items()
+                      if n.endswith("weight") and len(p.shape) == 2 and "tok_embeddings" not in n)
+    adapter_matmul = sum(int(np.prod(p.shape)) for p in model.adapter_parameters().values() if len(p.shape) == 2)
+    return 4 * base_matmul + 6 * adapter_matmul + 12 * args.n_layers * seq * args.dim
+
+
+def sgemm_gflops() -> float:
+    """The machine's fp32 matmul peak, as the better of Jittor (oneDNN) and numpy (OpenBLAS)."""
+    n = 2048
+    a, b = jt.randn(n, n), jt.randn(n, n)
+    (a @ b).sync()
+    start = time.perf_counter()
+    for _ in range(5):
+        (a @ b).sync()
+    jittor_rate = 5 * 2 * n ** 3 / (time.perf_counter() - start) / 1e9
+    x = np.random.rand(n, n).astype(np.float32)
+    x @ x
+    start = time.perf_counter()
+    for _ in range(5):
+        x @ x
+    numpy_rate = 5 * 2 * n ** 3 / (time.perf_counter() - start) / 1e9
+    return max(jittor_rate, numpy_rate)
+
+
+def time_training(model: LLaMA_adapter, steps: int = 5, warmup: int = 2):
+    rng = np.random.default_rng(0)
+    optimizer = jt.optim.AdamW(list(model.adapter_parameters().values()), lr=1e-4, betas=(0.9, 0.95))
+    mask = jt.ones((TRAIN_BATCH, TRAIN_SEQ))
+    times = []
+    for step in range(warmup + steps):
+        tokens = jt.array(rng.integers(0, model.args.vocab_size, (TRAIN_BATCH, TRAIN_SEQ)).astype(np.int32))
+        start = time.perf_counter()
+        loss, _ = model(tokens, mask)
+        optimizer.step(loss)
+        loss.sync()
+        jt.sync_all()
+        times.append(time.perf_counter() - start)
+    return times[0], float(np.median(times[warmup:]))
+
+
+def time_decoding(model: LLaMA_adapter):
+    from Models.generate import generate
+    model.eval()
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(1, model.args.vocab_size, PROMPT_LEN)) for _ in range(DECODE_BATCH)]
+    generate(model, None, prompts, max_gen_len=4, temperature=0.0, stop_tokens=())  # compile
+    start = time.perf_counter()
+    out = generate(model, None, prompts, max_gen_len=NEW_TOKENS, temperature=0.0, stop_tokens=())
+    elapsed = time.perf_counter() - start
+    return sum(len(o) for o in out) / elapsed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", choices=["sparse", "soft"], default="sparse", help="MoA variant")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="model size")
+    parser.add_argument("--no_decode", action="store_true", help="skip the decoding benchmark")
+    opts = parser.parse_args()
+    jt.set_global_seed(0)
+    model = model_args(opts.config, opts.variant)
+    model = LLaMA_adapter(model)
+    first_step_s, train_s = time_training(model)
+    train_tok_s = TRAIN_BATCH * TRAIN_SEQ / train_s
+    decode_tok_s = 0.0 if opts.no_decode else time_decoding(model)
+    roofline = sgemm_gflops()
+    mfu = train_flops_per_token(model, TRAIN_SEQ) * train_tok_s / 1e9 / roofline
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    onednn = os.environ.get("use_mkl", "1") == "1"
+    print(f"variant={opts.variant} config={opts.config} onednn={int(onednn)} train_ms={train_s * 1e3:.1f} "
+          f"train_tok_s={train_tok_s:.0f} decode_tok_s={decode_tok_s:.0f} peak_rss_mb={peak_rss_mb:.0f} "
+          f"mfu={mfu:.3f} sgemm_gflops={roofline:.0f} first_step_s={first_step_s:.2f} warm_step_s={train_s:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One-time (idempotent) setup: system packages, the virtual environment, Jittor's first compile.
+# The venv lives at a stable path outside the clone because Jittor keys its compile cache
+# by the install path: every clone and CI run then reuses one warm cache.
+set -euo pipefail
+VENV="${MOA_VENV:-$HOME/.venvs/moa-jittor}"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+missing=()
+command -v mpirun >/dev/null || missing+=(openmpi-bin)
+command -v mpicc >/dev/null || missing+=(libopenmpi-dev)
+[ -e /usr/include/dnnl.hpp ] || missing+=(libdnnl-dev)
+command -v g++ >/dev/null || missing+=(g++)
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] apt-get install ${missing[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "[setup] missing system packages: ${missing[*]} (install them as root; continuing without)" >&2
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  python3 -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$HERE/requirements.txt"; then
+  # mpi4py needs mpicc to build; everything else still works without it (Jittor has its own MPI)
+  echo "[setup] retrying without mpi4py" >&2
+  grep -v '^mpi4py' "$HERE/requirements.txt" | "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r /dev/stdin
+fi
+
+echo "[setup] preparing Jittor (the first time compiles for a few minutes)"
+cd "$HERE" && MOA_JITTOR_LOG="${MOA_JITTOR_LOG:-0}" "$VENV/bin/python" -c "
+import time; t = time.time()
+import Utils.jittor_env, jittor as jt
+from jittor import compile_extern
+x = jt.ones((64, 64)); (x @ x).sync()
+print(f'[setup] Jittor {jt.__version__} ready in {time.time() - t:.0f}s: oneDNN', compile_extern.mkl_ops is not None,
+      '| MPI', jt.compile_extern.mpi is not None, '| CUDA', bool(jt.has_cuda))
+"
+echo "[setup] done: $VENV/bin/python"

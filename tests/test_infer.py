@@ -1,0 +1,325 @@
+"""Generation through the KV cache, Infer.py end to end, the weight pickles and the plots.
+
+A tiny random base (write_random_base) with random adapter weights, so that the
+experts and the router really change the outputs.
+"""
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jittor as jt
+from matplotlib import image as mpimg
+
+import Infer
+from Data.prompts import format_prompt
+from Models.Tokenizer import Tokenizer
+from Models.checkpoints import build_model, export_authors_adapter, save_adapter
+from Models.generate import generate, prefill_length
+from Models.tiny_base import write_random_base
+from Utils import plots
+
+MOA = {"sparse": dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2",
+                      lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"),
+       "soft": dict(variant="soft", lora_layers="0-2", p_adapter_layers="0-1", prompt_layers="1-2")}
+TEXTS = ["Tom had 3 apples.", "Mary had 12 marbles and lost 5 of them. How many are left?", "Hi",
+         "Sam picked 4 books and Leo picked 7 books. They shared them equally."]
+GEN = 12
+
+
+def randomize_adapter(model, seed=0, scale=0.3):
+    rng = np.random.default_rng(seed)
+    for p in model.adapter_parameters().values():
+        p.assign(jt.array((scale * rng.standard_normal(p.shape)).astype(np.float32)))
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return write_random_base(str(tmp_path_factory.mktemp("tiny_base")), dim=64, n_layers=2)
+
+
+@pytest.fixture(scope="module")
+def tok(base_dir):
+    return Tokenizer(os.path.join(base_dir, "tokenizer.model"))
+
+
+@pytest.fixture(scope="module")
+def models(base_dir):
+    built = {}
+    for i, (name, moa) in enumerate(MOA.items()):
+        model = build_model(base_dir, max_seq_len=64, max_batch_size=4, **moa)
+        randomize_adapter(model, seed=i)
+        model.eval()
+        built[name] = model
+    return built
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return [tok.encode(t, bos=True, eos=False) for t in TEXTS]
+
+
+def full_recompute(model, tok, prompt, max_gen_len):
+    """Reference: no cache, the whole sequence every step, argmax of the last position."""
+    seq = list(prompt)
+    with jt.no_grad():
+        for _ in range(max_gen_len):
+            logits = model.llama(jt.array(np.array([seq], np.int32)))
+            nxt = int(np.argmax(logits[0, -1].numpy()))
+            if nxt in tok.stop_tokens:
+                break
+            seq.append(nxt)
+    return seq[len(prompt):]
+
+
+def test_prefill_length_buckets():
+    assert [prefill_length(n) for n in (1, 2, 3, 17, 63, 64, 130)] == [1, 2, 2, 16, 32, 64, 128]
+
+
+@pytest.mark.parametrize("variant", ["sparse", "soft"])
+def test_greedy_cache_equals_full_recompute(models, tok, prompts, variant):
+    model = models[variant]
+    assert len({len(p) for p in prompts}) == len(prompts)  # different lengths
+    for prompt in prompts:
+        assert generate(model, tok, [prompt], GEN)[0] == full_recompute(model, tok, prompt, GEN)
+
+
+def test_batch_of_4_equals_4_batches_of_1(models, tok, prompts):
+    model = models["sparse"]
+    batched = generate(model, tok, prompts, GEN)
+    assert batched == [generate(model, tok, [p], GEN)[0] for p in prompts]
+    assert all(len(out) == GEN for out in batched)  # random weights: no stop token met
+    # padded to a fixed batch size: the same again
+    assert generate(model, tok, prompts[:3], GEN, batch_size=4) == batched[:3]
+
+
+@pytest.mark.parametrize("variant", ["sparse", "soft"])
+def test_records_match_full_forward(models, tok, prompts, variant):
+    model = models[variant]
+    records = []
+    outputs = generate(model, tok, prompts, GEN, records=records)
+    for prompt, out, rec in zip(prompts, outputs, records):
+        seq = prompt + out
+        full = []
+        with jt.no_grad():
+            model.llama(jt.array(np.array([seq], np.int32)), records=full)
+        assert len(rec) == len(full) == len(model.llama.layers)
+        for layer, (got, want) in enumerate(zip(rec, full)):
+            n_types = len(model.llama.layers[layer].type_names)
+            assert got["type_weight"].shape == (len(seq), n_types)
+            np.testing.assert_allclose(got["type_weight"], want["type_weight"].numpy()[0], atol=1e-5)
+            if variant == "sparse":
+                assert got["token_weight"].shape == (len(seq), 1)
+                np.testing.assert_allclose(got["token_weight"], want["threshold"].numpy()[0], atol=1e-5)
+            else:
+                assert got["token_weight"] is None
+
+
+class StopAt:
+    """A tokenizer stand-in whose stop tokens are chosen by the test."""
+
+    def __init__(self, stop_tokens):
+        self.stop_tokens = set(stop_tokens)
+
+
+def test_stop_tokens_end_each_row(models, tok, prompts):
+    model = models["sparse"]
+    free = generate(model, tok, prompts, GEN)
+    stop = free[0][4]  # row 0 stops before its 5th token; the others wherever that token first shows up
+    records = []
+    stopped = generate(model, StopAt({stop}), prompts, GEN, records=records)
+    for out, full, prompt, rec in zip(stopped, free, prompts, records):
+        cut = full.index(stop) if stop in full else len(full)
+        assert out == full[:cut]
+        assert rec[0]["type_weight"].shape[0] == len(prompt) + len(out)
+
+
+def test_sampling_is_seeded(models, tok, prompts):
+    model = models["sparse"]
+    first = generate(model, tok, prompts, 6, temperature=1.0, top_p=0.9, seed=3)
+    assert first == generate(model, tok, prompts, 6, temperature=1.0, top_p=0.9, seed=3)
+    assert all(0 <= t < tok.n_words for out in first for t in out)
+
+
+# ---- Infer.py -------------------------------------------------------------------------
+
+def write_json(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return path
+
+
+def example(question, answer):
+    return {"instruction": question, "input": "", "output": f"\nA: The answer is {answer}.", "answer": answer}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, base_dir):
+    """A training run as Math.py leaves it: adapter/, args.json, log.txt."""
+    run = str(tmp_path_factory.mktemp("output") / "run1")
+    model = build_model(base_dir, max_seq_len=64, max_batch_size=4, **MOA["sparse"])
+    randomize_adapter(model, seed=7)
+    save_adapter(model, os.path.join(run, "adapter"))
+    write_json(os.path.join(run, "args.json"), {"llama_path": base_dir})
+    with open(os.path.join(run, "log.txt"), "w") as f:
+        for step in range(8):
+            row = {"step": step, "c_train_loss": 3.0 - 0.2 * step, "lr": 1e-3}
+            if step % 3 == 0:
+                row["val_loss"] = 3.2 - 0.2 * step
+            f.write(json.dumps(row) + "\n")
+    return run
+
+
+CRAFTED = {  # dataset: [(question, answer, generation)]
+    "AddSub": [("Ann had 1 pen and got 2 more. How many pens?", "3", "1 + 2 = 3. The answer is 3."),
+               ("Bo had 9 cups and broke 3. How many cups?", "6", "9 - 3 = 5."),
+               ("Cy had 2 hats and got 5 more. How many hats?", "7", "The answer is 7.0"),
+               ("Di had 8 cats, 1,000 dogs. How many pets?", "1008", "The answer is 1,008.")],
+    "AQuA": [("Pick the even number. Options: A)3 B)4 C)5", "B", "B) 4 is even."),
+             ("Pick the odd number. Options: A)2 B)4 C)5", "C", "Answer: A")],
+}
+
+
+@pytest.fixture(scope="module")
+def crafted_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("crafted")
+    return [os.path.dirname(write_json(str(root / name / "test.json"), [example(q, a) for q, a, _ in rows]))
+            for name, rows in CRAFTED.items()]
+
+
+def fake_generate(tok):
+    answers = {q: g for rows in CRAFTED.values() for q, _, g in rows}
+
+    def fake(model, tokenizer, prompt_lists, max_gen_len, *args, **kwargs):
+        texts = [tokenizer.decode(p) for p in prompt_lists]
+        return [tokenizer.encode(next(g for q, g in answers.items() if q in t), bos=False, eos=False)
+                for t in texts]
+    return fake
+
+
+def test_infer_scores_per_dataset_and_average(monkeypatch, tok, run_dir, crafted_dirs, tmp_path):
+    monkeypatch.setattr(Infer, "generate", fake_generate(tok))
+    out = str(tmp_path / "eval")
+    argv = ["--adapter_path", os.path.join(run_dir, "adapter"), "--data_path", *crafted_dirs, "--output_dir", out,
+            "--batch_size", "4", "--max_gen_len", "8"]
+    for _ in range(2):  # the second run overwrites the predictions, never appends
+        Infer.main(argv)
+    with open(os.path.join(out, "scores.json")) as f:
+        scores = json.load(f)
+    assert scores["datasets"]["AddSub"]["accuracy"] == pytest.approx(0.75)
+    assert scores["datasets"]["AQuA"]["accuracy"] == pytest.approx(0.5)
+    assert scores["datasets"]["AQuA"]["rule"] == "AQuA"
+    assert scores["average"] == pytest.approx(0.625)
+    for name, rows in CRAFTED.items():
+        with open(os.path.join(out, f"{name}_predictions.jsonl")) as f:
+            lines = [json.loads(line) for line in f]
+        assert [r["generation"] for r in lines] == [g for _, _, g in rows]  # input order
+        assert [r["index"] for r in lines] == list(range(len(rows)))
+
+
+def test_infer_authors_adapter_needs_its_flags(monkeypatch, tok, run_dir, crafted_dirs, tmp_path, capsys):
+    monkeypatch.setattr(Infer, "generate", fake_generate(tok))
+    authors = str(tmp_path / "authors" / "adapter.pth")
+    os.makedirs(os.path.dirname(authors))
+    export_authors_adapter(os.path.join(run_dir, "adapter"), authors)
+    common = ["--adapter_path", authors, "--llama_path", json.load(open(os.path.join(run_dir, "args.json")))["llama_path"],
+              "--data_path", crafted_dirs[0], "--output_dir", str(tmp_path / "eval")]
+    with pytest.raises(SystemExit) as exit_info:
+        Infer.main(common)
+    assert exit_info.value.code == 2 and "unexpected tensor" in capsys.readouterr().err
+    flags = ["--variant", "sparse", "--lora_layers", "0-2", "--p_adapter_layers", "0-2",
+             "--lora_targets", "Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"]
+    assert Infer.main(common + flags)["datasets"]["AddSub"]["accuracy"] == pytest.approx(0.75)
+
+
+@pytest.fixture(scope="module")
+def weights_run(run_dir):
+    """Infer with its defaults (newest run, generated synthetic test) and --save_weights."""
+    summary = Infer.main(["--output_root", os.path.dirname(run_dir), "--max_examples", "5", "--batch_size", "4",
+                          "--max_gen_len", "8", "--save_weights"])
+    return summary, os.path.join(run_dir, "eval")
+
+
+def test_weight_pickles_structure(weights_run, tok):
+    summary, out = weights_run
+    assert summary["datasets"]["synthetic"]["total"] == 5
+    with open(os.path.join(out, "type_weight.pkl"), "rb") as f:
+        types = pickle.load(f)
+    with open(os.path.join(out, "token_weight.pkl"), "rb") as f:
+        gammas = pickle.load(f)
+    with open(os.path.join(out, "synthetic_test.json")) as f:
+        tests = json.load(f)[:5]
+    assert types["kind"] == "type_weight" and gammas["kind"] == "token_weight" and types["variant"] == "sparse"
+    assert types["layer_types"] == [["Q", "K", "V", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN", "PADAPTER"]] * 2
+    assert len(types["examples"]) == len(gammas["examples"]) == 5
+    for ex, gex, test in zip(types["examples"], gammas["examples"], tests):
+        prompt = tok.encode(format_prompt(test), bos=True, eos=False)
+        n = len(ex["token_ids"])
+        assert ex["token_ids"][:ex["n_prompt"]] == prompt and 0 < n - ex["n_prompt"] <= 8
+        assert len(ex["tokens"]) == n and ex["tokens"][0] == "<|begin_of_text|>"
+        assert tok.decode(ex["token_ids"][ex["n_prompt"]:]) == ex["generation"]
+        for layer, names in enumerate(types["layer_types"]):
+            assert isinstance(ex["weights"][layer], np.ndarray) and ex["weights"][layer].shape == (n, len(names))
+            assert gex["weights"][layer].shape == (n, 1)
+            assert np.all((gex["weights"][layer] > 0) & (gex["weights"][layer] < 0.5))  # max_threshold 0.5
+
+
+def test_pngs_exist_not_blank_with_expert_names(weights_run, tmp_path):
+    _, out = weights_run
+    for name in ("type_weight", "token_weight", "router_stats", "loss_curves"):
+        pixels = mpimg.imread(os.path.join(out, f"{name}.png"))
+        assert pixels.ndim == 3 and pixels.var() > 0, name
+    types = plots.load_pickle(os.path.join(out, "type_weight.pkl"))
+    gammas = plots.load_pickle(os.path.join(out, "token_weight.pkl"))
+    names = types["layer_types"][0]
+    fig = plots.plot_type_weight(types, str(tmp_path / "t.png"))
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == names
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["layer 0", "layer 1"]
+    fig = plots.plot_router_stats(types, str(tmp_path / "r.png"))
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == names
+    fig = plots.plot_token_weight(gammas, str(tmp_path / "g.png"), examples=(0,))
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels[-len(gammas["examples"][0]["tokens"][-3:]):] == [plots.token_label(t) for t in
+                                                                   gammas["examples"][0]["tokens"][-3:]]
+    fig = plots.plot_loss_curves(os.path.join(os.path.dirname(out), "log.txt"), str(tmp_path / "l.png"))
+    assert {line.get_label() for line in fig.axes[0].get_lines()} == {"train loss", "val loss"}
+
+
+# ---- bad input: one clear message, exit code 2 ----------------------------------------
+
+def expect_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        Infer.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert message in err and "Traceback" not in err, err
+
+
+def test_bad_inputs(capsys, tmp_path, run_dir, base_dir, crafted_dirs):
+    adapter = ["--adapter_path", os.path.join(run_dir, "adapter"), "--output_dir", str(tmp_path / "eval")]
+    data = ["--data_path", crafted_dirs[0]]
+    expect_exit_2(capsys, adapter + data + ["--variant", "soft"], "adapter from another configuration")
+    other_base = write_random_base(str(tmp_path / "other_base"), dim=32, n_layers=2)
+    expect_exit_2(capsys, adapter + data + ["--llama_path", other_base], "adapter trained on another base")
+    missing_field = write_json(str(tmp_path / "bad" / "test.json"), [{"instruction": "q", "input": "", "output": "a"}])
+    expect_exit_2(capsys, adapter + ["--data_path", missing_field], "missing the field 'answer'")
+    empty = write_json(str(tmp_path / "empty.json"), [])
+    expect_exit_2(capsys, adapter + ["--data_path", empty], "empty")
+    expect_exit_2(capsys, adapter + ["--data_path", str(tmp_path / "nope.json")], "no such test file")
+    expect_exit_2(capsys, ["--adapter_path", str(tmp_path / "none"), *data], "no such adapter")
+    expect_exit_2(capsys, ["--output_root", str(tmp_path / "no_runs"), *data], "no adapter under")
+
+
+def test_bad_input_from_the_command_line(tmp_path, run_dir):
+    """The real process: a message on stderr, exit status 2, no stack trace."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(repo, "Infer.py"), "--adapter_path",
+                           os.path.join(run_dir, "adapter"), "--data_path", str(tmp_path / "missing.json")],
+                          capture_output=True, text=True, cwd=str(tmp_path), timeout=120)
+    assert proc.returncode == 2
+    assert "no such test file" in proc.stderr and "Traceback" not in proc.stderr
