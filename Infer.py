@@ -5,6 +5,11 @@
     python Infer.py --no_adapter --llama_path assets/tiny-math-base
     mpirun -np 2 python Infer.py ...         # rank r takes examples r::world; rank 0 merges and scores
 
+Ranks hand their results to rank 0 through part files in --output_dir (one
+machine, or a shared file system). As root, mpirun itself needs
+OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (or --allow-run-as-root).
+Greedy results do not depend on the batch size, the batching or the number of ranks.
+
 Writes into --output_dir: <dataset>_predictions.jsonl per data set, scores.json
 (accuracy per data set and their average) and, with --save_weights,
 type_weight.pkl, token_weight.pkl and heatmaps (structure: Utils/plots.py).
@@ -13,13 +18,13 @@ import argparse
 import glob
 import json
 import os
+import pickle
 import sys
+from collections import namedtuple
 
 from tqdm import tqdm
 
-import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
-import jittor as jt
-
+import Utils.jittor_env  # noqa: F401  (must precede any jittor import)
 from Data.dataset import load_examples
 from Data.prompts import format_prompt
 from Data.scoring import CHOICE, answer_kind, extract_answer, is_correct
@@ -33,6 +38,8 @@ from Models.torch_io import CheckpointError
 from Utils import misc
 
 SPLIT_NAMES = ("test", "val", "validation", "train")
+# One data set of the run: examples[first:first + count] of the joined list, scored by `rule`.
+TestSet = namedtuple("TestSet", "name path rule first count")
 MOA_FLAGS = {  # flag: (type, help) -- for the authors' adapter.pth, which carries no config
     "variant": (str, "soft or sparse"),
     "lora_layers": (str, "LoRA layer spans, half-open, e.g. '0-32'"),
@@ -163,6 +170,20 @@ def default_test_set(run_dir, run_args, output_dir):
     return [("synthetic", test)]
 
 
+def load_test_sets(sources, max_examples):
+    """[(name, file or example list)] -> (joined examples, [TestSet]); repeated names get a suffix."""
+    examples, test_sets, seen = [], [], {}
+    for name, source in sources:
+        seen[name] = seen.get(name, 0) + 1
+        name = name if seen[name] == 1 else f"{name}_{seen[name]}"
+        loaded = load_examples(source) if isinstance(source, str) else source
+        loaded = loaded[:max_examples] if max_examples else loaded
+        path = source if isinstance(source, str) else "(generated: synthetic_test.json)"
+        test_sets.append(TestSet(name, path, scoring_rule(name, loaded), len(examples), len(loaded)))
+        examples += loaded
+    return examples, test_sets
+
+
 def scoring_rule(name, examples):
     """The scorer's data-set name: the real one when known, else chosen from the answers' form."""
     try:
@@ -173,12 +194,15 @@ def scoring_rule(name, examples):
         return "aqua" if letters else "synthetic"
 
 
+def adapter_config_path(adapter):
+    return os.path.join(adapter if os.path.isdir(adapter) else os.path.dirname(adapter), ADAPTER_PARAMS)
+
+
 def model_overrides(args, adapter, llama_path):
     """ModelArgs fields for the model: the adapter's config, then the MoA flags given."""
     overrides = {}
-    config_path = os.path.join(adapter if os.path.isdir(adapter) else os.path.dirname(adapter),
-                               ADAPTER_PARAMS) if adapter else None
-    if config_path and os.path.isfile(config_path):
+    config_path = adapter_config_path(adapter)
+    if os.path.isfile(config_path):
         config = read_json(config_path)
         base = ModelArgs.from_params_json(llama_path).to_dict()
         other_base = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in META_FIELDS
@@ -189,6 +213,24 @@ def model_overrides(args, adapter, llama_path):
         overrides = {k: v for k, v in config.items() if k not in META_FIELDS}
     flags = {k: getattr(args, k) for k in (*MOA_FLAGS, *MOA_SWITCHES) if getattr(args, k) is not None}
     return {**overrides, **flags}
+
+
+def load_model(args, adapter, llama_path, max_seq_len):
+    """The base with the adapter's experts (none with --no_adapter), weights loaded strictly."""
+    overrides = model_overrides(args, adapter, llama_path) if adapter else {}
+    try:
+        model = build_model(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": args.batch_size})
+    except TypeError as e:  # a config field of the wrong type
+        raise ValueError(str(e)) from None
+    if adapter:
+        try:
+            load_adapter(model, adapter)
+        except CheckpointError as e:
+            hint = "" if os.path.isfile(adapter_config_path(adapter)) else (
+                " -- an adapter.pth without adapter_params.json needs the MoA flags it was trained with "
+                "(--variant, --lora_layers, --lora_targets, --p_adapter_layers, ...)")
+            raise CheckpointError(f"{e}{hint}") from None
+    return model
 
 
 # ---- running ------------------------------------------------------------------------
@@ -204,7 +246,7 @@ def generate_share(model, tok, prompts, indices, args, save_weights, rank):
         outputs = generate(model, tok, [prompts[i] for i in batch], args.max_gen_len, args.temperature,
                            args.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size)
         for j, (i, out) in enumerate(zip(batch, outputs)):
-            results[i] = {"generation": tok.decode(out), "token_ids": prompts[i] + out,
+            results[i] = {"generation": tok.decode(out), "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),
                           "records": records[j] if records is not None else None}
         bar.update(len(batch))
     bar.close()
@@ -215,7 +257,6 @@ def gather_results(local, output_dir, rank, world):
     """Rank 0 gets every rank's {index: result}: each writes a part file, a barrier, rank 0 reads them."""
     if world == 1:
         return local
-    import pickle
     part = os.path.join(output_dir, f".part{rank}.pkl")
     with open(part, "wb") as f:
         pickle.dump(local, f)
@@ -239,10 +280,10 @@ def write_jsonl(path, rows):
     os.replace(tmp, path)
 
 
-def score_and_write(datasets, examples, results, output_dir, meta):
+def score_and_write(test_sets, examples, results, output_dir, meta):
     """Predictions JSONL per data set, scores.json (accuracy per data set and the average); returns scores."""
     scores = {}
-    for name, path, rule, first, count in datasets:
+    for name, path, rule, first, count in test_sets:
         rows, correct = [], 0
         for i in range(first, first + count):
             ex, generation = examples[i], results[i]["generation"]
@@ -252,30 +293,40 @@ def score_and_write(datasets, examples, results, output_dir, meta):
                          "answer": ex["answer"], "generation": generation,
                          "prediction": extract_answer(rule, generation), "correct": ok})
         write_jsonl(os.path.join(output_dir, f"{name}_predictions.jsonl"), rows)
-        scores[name] = {"accuracy": correct / count, "correct": correct, "total": count, "rule": rule,
-                        "path": path if isinstance(path, str) else os.path.join(output_dir, "synthetic_test.json")}
+        scores[name] = {"accuracy": correct / count, "correct": correct, "total": count, "rule": rule, "path": path}
     summary = {"datasets": scores, "average": sum(s["accuracy"] for s in scores.values()) / len(scores), **meta}
     with open(os.path.join(output_dir, "scores.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
 
 
-def weight_pickles(datasets, tok, results, model):
+def weight_pickles(test_sets, tok, results, model):
     """The two --save_weights dicts (structure: Utils/plots.py)."""
-    base = {"variant": model.args.variant, "layer_types": [list(l.type_names) for l in model.llama.layers]}
-    type_data, token_data = {"kind": "type_weight", **base, "examples": []}, {"kind": "token_weight", **base, "examples": []}
-    for name, _, _, first, count in datasets:
+    base = {"variant": model.args.variant, "layer_types": [list(layer.type_names) for layer in model.llama.layers]}
+    type_data = {"kind": "type_weight", **base, "examples": []}
+    token_data = {"kind": "token_weight", **base, "examples": []}
+    for name, _, _, first, count in test_sets:
         for i in range(first, first + count):
             r = results[i]
             common = {"dataset": name, "index": i - first, "token_ids": r["token_ids"],
                       "tokens": [tok.decode([t]) for t in r["token_ids"]], "n_prompt": r["n_prompt"],
                       "generation": r["generation"]}
-            type_data["examples"].append({**common, "weights": [l["type_weight"] for l in r["records"]]})
-            token_data["examples"].append({**common, "weights": [l["token_weight"] for l in r["records"]]})
+            type_data["examples"].append({**common, "weights": [layer["type_weight"] for layer in r["records"]]})
+            token_data["examples"].append({**common, "weights": [layer["token_weight"] for layer in r["records"]]})
     return type_data, token_data
 
 
+def check_args(args):
+    for flag in ("batch_size", "max_gen_len", "max_examples", "plot_examples"):
+        value = getattr(args, flag)
+        if value is not None and value < (0 if flag == "plot_examples" else 1):
+            raise ValueError(f"--{flag}={value} is too small")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ValueError(f"--temperature must be >= 0 and --top_p in (0, 1], got {args.temperature}, {args.top_p}")
+
+
 def run(args):
+    check_args(args)
     misc.init_distributed_mode(args)
     rank, world = misc.get_rank(), misc.get_world_size()
     adapter, run_dir, run_args, llama_path = resolve_run(args)
@@ -285,40 +336,21 @@ def run(args):
     tok = Tokenizer(os.path.join(llama_path, "tokenizer.model"))
 
     sources = data_files(args.data_path) if args.data_path else default_test_set(run_dir, run_args, output_dir)
-    examples, datasets = [], []
-    for name, source in sources:
-        loaded = load_examples(source) if isinstance(source, str) else source
-        loaded = loaded[:args.max_examples] if args.max_examples else loaded
-        datasets.append((name, source, scoring_rule(name, loaded), len(examples), len(loaded)))
-        examples += loaded
+    examples, test_sets = load_test_sets(sources, args.max_examples)
     prompts = [tok.encode(format_prompt(ex), bos=True, eos=False) for ex in examples]
 
     max_seq_len = max(map(len, prompts)) + args.max_gen_len
-    overrides = model_overrides(args, adapter, llama_path) if adapter else {}
-    try:
-        model = build_model(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": args.batch_size})
-    except TypeError as e:  # a config field of the wrong type
-        raise ValueError(str(e)) from None
-    if adapter:
-        try:
-            load_adapter(model, adapter)
-        except CheckpointError as e:
-            has_config = os.path.isfile(os.path.join(os.path.dirname(adapter), ADAPTER_PARAMS)) or os.path.isdir(adapter)
-            hint = "" if has_config else (" -- an adapter.pth without adapter_params.json needs the MoA flags it was "
-                                          "trained with (--variant, --lora_layers, --lora_targets, --p_adapter_layers, ...)")
-            raise CheckpointError(f"{e}{hint}") from None
+    model = load_model(args, adapter, llama_path, max_seq_len)
     print(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
-          f"{len(datasets)} data set(s); {world} rank(s); max_seq_len {max_seq_len}")
+          f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len}")
 
     local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, args.save_weights, rank)
-    for i, r in local.items():
-        r["n_prompt"] = len(prompts[i])
     results = gather_results(local, output_dir, rank, world)
     if rank != 0:
         return None
     meta = {"adapter": adapter, "llama_path": llama_path, "max_gen_len": args.max_gen_len,
             "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "world_size": world}
-    summary = score_and_write(datasets, examples, results, output_dir, meta)
+    summary = score_and_write(test_sets, examples, results, output_dir, meta)
     for name, s in summary["datasets"].items():
         print(f"  {name:<12} {100 * s['accuracy']:6.2f}%  ({s['correct']}/{s['total']})")
     print(f"  {'average':<12} {100 * summary['average']:6.2f}%   -> {output_dir}/scores.json")
@@ -326,7 +358,7 @@ def run(args):
     from Utils import plots  # matplotlib only on rank 0
     type_data = token_data = None
     if args.save_weights:
-        type_data, token_data = weight_pickles(datasets, tok, results, model)
+        type_data, token_data = weight_pickles(test_sets, tok, results, model)
         misc.save_on_master(type_data, os.path.join(output_dir, "type_weight.pkl"))
         misc.save_on_master(token_data, os.path.join(output_dir, "token_weight.pkl"))
     pngs = plots.plot_all(output_dir, type_data, token_data, log_path, tuple(range(args.plot_examples)))

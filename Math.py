@@ -10,6 +10,7 @@ Exit codes: 0 done, 2 bad input, 3 non-finite loss, 143 stopped by SIGTERM.
 """
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -41,8 +42,9 @@ class UserError(Exception):
 
 
 def get_args_parser():
-    p = argparse.ArgumentParser("MoA fine-tuning on math", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     a = p.add_argument
     a("--llama_path", default=None, help="Meta checkpoint dir (params.json, consolidated.*.pth, tokenizer.model); "
       "default: the tiny demo base in assets/tiny-math-base, built when missing")
@@ -78,7 +80,8 @@ def get_args_parser():
     a("--accum_iter", type=int, default=1, help="micro-steps accumulated per optimizer step")
     a("--weight_decay", type=float, default=0.02, help="AdamW weight decay on matrices (not 1-D params, biases)")
     a("--clip_grad", type=float, default=1.0, help="max global gradient norm; 0 = no clipping")
-    a("--max_seq_len", type=int, default=192, help="tokens per example (longer ones are cut); the demo's examples are 145-176")
+    a("--max_seq_len", type=int, default=192, help="tokens per example, longer ones are cut (the demo's "
+      "examples are 145-176 tokens: the Alpaca prompt alone is ~120)")
     a("--seed", type=int, default=0, help="seed of adapter init and data order")
     a("--output_dir", default="./output/math", help="checkpoints, adapter/, log.txt, tensorboard/, args.json")
     a("--resume", default=None, help="checkpoint to continue from, or 'auto' = <output_dir>/checkpoint-latest.pth "
@@ -92,8 +95,8 @@ def get_args_parser():
     a("--max_steps", type=int, default=0, help="stop after this many optimizer steps in all (lr schedule "
       "unchanged); 0 = no cap")
     a("--log_interval", type=int, default=10, help="terminal and log.txt line every N optimizer steps")
-    a("--amp", action="store_true", help="Jittor automatic mixed precision on GPU (adapters stay fp32); "
-      "ignored on CPU")
+    a("--amp", action="store_true", help="GPU only: fp16 frozen base + Jittor AMP level 4 (adapters and "
+      "optimizer stay fp32; untested on GPU so far); ignored on CPU")
     a("--device", default="cuda", choices=["cuda", "cpu"], help="cuda when available, or force cpu")
     return p
 
@@ -125,7 +128,7 @@ def check_args(args, n_layers):
 
 
 def load_data(args):
-    """(train, val or None) example lists, plus the synthetic splits to write when defaulted."""
+    """(train, val or None) example lists; the seeded synthetic splits when --data_path is not given."""
     if args.data_path is None:
         train, val, _ = make_splits(SYNTHETIC["n_train"], SYNTHETIC["n_val"], 0, seed=SYNTHETIC["seed"])
         return train, val
@@ -200,6 +203,11 @@ def prepare(args):
                         prompt_len=args.prompt_len, swi_x=args.swi_x, max_threshold=args.max_threshold,
                         const_threshold=args.const_threshold, gamma_grad=args.gamma_grad,
                         max_seq_len=args.max_seq_len, max_batch_size=args.batch_size // args.world_size)
+    if args.amp and jt.flags.use_cuda:
+        # fp16 storage for the frozen base; the adapters and their AdamW state stay fp32
+        for p in model.base_parameters().values():
+            p.assign(p.float16())
+        model.freeze_base()
     model.train()
     counts = model.parameter_counts()
     print(f"trainable parameters: {counts['total']:,} (base {counts['base']:,}, frozen); per type: "
@@ -209,6 +217,8 @@ def prepare(args):
     stopper = EarlyStopper(args.early_stop_patience)
     position = (0, 0, 0)  # epoch, next global batch, optimizer steps done
     resume_path = find_resume(args) if args.resume else None
+    if args.resume == "auto" and resume_path is None:
+        print(f"--resume auto: no checkpoint-latest.pth in {args.output_dir} yet, starting afresh")
     if resume_path:
         ckpt = restore(resume_path, model, optimizer, stopper, args)
         position = (int(ckpt["epoch"]), int(ckpt["data_iter_step"]), int(ckpt["global_step"]))
@@ -268,7 +278,6 @@ def finetune(args, sigterm):
     for epoch in range(start_epoch, args.epochs):
         if run.stop_reason:
             break
-        train_ds.set_epoch(epoch, start_batch)
         train_one_epoch(model, train_ds, optimizer, epoch, start_batch, run, args)
         start_batch = 0
     if log_writer is not None:
@@ -277,14 +286,15 @@ def finetune(args, sigterm):
         steps = run.global_step - global_step
         print(f"trained {steps} steps in {run.train_seconds:.1f} s: {steps / run.train_seconds:.2f} steps/s, "
               f"{run.input_tokens / run.train_seconds:.0f} tokens/s (padded inputs, all ranks)")
+    all_reduce_sum([0.0])  # barrier: no rank exits (and makes mpirun kill the rest) while rank 0 still writes
     if run.stop_reason == "sigterm":
         print(f"stopped by SIGTERM at step {run.global_step}; checkpoint-latest.pth is saved, "
-              f"continue with --resume auto", force=True)
+              f"continue with --resume auto")
         return 143
     write_adapter({"adapter": adapter_arrays(model), "model_args": model.args.to_dict()},
                   os.path.join(args.output_dir, "adapter"))
-    print(f"done ({run.stop_reason or 'all epochs'}): adapter in {os.path.join(args.output_dir, 'adapter')}"
-          + (f", best val_loss {stopper.best:.4f} in adapter-best/" if val_ds is not None else ""))
+    best = f", best val_loss {stopper.best:.4f} in adapter-best/" if math.isfinite(stopper.best) else ""
+    print(f"done ({run.stop_reason or 'all epochs'}): adapter in {os.path.join(args.output_dir, 'adapter')}{best}")
     return 0
 
 

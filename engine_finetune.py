@@ -11,6 +11,7 @@ costs no communication.
 MPI rule: every rank runs the same Jittor ops in the same order; rank 0 alone
 only prints and writes files (numbers fetched beforehand on every rank).
 """
+import itertools
 import json
 import math
 import os
@@ -25,7 +26,7 @@ import jittor as jt
 
 from Models.checkpoints import ADAPTER_PARAMS, ADAPTER_WEIGHTS, adapter_arrays
 from Models.torch_io import save_pth
-from Utils.misc import MetricLogger, all_reduce_sum, is_main_process, save_on_master
+from Utils.misc import MetricLogger, SmoothedValue, all_reduce_sum, is_main_process, save_on_master
 
 
 class NonFiniteLoss(RuntimeError):
@@ -143,8 +144,8 @@ def evaluate(model, dataset):
 
 def rng_state():
     keys, pos, has_gauss, cached = np.random.get_state()[1:]
-    return {"numpy": {"keys": keys.astype(np.int64), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
-            "python": np.asarray(random.getstate()[1], dtype=np.int64)}
+    numpy_state = {"keys": keys.astype(np.int64), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+    return {"numpy": numpy_state, "python": np.asarray(random.getstate()[1], dtype=np.int64)}
 
 
 def set_rng_state(state):
@@ -209,7 +210,8 @@ def validate_and_save(run, model, optimizer, epoch, next_step):
     """Validation (when there is a val set), early stopper, checkpoint-best and checkpoint-latest."""
     improved = False
     if run.val_dataset is not None:
-        val_loss = evaluate(model, run.val_dataset)
+        with jt.flag_scope(auto_mixed_precision_level=run.amp_level):
+            val_loss = evaluate(model, run.val_dataset)
         improved, should_stop = run.stopper.step(val_loss)
         print(f"[val] step {run.global_step}: val_loss {val_loss:.4f} (best {run.stopper.best:.4f})"
               f"{' improved' if improved else ''}")
@@ -235,6 +237,7 @@ def train_one_epoch(model, dataset, optimizer, epoch, start_step, run, args):
     world = run.world_size
     first, last = start_step // args.accum_iter, run.steps_per_epoch
     metric_logger = MetricLogger(delimiter="  ")
+    metric_logger.add_meter("lr", SmoothedValue(window_size=1, fmt="{value:.3e}"))
     header = f"Epoch: [{epoch}]"
     for opt_step in metric_logger.log_every(range(first, last), args.log_interval, header, total=last - first):
         started = time.time()
@@ -246,7 +249,7 @@ def train_one_epoch(model, dataset, optimizer, epoch, start_step, run, args):
             pg["lr"] = lr
 
         local_nll, local_targets, input_tokens = 0.0, 0.0, 0
-        for s, (tokens, mask) in zip(batch_steps, dataset.batches(epoch, batch_steps[0])):
+        for tokens, mask in itertools.islice(dataset.batches(epoch, batch_steps[0]), args.accum_iter):
             count = float(mask[:, 1:].sum())
             with jt.flag_scope(auto_mixed_precision_level=run.amp_level):
                 loss, _ = model(jt.array(tokens), jt.array(mask))
@@ -260,7 +263,7 @@ def train_one_epoch(model, dataset, optimizer, epoch, start_step, run, args):
             [local_nll, local_targets, input_tokens, float(run.sigterm.requested)])
         train_loss = float(nll_sum / max(targets, 1.0))
         if not math.isfinite(train_loss):
-            raise NonFiniteLoss(f"training loss is {train_loss} at step {run.global_step} (epoch {epoch}); "
+            raise NonFiniteLoss(f"training loss is {train_loss} at step {run.global_step + 1} (epoch {epoch}); "
                                 f"stopping without saving, the last good checkpoint is untouched. "
                                 f"Try a lower --blr/--lr or --clip_grad")
         grad_norm = clip_gradients(optimizer, args.clip_grad)
@@ -279,18 +282,18 @@ def train_one_epoch(model, dataset, optimizer, epoch, start_step, run, args):
             log_line(run, {"event": "train", "step": run.global_step, "epoch": epoch, "train_loss": train_loss,
                            "lr": lr, "grad_norm": grad_norm, "tokens": int(input_tokens)})
 
-        next_step = (opt_step + 1) * args.accum_iter
-        at_epoch_end = opt_step + 1 == last
-        if at_epoch_end or (args.eval_interval > 0 and run.global_step % args.eval_interval == 0):
+        next_step = (opt_step + 1) * args.accum_iter  # the global batch a resume starts from
+        saved = opt_step + 1 == last or (args.eval_interval > 0 and run.global_step % args.eval_interval == 0)
+        if saved:
             validate_and_save(run, model, optimizer, epoch, next_step)
-        if stop_votes > 0:
+        if stop_votes > 0:  # summed over ranks, so every rank stops at the same step
             run.stop_reason = "sigterm"
         elif args.max_steps and run.global_step >= args.max_steps and run.stop_reason is None:
             run.stop_reason = "max_steps"
-        if run.stop_reason in ("sigterm", "max_steps") and not at_epoch_end:
-            write_checkpoint(checkpoint_state(run, model, optimizer, epoch, next_step),
-                             os.path.join(run.output_dir, "checkpoint-latest.pth"))
         if run.stop_reason is not None:
+            if not saved:
+                write_checkpoint(checkpoint_state(run, model, optimizer, epoch, next_step),
+                                 os.path.join(run.output_dir, "checkpoint-latest.pth"))
             break
     metric_logger.synchronize_between_processes()
     print(f"{header} averaged stats: {metric_logger}")

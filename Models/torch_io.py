@@ -313,6 +313,7 @@ def save_pth(obj, path, bf16=False):
                     _write_record(archive, file, f"{_ARCHIVE}/{name}", data)
             file.flush()
             os.fsync(file.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a checkpoint is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -9,6 +9,7 @@ import os
 import resource
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -16,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import Utils.jittor_env  # noqa: E402,F401
 import jittor as jt  # noqa: E402
 
+from Models.generate import generate  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Models.ModelArgs import ModelArgs  # noqa: E402
 
@@ -81,13 +83,14 @@ def time_training(model: LLaMA_adapter, steps: int = 5, warmup: int = 2):
 
 
 def time_decoding(model: LLaMA_adapter):
-    from Models.generate import generate
+    """Greedy decoding through the KV cache, no stop tokens so every row makes NEW_TOKENS."""
+    no_stops = SimpleNamespace(stop_tokens=set())
     model.eval()
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(1, model.args.vocab_size, PROMPT_LEN)) for _ in range(DECODE_BATCH)]
-    generate(model, None, prompts, max_gen_len=4, temperature=0.0, stop_tokens=())  # compile
+    generate(model, no_stops, prompts, max_gen_len=4)  # compile the prefill and decode shapes
     start = time.perf_counter()
-    out = generate(model, None, prompts, max_gen_len=NEW_TOKENS, temperature=0.0, stop_tokens=())
+    out = generate(model, no_stops, prompts, max_gen_len=NEW_TOKENS)
     elapsed = time.perf_counter() - start
     return sum(len(o) for o in out) / elapsed
 
@@ -99,8 +102,7 @@ def main():
     parser.add_argument("--no_decode", action="store_true", help="skip the decoding benchmark")
     opts = parser.parse_args()
     jt.set_global_seed(0)
-    model = model_args(opts.config, opts.variant)
-    model = LLaMA_adapter(model)
+    model = LLaMA_adapter(model_args(opts.config, opts.variant))
     first_step_s, train_s = time_training(model)
     train_tok_s = TRAIN_BATCH * TRAIN_SEQ / train_s
     decode_tok_s = 0.0 if opts.no_decode else time_decoding(model)

@@ -1,0 +1,106 @@
+"""Data parallel over MPI: `mpirun -np 2 python Math.py` must train exactly like one rank."""
+import builtins
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+import Math
+from Data.synthetic import make_splits
+from Models.tiny_base import write_random_base
+from Models.torch_io import load_pth
+from Utils import misc
+
+MPIRUN = shutil.which("mpirun")
+pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data parallel)")
+TINY = ["--max_seq_len", "256", "--batch_size", "4", "--lora_rank", "4", "--p_adapter_size", "8", "--swi_x", "2",
+        "--warmup_epochs", "0", "--log_interval", "1", "--eval_interval", "2", "--lr", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mpi")
+    base = write_random_base(str(folder / "base"), dim=64, n_layers=2)
+    paths = {"base": base}
+    for name, split in zip(("train", "val"), make_splits(48, 10, 0, seed=2)):
+        paths[name] = str(folder / f"{name}.json")
+        with open(paths[name], "w") as f:
+            json.dump(split, f)
+    return paths
+
+
+def argv(setup, out, *extra):
+    return ["--llama_path", setup["base"], "--data_path", setup["train"], "--val_data_path", setup["val"],
+            "--output_dir", str(out), *TINY, *[str(e) for e in extra]]
+
+
+def mpirun(n, args, timeout=300):
+    # OMPI_ALLOW_RUN_AS_ROOT comes from Utils.jittor_env (imported by conftest) through the environment
+    command = [MPIRUN, "--oversubscribe", "-np", str(n), sys.executable, str(REPO / "Math.py"), *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def records(out, event):
+    with open(os.path.join(out, "log.txt")) as f:
+        return [r for r in map(json.loads, f) if r["event"] == event]
+
+
+def test_two_ranks_match_one_rank(setup, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    try:
+        assert Math.main(argv(setup, one, "--max_steps", 4)) == 0
+    finally:
+        builtins.print = misc._builtin_print
+    # two ranks, and interrupted half-way: resume under MPI as well
+    first = mpirun(2, argv(setup, two, "--max_steps", 2))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "rank 1 of 2" in first.stdout
+    second = mpirun(2, argv(setup, two, "--max_steps", 4, "--resume", "auto"))
+    assert second.returncode == 0, second.stdout + second.stderr
+
+    a, b = load_pth(one / "adapter" / "adapter.pth"), load_pth(two / "adapter" / "adapter.pth")
+    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-5
+    assert max(float(np.abs(a[k]).max()) for k in a if "lora_B" in k) > 1e-3  # it did train
+    train_one, train_two = records(one, "train"), records(two, "train")
+    assert [r["step"] for r in train_two] == [1, 2, 3, 4]  # rank 0 alone writes the log
+    assert all(abs(x["train_loss"] - y["train_loss"]) <= 1e-5 for x, y in zip(train_one, train_two))
+    assert all(x["tokens"] > 0 for x in train_two)
+    val_one, val_two = records(one, "val"), records(two, "val")
+    assert [r["step"] for r in val_two] == [2, 4]
+    assert all(abs(x["val_loss"] - y["val_loss"]) <= 1e-5 for x, y in zip(val_one, val_two))
+    assert load_pth(two / "checkpoint-latest.pth")["global_step"] == 4
+
+
+def test_batch_size_must_split_over_ranks(setup, tmp_path):
+    result = mpirun(2, argv(setup, tmp_path / "bad", "--batch_size", 3))
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "--batch_size 3 is not divisible by the 2 MPI ranks" in output and "Traceback" not in output
+    assert not (tmp_path / "bad").exists()
+
+
+def test_sigterm_under_mpirun(setup, tmp_path):
+    out = tmp_path / "run"
+    command = [MPIRUN, "--oversubscribe", "-np", "2", sys.executable, str(REPO / "Math.py"),
+               *argv(setup, out, "--epochs", 50, "--eval_interval", 0)]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if (out / "log.txt").exists() and len((out / "log.txt").read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # mpirun forwards it to both ranks
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "stopped by SIGTERM" in output, output
+    steps = [r["step"] for r in records(out, "train")]
+    assert load_pth(out / "checkpoint-latest.pth")["global_step"] == steps[-1] >= 3
