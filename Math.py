@@ -31,7 +31,8 @@ from Models.torch_io import load_pth
 from Utils import misc
 from Utils.misc import EarlyStopper, all_reduce_sum
 
-SYNTHETIC = dict(n_train=2000, n_val=200, seed=0)  # the demo data; Infer can redraw the disjoint test split
+# The demo data; the held-out test split is written beside it for Infer.py (disjoint by instruction).
+SYNTHETIC = dict(n_train=20000, n_val=200, n_test=300, seed=0)
 # Training settings a resumed run must share with its checkpoint (model settings are checked separately).
 RESUME_KEYS = ("llama_path", "data", "val_data", "val_fraction", "batch_size", "accum_iter", "epochs",
                "warmup_epochs", "lr", "min_lr", "weight_decay", "clip_grad", "max_seq_len", "seed")
@@ -71,11 +72,11 @@ def get_args_parser():
     a("--max_threshold", type=float, default=0.5, help="Sparse MoA: upper bound of the learned threshold")
     a("--const_threshold", action="store_true", help="Sparse MoA: a constant threshold instead of a learned one")
     a("--gamma_grad", default="authors", choices=["authors", "ste"], help="gradient through the Sparse selection")
-    a("--blr", type=float, default=1e-2, help="base lr: lr = blr * batch_size * accum_iter / 256")
+    a("--blr", type=float, default=4e-2, help="base lr: lr = blr * batch_size * accum_iter / 256")
     a("--lr", type=float, default=None, help="absolute lr (overrides --blr)")
     a("--min_lr", type=float, default=0.0, help="lr floor of the cosine schedule")
-    a("--warmup_epochs", type=float, default=0.5, help="epochs of linear lr warm-up (fractions allowed)")
-    a("--epochs", type=int, default=2, help="training epochs")
+    a("--warmup_epochs", type=float, default=0.05, help="epochs of linear lr warm-up (fractions allowed)")
+    a("--epochs", type=int, default=1, help="training epochs")
     a("--batch_size", type=int, default=16, help="GLOBAL batch size of one micro-step, split over MPI ranks")
     a("--accum_iter", type=int, default=1, help="micro-steps accumulated per optimizer step")
     a("--weight_decay", type=float, default=0.02, help="AdamW weight decay on matrices (not 1-D params, biases)")
@@ -90,11 +91,11 @@ def get_args_parser():
       "adapter.pth) with a fresh optimizer")
     a("--early_stop_patience", type=int, default=0, help="stop after this many validations without improvement; "
       "0 = never")
-    a("--eval_interval", type=int, default=50, help="validate (and save checkpoint-latest) every N optimizer "
+    a("--eval_interval", type=int, default=200, help="validate (and save checkpoint-latest) every N optimizer "
       "steps; also at each epoch end; 0 = epoch ends only")
     a("--max_steps", type=int, default=0, help="stop after this many optimizer steps in all (lr schedule "
       "unchanged); 0 = no cap")
-    a("--log_interval", type=int, default=10, help="terminal and log.txt line every N optimizer steps")
+    a("--log_interval", type=int, default=100, help="terminal and log.txt line every N optimizer steps")
     a("--amp", action="store_true", help="GPU only: fp16 frozen base + Jittor AMP level 4 (adapters and "
       "optimizer stay fp32; untested on GPU so far); ignored on CPU")
     a("--device", default="cuda", choices=["cuda", "cpu"], help="cuda when available, or force cpu")
@@ -237,7 +238,8 @@ def write_run_files(args, examples):
     if args.data_path is None:
         data_dir = os.path.join(args.output_dir, "data")
         os.makedirs(data_dir, exist_ok=True)
-        for name, split in zip(("train.json", "val.json"), examples):
+        test = make_splits(SYNTHETIC["n_train"], SYNTHETIC["n_val"], SYNTHETIC["n_test"], seed=SYNTHETIC["seed"])[2]
+        for name, split in zip(("train.json", "val.json", "test.json"), (*examples, test)):
             misc.save_on_master(lambda tmp, split=split: write_json(split, tmp), os.path.join(data_dir, name))
         args.synthetic_data = data_dir
     misc.save_on_master(lambda tmp: write_json(vars(args), tmp), os.path.join(args.output_dir, "args.json"))
