@@ -58,9 +58,9 @@ def get_args_parser():
     a("--variant", default="sparse", choices=["soft", "sparse"], help="Soft MoA (weighted sum) or Sparse MoA "
       "(learned threshold)")
     a("--lora_layers", default=None, help="half-open layer spans with LoRA, e.g. '0-32' or '0-8,24-32'; default all")
-    a("--lora_rank", type=int, default=8, help="LoRA rank r")
-    a("--lora_targets", default="Q,K,V,O,FFN_UP,FFN_DOWN", help="comma list from Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN")
-    a("--lora_alpha", type=float, default=8.0, help="LoRA scaling numerator (scale = alpha / r)")
+    a("--lora_rank", type=int, default=16, help="LoRA rank r")
+    a("--lora_targets", default="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN", help="comma list from Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN")
+    a("--lora_alpha", type=float, default=16.0, help="LoRA scaling numerator (scale = alpha / r)")
     a("--expert_num", type=int, default=1, help="LoRA / adapter experts per target (MoE-LoRA when > 1)")
     a("--hydra_moe", action="store_true", help="share one LoRA A among the experts (HydraLoRA)")
     a("--p_adapter_layers", default=None, help="layer spans with the parallel adapter; default all; '0-0' none")

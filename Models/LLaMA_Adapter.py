@@ -12,6 +12,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
+from .kernels import token_nll
 from .LLM import LLaMA
 from .ModelArgs import ModelArgs
 
@@ -70,9 +71,7 @@ class LLaMA_adapter(nn.Module):
         Returns (loss scalar, logits [B,T,V]).
         """
         logits = self.llama(tokens, records=records)  # [B,T,V]
-        log_probs = nn.log_softmax(logits[:, :-1], dim=-1)  # [B,T-1,V]
-        targets = tokens[:, 1:].unsqueeze(-1)  # [B,T-1,1]
-        nll = -jt.gather(log_probs, 2, targets).squeeze(-1)  # [B,T-1]
+        nll = token_nll(logits[:, :-1], tokens[:, 1:])  # [B,T-1]
         mask = loss_mask[:, 1:].float32()
         loss = (nll * mask).sum() / mask.sum().maximum(1.0)
         return loss, logits

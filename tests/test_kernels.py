@@ -34,3 +34,32 @@ def test_bmm_matches_matmul(trans_b):
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
     for g, w in zip(jt.grad((got * got).sum(), [a, b]), jt.grad((want * want).sum(), [a, b])):
         np.testing.assert_allclose(g.numpy(), w.numpy(), atol=1e-4)
+
+
+def test_fused_rope_matches_reference():
+    from Models.kernels import Rope
+    from Models.utils import rope_reference, rope_tables
+    rng = np.random.default_rng(3)
+    x = jt.array(rng.standard_normal((2, 5, 3, 8)).astype(np.float32))
+    cos, sin = (jt.array(t[4:9]) for t in rope_tables(8, 16, 500000.0, False))  # positions 4..8
+    plain = rope_reference(x, cos, sin)
+    fused = Rope.apply(x, cos, sin)
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), atol=1e-6)
+    weight = jt.array(rng.standard_normal((2, 5, 3, 8)).astype(np.float32))
+    got, = jt.grad((fused * weight).sum(), [x])
+    want, = jt.grad((plain * weight).sum(), [x])
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+
+
+def test_fused_cross_entropy_matches_log_softmax():
+    from Models.kernels import CrossEntropyRows
+    rng = np.random.default_rng(4)
+    logits = jt.array((3 * rng.standard_normal((6, 11))).astype(np.float32))
+    targets = jt.array(rng.integers(0, 11, 6).astype(np.int32))
+    weight = jt.array(rng.random(6).astype(np.float32))
+    fused = CrossEntropyRows.apply(logits, targets)
+    plain = -jt.gather(nn.log_softmax(logits, dim=-1), 1, targets.unsqueeze(-1)).squeeze(-1)
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), atol=1e-5)
+    got, = jt.grad((fused * weight).sum(), [logits])
+    want, = jt.grad((plain * weight).sum(), [logits])
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
