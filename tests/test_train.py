@@ -115,7 +115,7 @@ def test_adamw_counts_updates_not_backward_calls():
 
 
 def test_loss_decreases_on_synthetic(base, data, tmp_path):
-    assert train(base, data, tmp_path, "--max_steps", 12, "--batch_size", 8) == 0
+    assert train(base, data, tmp_path, "--max_steps", 12, "--batch_size", 8, "--epochs", 2) == 0
     losses = [r["train_loss"] for r in log_records(tmp_path)]
     assert len(losses) == 12
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 1.0, losses
@@ -270,7 +270,7 @@ def test_batch_size_and_world_size():
         Math.check_args(args(5, 2), 2)
     ok = args(8, 2)
     Math.check_args(ok, 2)
-    assert ok.lr == pytest.approx(1e-2 * 8 / 256) and ok.lora_layers == "0-2"
+    assert ok.lr == pytest.approx(ok.blr * 8 / 256) and ok.lora_layers == "0-2"
 
 
 def test_resume_with_another_configuration(base, data, tmp_path, capsys):
