@@ -48,7 +48,7 @@ def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     a = p.add_argument
     a("--llama_path", default=None, help="Meta checkpoint dir (params.json, consolidated.*.pth, tokenizer.model); "
-      "default: the tiny demo base in assets/tiny-math-base, built when missing")
+      "default: the shipped tiny demo base in assets/tiny-math-base")
     a("--data_path", default=None, help="training JSON (LLM-Adapters schema); default: synthetic math problems "
       "written to <output_dir>/data/")
     a("--val_data_path", default=None, help="validation JSON; default: --val_fraction of --data_path "
@@ -176,10 +176,10 @@ def restore(path, model, optimizer, stopper, args):
 def prepare(args):
     """Everything that can fail on user input, before a single file is written."""
     if args.llama_path is None:
-        if misc.is_main_process():
-            ensure_default_base()
-        all_reduce_sum([0.0])  # barrier: the other ranks wait for rank 0 to build it
-        args.llama_path = ensure_default_base()
+        try:
+            args.llama_path = ensure_default_base()
+        except FileNotFoundError as err:
+            fail(str(err))
     params = ModelArgs.from_params_json(args.llama_path)
     check_args(args, params.n_layers)
     train, val = load_data(args)

@@ -1,7 +1,7 @@
-"""A tiny LLaMA-3 base in Meta's directory format, made by the project itself.
+"""Tiny LLaMA-3 bases in Meta's directory format, made by the project itself.
 
 `write_random_base` gives a randomly initialised one (tests, smoke runs); the
-demo's pretrained base builds on it (see scripts/build_base.py).
+demo's pretrained base is shipped in assets/ and rebuilt by scripts/build_base.py.
 """
 import json
 import os
@@ -76,8 +76,8 @@ DEFAULT_BASE_DIR = os.path.join(REPO_ROOT, "assets", "tiny-math-base")
 
 
 def ensure_default_base(path: str = DEFAULT_BASE_DIR) -> str:
-    """The demo's base directory, built when missing."""
+    """The demo's pretrained base directory (shipped in the repository)."""
     if not os.path.isfile(os.path.join(path, "consolidated.00.pth")):
-        print(f"[moa] building the tiny default base in {path} ...")
-        write_random_base(path, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=32, bpe_vocab=512)
+        raise FileNotFoundError(f"{path}: the demo base is missing; restore it with `git checkout -- assets` "
+                                "or rebuild it with `python scripts/build_base.py` (about 45 minutes)")
     return path
