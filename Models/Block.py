@@ -3,7 +3,6 @@
 `weights` below is a dict from expert type name (Q, K, V, PROMPT, O, FFN_UP,
 FFN_GATE, FFN_DOWN) to that expert's per-token weight [B,T].
 """
-import math
 
 import numpy as np
 

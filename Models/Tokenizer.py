@@ -3,7 +3,6 @@
 Works with any tiktoken BPE file (Meta's 128000-token one or a small one written by
 Data/bpe.py); the special tokens always come right after the base vocabulary.
 """
-import base64
 import hashlib
 import os
 import re

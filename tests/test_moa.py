@@ -1,5 +1,4 @@
 """MoA on small random configurations: zero-init equivalence, freezing, adapter files, bad input."""
-import itertools
 
 import numpy as np
 import pytest
