@@ -8,6 +8,11 @@
 run means the same on 1 or N ranks; the authors' --batch_size was per GPU.
 Exit codes: 0 done, 2 bad input, 3 non-finite loss, 143 stopped by SIGTERM.
 """
+import Utils.jittor_env  # must precede numpy and jittor (see block_sigterm)
+
+if __name__ == "__main__":
+    Utils.jittor_env.block_sigterm()
+
 import argparse
 import json
 import math
@@ -17,7 +22,6 @@ import sys
 
 import numpy as np
 
-import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
 import jittor as jt
 
 from Data.dataset import FinetuneDataset, load_examples, split_validation
@@ -304,18 +308,14 @@ def main(argv=None):
     args = get_args_parser().parse_args(argv)
     misc.init_distributed_mode(args)
     print(json.dumps(vars(args), indent=2))
-    sigterm = StopFlag()
-    sigterm.install()
     try:
-        return finetune(args, sigterm)
+        return finetune(args, StopFlag())
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, force=True)
         return 2
     except NonFiniteLoss as e:
         print(f"error: {e}", file=sys.stderr, force=True)
         return 3
-    finally:
-        sigterm.uninstall()
 
 
 if __name__ == "__main__":

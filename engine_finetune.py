@@ -189,21 +189,21 @@ def log_line(run, record):
 # ---- training --------------------------------------------------------------------
 
 class StopFlag:
-    """Set by SIGTERM; the loop saves at the next optimizer-step boundary and leaves."""
+    """SIGTERM, polled between optimizer steps; the loop then saves and leaves.
+
+    Math.py blocks SIGTERM in every thread (Utils.jittor_env.block_sigterm), so it
+    waits as pending until polled here and never interrupts Jittor. Where SIGTERM is
+    not blocked (Math.main called in-process) it keeps its default action.
+    """
 
     def __init__(self):
         self.requested = False
-        self.previous = None
 
-    def install(self):
-        self.previous = signal.signal(signal.SIGTERM, self.handle)
-
-    def handle(self, signum, frame):
-        self.requested = True
-
-    def uninstall(self):
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+    def poll(self) -> bool:
+        if not self.requested and signal.SIGTERM in signal.sigpending():
+            signal.sigtimedwait([signal.SIGTERM], 0)  # consume it
+            self.requested = True
+        return self.requested
 
 
 def validate_and_save(run, model, optimizer, epoch, next_step):
@@ -260,7 +260,7 @@ def train_one_epoch(model, dataset, optimizer, epoch, start_step, run, args):
             local_targets += count
             input_tokens += tokens.size
         nll_sum, targets, input_tokens, stop_votes = all_reduce_sum(
-            [local_nll, local_targets, input_tokens, float(run.sigterm.requested)])
+            [local_nll, local_targets, input_tokens, float(run.sigterm.poll())])
         train_loss = float(nll_sum / max(targets, 1.0))
         if not math.isfinite(train_loss):
             raise NonFiniteLoss(f"training loss is {train_loss} at step {run.global_step + 1} (epoch {epoch}); "

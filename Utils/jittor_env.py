@@ -11,6 +11,7 @@ three defaults break on an offline CPU machine:
 """
 import glob
 import os
+import signal
 import sys
 
 ONEDNN_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "mkl", "dnnl_lnx_2.2.0_cpu_gomp")
@@ -40,6 +41,19 @@ def ensure_onednn():
     if not os.path.lexists(link):
         os.symlink(os.path.realpath(system_lib), link)
     return True
+
+
+def block_sigterm():
+    """Make SIGTERM a pending flag that only engine_finetune.StopFlag polls, in a training process.
+
+    Call before numpy, OpenMP or Jittor start a thread: each inherits the block, so no
+    handler ever interrupts Jittor (a Python handler corrupted its heap in about 1 run in
+    15). Jittor's forked compiler pool is switched off: it would inherit the block too,
+    hang the exit, and under mpirun die by SIGKILL, which Jittor's SIGCHLD handler turns
+    into the exit of the rank. Ops then compile one after another.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    os.environ["DISABLE_MULTIPROCESSING"] = "1"
 
 
 def prepare():
