@@ -11,6 +11,7 @@ import jittor as jt
 from jittor import nn
 
 from .Experts import MOELoraLayer, prompt_attention
+from .fused import silu_gate
 from .kernels import attention, repeat_kv
 from .ModelArgs import ModelArgs
 from .utils import apply_rope
@@ -45,6 +46,7 @@ class Attention(nn.Module):
         D, H, Hkv, hd = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = H, Hkv, hd
         self.n_rep = H // Hkv
+        self.max_seq_len = args.max_seq_len
         self.wq = nn.Linear(D, H * hd, bias=False)
         self.wk = nn.Linear(D, Hkv * hd, bias=False)
         self.wv = nn.Linear(D, Hkv * hd, bias=False)
@@ -62,32 +64,29 @@ class Attention(nn.Module):
     def reset_cache(self):
         self._cache_k = self._cache_v = None
 
-    def update_cache(self, xk: jt.Var, xv: jt.Var, write: jt.Var, keep: jt.Var, max_seq_len: int):
-        """Write this step's keys/values at their positions with a one-hot matmul.
+    def update_cache(self, xk: jt.Var, xv: jt.Var, start_pos: int):
+        """Write this step's keys/values [B,T,Hkv,hd] at positions start_pos.. of the cache.
 
-        The graph is the same at every step (positions are data, not shapes), so
-        Jittor compiles it once. xk/xv [B,T,Hkv,hd], write [S,T], keep [S,1]
+        Jittor's setitem writes in place and takes the position as data, so every
+        decode step runs the same compiled ops. Returns the whole cache [B,S,Hkv,hd].
         """
         B, T = xk.shape[:2]
         if self._cache_k is None or self._cache_k.shape[0] != B:
-            self._cache_k = jt.zeros((B, max_seq_len, self.n_kv_heads, self.head_dim), "float32")
-            self._cache_v = jt.zeros((B, max_seq_len, self.n_kv_heads, self.head_dim), "float32")
-        new_k = scatter_rows(write, xk).reshape(self._cache_k.shape)  # [B,S,Hkv,hd]
-        new_v = scatter_rows(write, xv).reshape(self._cache_v.shape)
-        keep = keep.reshape(1, max_seq_len, 1, 1)
-        self._cache_k = (self._cache_k * keep + new_k).stop_grad()
-        self._cache_v = (self._cache_v * keep + new_v).stop_grad()
+            shape = (B, self.max_seq_len, self.n_kv_heads, self.head_dim)
+            self._cache_k, self._cache_v = jt.zeros(shape, "float32"), jt.zeros(shape, "float32")
+        self._cache_k[:, start_pos:start_pos + T] = xk.stop_grad()
+        self._cache_v[:, start_pos:start_pos + T] = xv.stop_grad()
         return self._cache_k, self._cache_v
 
-    def execute(self, x, cos, sin, mask, weights, cache=None):
-        # x [B,T,D]; cos/sin [T,hd/2]; mask [T,S] additive; cache None or (write, keep, S)
+    def execute(self, x, cos, sin, mask, weights, start_pos=None):
+        # x [B,T,D]; cos/sin [T,hd/2]; mask [T,S] additive; start_pos None (no cache) or int
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         xq = with_lora(self.wq(x), self.lora_Q, x, weights, "Q").reshape(B, T, H, hd)
         xk = with_lora(self.wk(x), self.lora_K, x, weights, "K").reshape(B, T, Hkv, hd)
         xv = with_lora(self.wv(x), self.lora_V, x, weights, "V").reshape(B, T, Hkv, hd)
         xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
-        keys, values = (xk, xv) if cache is None else self.update_cache(xk, xv, *cache)
+        keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
         out = attention(xq, keys, values, mask)  # [B,T,H,hd]
         if self.has_prompt:
             out = out + self.prompt_output(xq, weights["PROMPT"])
@@ -121,7 +120,7 @@ class FeedForward(nn.Module):
         # x [B,T,D] -> [B,T,D]; hidden [B,T,F]
         gate = with_lora(self.w1(x), self.lora_GATE, x, weights, "FFN_GATE")
         up = with_lora(self.w3(x), self.lora_UP, x, weights, "FFN_UP")
-        hidden = nn.silu(gate) * up
+        hidden = silu_gate(gate, up)
         return with_lora(self.w2(hidden), self.lora_DOWN, hidden, weights, "FFN_DOWN")
 
 
@@ -130,17 +129,3 @@ def attention_mask(T: int, S: int, start_pos: int) -> np.ndarray:
     key_pos = np.arange(S)[None, :]
     query_pos = start_pos + np.arange(T)[:, None]
     return np.where(key_pos <= query_pos, 0.0, -np.inf).astype(np.float32)
-
-
-def scatter_rows(write: jt.Var, x: jt.Var) -> jt.Var:
-    """write [S,T] @ x [B,T,...] -> [B,S,F] as one 2-D matmul (oneDNN) over [T, B*F]."""
-    B, T = x.shape[:2]
-    rows = x.reshape(B, T, -1).transpose(1, 0, 2).reshape(T, -1)  # [T, B*F]
-    return nn.matmul(write, rows).reshape(write.shape[0], B, -1).transpose(1, 0, 2)  # [B,S,F]
-
-
-def cache_writer(T: int, S: int, start_pos: int):
-    """write [S,T] one-hot of the new positions; keep [S,1] zero where they land."""
-    write = np.zeros((S, T), np.float32)
-    write[start_pos + np.arange(T), np.arange(T)] = 1.0
-    return write, 1.0 - write.sum(1, keepdims=True)

@@ -3,7 +3,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .Block import Attention, FeedForward, RMSNorm, attention_mask, cache_writer
+from .Block import Attention, FeedForward, RMSNorm, attention_mask
 from .Experts import PAdapterLayer
 from .ModelArgs import ModelArgs
 from .Routing import Gamma, hard_select, type_router
@@ -38,7 +38,7 @@ class TransformerBlock(nn.Module):
         gamma = self.adapter_threshold_fn(x)
         return probs * hard_select(probs, gamma, self.gamma_grad), gamma
 
-    def execute(self, x, cos, sin, mask, cache=None, records=None):
+    def execute(self, x, cos, sin, mask, start_pos=None, records=None):
         # x [B,T,D] -> [B,T,D]
         weights, gamma = {}, None
         if self.type_names:
@@ -48,7 +48,7 @@ class TransformerBlock(nn.Module):
                 records.append({"type_weight": type_weight, "threshold": gamma})
         elif records is not None:
             records.append({"type_weight": None, "threshold": None})
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, weights, cache)
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, weights, start_pos)
         normed = self.ffn_norm(h)
         out = h + self.feed_forward(normed, weights)
         if self.p_adapter is not None:
@@ -87,16 +87,12 @@ class LLaMA(nn.Module):
         first = 0 if start_pos is None else start_pos
         if first + T > self.args.max_seq_len:
             raise ValueError(f"positions {first}..{first + T - 1} exceed max_seq_len={self.args.max_seq_len}")
-        cache = None
-        if start_pos is not None:
-            if self.is_training():
-                raise RuntimeError("the KV cache exists only in eval mode: call model.eval() first")
-            write, keep = cache_writer(T, S, start_pos)
-            cache = (jt.array(write), jt.array(keep), S)
+        if start_pos is not None and self.is_training():
+            raise RuntimeError("the KV cache exists only in eval mode: call model.eval() first")
         mask = jt.array(attention_mask(T, S, first))
         cos = jt.array(self._rope_cos[first:first + T])
         sin = jt.array(self._rope_sin[first:first + T])
         h = self.tok_embeddings(tokens)  # [B,T,D]
         for layer in self.layers:
-            h = layer(h, cos, sin, mask, cache, records)
+            h = layer(h, cos, sin, mask, start_pos, records)
         return self.output(self.norm(h)).float32()  # [B,T,V]

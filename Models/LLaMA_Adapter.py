@@ -12,7 +12,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .kernels import token_nll
+from .fused import token_nll
 from .LLM import LLaMA
 from .ModelArgs import ModelArgs
 

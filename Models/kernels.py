@@ -62,21 +62,43 @@ def bmm(a: jt.Var, b: jt.Var, trans_b: bool = False) -> jt.Var:
     return BatchedMatmul.apply(a, b, False, trans_b)
 
 
+ATTENTION_HEADER = SGEMM_DECLARATION + "#include <cmath>\n#include <algorithm>\n#include <vector>\n"
+
+# Key spans: query t sees keys [0, span[t]) (beyond, the additive mask is -inf), and a
+# block of ROWS queries works on the widest span in it. Causal training then skips
+# the upper triangle block by block, and a decode step reads only the filled cache.
+KEY_SPANS = """
+const int64_t ROWS = 64, n_blocks = (T + ROWS - 1) / ROWS;
+std::vector<int64_t> span(T), width(n_blocks, 0);
+for (int64_t t = 0; t < T; t++) {
+    span[t] = 0;
+    for (int64_t s = 0; s < S; s++) if (mask[t * S + s] > -1e30f) span[t] = s + 1;
+    width[t / ROWS] = std::max(width[t / ROWS], span[t]);
+}
+"""
+
 ATTENTION_FORWARD = """
 #pragma omp parallel for collapse(2)
 for (int64_t b = 0; b < B; b++)
 for (int64_t h = 0; h < H; h++) {
-    const float *q = in0_p + (b * T * H + h) * hd, *k = in1_p + (b * S * Hkv + h / n_rep) * hd;
-    const float *v = in2_p + (b * S * Hkv + h / n_rep) * hd, *mask = in3_p;
-    float *p = out1_p + (b * H + h) * T * S, *o = out0_p + (b * T * H + h) * hd;
-    dnnl_sgemm('N', 'T', T, S, hd, scale, q, H * hd, k, Hkv * hd, 0.f, p, S);
-    for (int64_t t = 0; t < T; t++) {
-        float *row = p + t * S, top = -INFINITY, total = 0.f;
-        for (int64_t s = 0; s < S; s++) { row[s] += mask[t * S + s]; top = std::max(top, row[s]); }
-        for (int64_t s = 0; s < S; s++) { row[s] = std::exp(row[s] - top); total += row[s]; }
-        for (int64_t s = 0; s < S; s++) row[s] /= total;
+    const float *k = in1_p + (b * S * Hkv + h / n_rep) * hd, *v = in2_p + (b * S * Hkv + h / n_rep) * hd;
+    for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
+        const int64_t rows = std::min(ROWS, T - t0), w = width[t0 / ROWS];
+        const float *q = in0_p + ((b * T + t0) * H + h) * hd;
+        float *p = out1_p + ((b * H + h) * T + t0) * S, *o = out0_p + ((b * T + t0) * H + h) * hd;
+        if (w > 0) dnnl_sgemm('N', 'T', rows, w, hd, scale, q, H * hd, k, Hkv * hd, 0.f, p, S);
+        for (int64_t t = 0; t < rows; t++) {
+            float *row = p + t * S, top = -INFINITY, total = 0.f;
+            const float *m = mask + (t0 + t) * S;
+            const int64_t n = span[t0 + t];
+            for (int64_t s = 0; s < n; s++) { row[s] += m[s]; top = std::max(top, row[s]); }
+            for (int64_t s = 0; s < n; s++) { row[s] = std::exp(row[s] - top); total += row[s]; }
+            for (int64_t s = 0; s < n; s++) row[s] /= total;
+            for (int64_t s = n; s < S; s++) row[s] = 0.f;
+        }
+        if (w > 0) dnnl_sgemm('N', 'N', rows, hd, w, 1.f, p, S, v, Hkv * hd, 0.f, o, H * hd);
+        else for (int64_t t = 0; t < rows; t++) std::fill(o + t * H * hd, o + t * H * hd + hd, 0.f);
     }
-    dnnl_sgemm('N', 'N', T, hd, S, 1.f, p, S, v, Hkv * hd, 0.f, o, H * hd);
 }
 """
 
@@ -84,23 +106,32 @@ ATTENTION_BACKWARD = """
 #pragma omp parallel for collapse(2)
 for (int64_t b = 0; b < B; b++)
 for (int64_t g = 0; g < Hkv; g++) {
-    std::vector<float> ds(T * S);
+    std::vector<float> ds(ROWS * S);
     const float *k = in1_p + (b * S * Hkv + g) * hd, *v = in2_p + (b * S * Hkv + g) * hd;
     float *dk = out1_p + (b * S * Hkv + g) * hd, *dv = out2_p + (b * S * Hkv + g) * hd;
-    for (int64_t r = 0; r < n_rep; r++) {
-        int64_t h = g * n_rep + r;
-        const float *q = in0_p + (b * T * H + h) * hd, *p = in3_p + (b * H + h) * T * S;
-        const float *dout = in4_p + (b * T * H + h) * hd;
-        float *dq = out0_p + (b * T * H + h) * hd, beta = r == 0 ? 0.f : 1.f;
-        dnnl_sgemm('T', 'N', S, hd, T, 1.f, p, S, dout, H * hd, beta, dv, Hkv * hd);
-        dnnl_sgemm('N', 'T', T, S, hd, 1.f, dout, H * hd, v, Hkv * hd, 0.f, ds.data(), S);
-        for (int64_t t = 0; t < T; t++) {
-            const float *pr = p + t * S; float *dr = ds.data() + t * S, dot = 0.f;
-            for (int64_t s = 0; s < S; s++) dot += dr[s] * pr[s];
-            for (int64_t s = 0; s < S; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
+    for (int64_t s = 0; s < S; s++) {
+        std::fill(dk + s * Hkv * hd, dk + s * Hkv * hd + hd, 0.f);
+        std::fill(dv + s * Hkv * hd, dv + s * Hkv * hd + hd, 0.f);
+    }
+    for (int64_t r = 0; r < n_rep; r++)
+    for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
+        const int64_t h = g * n_rep + r, rows = std::min(ROWS, T - t0), w = width[t0 / ROWS];
+        const float *q = in0_p + ((b * T + t0) * H + h) * hd, *p = in3_p + ((b * H + h) * T + t0) * S;
+        const float *dout = in4_p + ((b * T + t0) * H + h) * hd;
+        float *dq = out0_p + ((b * T + t0) * H + h) * hd;
+        if (w == 0) {
+            for (int64_t t = 0; t < rows; t++) std::fill(dq + t * H * hd, dq + t * H * hd + hd, 0.f);
+            continue;
         }
-        dnnl_sgemm('N', 'N', T, hd, S, 1.f, ds.data(), S, k, Hkv * hd, 0.f, dq, H * hd);
-        dnnl_sgemm('T', 'N', S, hd, T, 1.f, ds.data(), S, q, H * hd, beta, dk, Hkv * hd);
+        dnnl_sgemm('T', 'N', w, hd, rows, 1.f, p, S, dout, H * hd, 1.f, dv, Hkv * hd);
+        dnnl_sgemm('N', 'T', rows, w, hd, 1.f, dout, H * hd, v, Hkv * hd, 0.f, ds.data(), w);
+        for (int64_t t = 0; t < rows; t++) {
+            const float *pr = p + t * S; float *dr = ds.data() + t * w, dot = 0.f;
+            for (int64_t s = 0; s < w; s++) dot += dr[s] * pr[s];
+            for (int64_t s = 0; s < w; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
+        }
+        dnnl_sgemm('N', 'N', rows, hd, w, 1.f, ds.data(), w, k, Hkv * hd, 0.f, dq, H * hd);
+        dnnl_sgemm('T', 'N', w, hd, rows, 1.f, ds.data(), w, q, H * hd, 1.f, dk, Hkv * hd);
     }
 }
 """
@@ -120,16 +151,16 @@ class FusedAttention(jt.Function):
         S, Hkv = k.shape[1], k.shape[2]
         sizes = (f"const int64_t B = {B}, T = {T}, H = {H}, hd = {hd}, S = {S}, Hkv = {Hkv}, "
                  f"n_rep = {H // Hkv}; const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n")
+        sizes += "const float *mask = in3_p;\n" + KEY_SPANS
         out, probs = jt.code([(B, T, H, hd), (B, H, T, S)], ["float32", "float32"], [q, k, v, mask],
-                             cpu_header=SGEMM_DECLARATION + "#include <cmath>\n#include <algorithm>\n",
-                             cpu_src=sizes + ATTENTION_FORWARD)
-        self.saved = (q, k, v, probs.detach(), sizes)
+                             cpu_header=ATTENTION_HEADER, cpu_src=sizes + ATTENTION_FORWARD)
+        self.saved = (q, k, v, probs.detach(), mask, sizes)
         return out
 
     def grad(self, grad_out):
-        q, k, v, probs, sizes = self.saved
-        dq, dk, dv = jt.code([q.shape, k.shape, v.shape], ["float32"] * 3, [q, k, v, probs, grad_out],
-                             cpu_header=SGEMM_DECLARATION + "#include <vector>\n", cpu_src=sizes + ATTENTION_BACKWARD)
+        q, k, v, probs, mask, sizes = self.saved
+        dq, dk, dv = jt.code([q.shape, k.shape, v.shape], ["float32"] * 3, [q, k, v, probs, grad_out, mask],
+                             cpu_header=ATTENTION_HEADER, cpu_src=sizes.replace("in3_p", "in5_p") + ATTENTION_BACKWARD)
         return dq, dk, dv, None
 
 
@@ -155,90 +186,3 @@ def repeat_kv(x: jt.Var, n_rep: int) -> jt.Var:
         return x
     B, S, Hkv, hd = x.shape
     return x.reshape(B, S, Hkv, 1, hd).broadcast((B, S, Hkv, n_rep, hd)).reshape(B, S, Hkv * n_rep, hd)
-
-
-ROTATE_PAIRS = """
-#pragma omp parallel for
-for (int64_t bt = 0; bt < B * T; bt++) {
-    const float *c = in1_p + (bt % T) * half, *s = in2_p + (bt % T) * half;
-    for (int64_t h = 0; h < H; h++) {
-        const float *x = in0_p + (bt * H + h) * 2 * half;
-        float *y = out0_p + (bt * H + h) * 2 * half;
-        for (int64_t i = 0; i < half; i++) {
-            float even = x[2 * i], odd = x[2 * i + 1], sine = sign * s[i];
-            y[2 * i] = even * c[i] - odd * sine;
-            y[2 * i + 1] = even * sine + odd * c[i];
-        }
-    }
-}
-"""
-
-
-def rotate_pairs(x: jt.Var, cos: jt.Var, sin: jt.Var, sign: float) -> jt.Var:
-    """Rotate each (even, odd) pair of x [B,T,H,hd] by +-angle; cos/sin [T,hd/2]."""
-    B, T, H, hd = x.shape
-    sizes = f"const int64_t B = {B}, T = {T}, H = {H}, half = {hd // 2}; const float sign = {sign!r}f;\n"
-    return jt.code(x.shape, "float32", [x.float32(), cos, sin], cpu_src=sizes + ROTATE_PAIRS)
-
-
-class Rope(jt.Function):
-    """RoPE in one threaded pass; its gradient is the rotation by the opposite angle."""
-
-    def execute(self, x, cos, sin):
-        self.saved = (cos, sin)
-        return rotate_pairs(x, cos, sin, 1.0)
-
-    def grad(self, grad_out):
-        cos, sin = self.saved
-        return rotate_pairs(grad_out, cos, sin, -1.0), None, None
-
-
-CROSS_ENTROPY_FORWARD = """
-#pragma omp parallel for
-for (int64_t r = 0; r < N; r++) {
-    const float *x = in0_p + r * V;
-    float top = -INFINITY, total = 0.f;
-    for (int64_t v = 0; v < V; v++) top = std::max(top, x[v]);
-    for (int64_t v = 0; v < V; v++) total += std::exp(x[v] - top);
-    out1_p[r] = top + std::log(total);
-    out0_p[r] = out1_p[r] - x[in1_p[r]];
-}
-"""
-
-CROSS_ENTROPY_BACKWARD = """
-#pragma omp parallel for
-for (int64_t r = 0; r < N; r++) {
-    const float *x = in0_p + r * V;
-    float *g = out0_p + r * V, scale = in3_p[r], lse = in2_p[r];
-    for (int64_t v = 0; v < V; v++) g[v] = scale * std::exp(x[v] - lse);
-    g[in1_p[r]] -= scale;
-}
-"""
-
-
-class CrossEntropyRows(jt.Function):
-    """nll [N] = logsumexp(logits [N,V]) - logits[target], one threaded pass each way."""
-
-    def execute(self, logits, targets):
-        N, V = logits.shape
-        self.sizes = f"const int64_t N = {N}, V = {V};\n"
-        nll, lse = jt.code([(N,), (N,)], ["float32", "float32"], [logits, targets],
-                           cpu_header="#include <cmath>\n#include <algorithm>\n",
-                           cpu_src=self.sizes + CROSS_ENTROPY_FORWARD)
-        self.saved = (logits, targets, lse.detach())
-        return nll
-
-    def grad(self, grad_nll):
-        logits, targets, lse = self.saved
-        grad = jt.code(logits.shape, "float32", [logits, targets, lse, grad_nll],
-                       cpu_header="#include <cmath>\n", cpu_src=self.sizes + CROSS_ENTROPY_BACKWARD)
-        return grad, None
-
-
-def token_nll(logits: jt.Var, targets: jt.Var) -> jt.Var:
-    """-log softmax(logits)[target]: logits [B,T,V] fp32, targets [B,T] int -> [B,T]."""
-    B, T, V = logits.shape
-    if onednn_available():
-        return CrossEntropyRows.apply(logits.reshape(B * T, V), targets.reshape(B * T).int32()).reshape(B, T)
-    log_probs = nn.log_softmax(logits, dim=-1)
-    return -jt.gather(log_probs, 2, targets.unsqueeze(-1)).squeeze(-1)

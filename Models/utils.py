@@ -6,7 +6,8 @@ import numpy as np
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
-from .kernels import Rope, onednn_available
+from .fused import Rope
+from .kernels import onednn_available
 
 # LLaMA-3.1 scaled RoPE constants
 ROPE_SCALE_FACTOR = 8.0

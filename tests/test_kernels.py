@@ -10,7 +10,10 @@ from jittor import nn
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="oneDNN kernels are off (no libdnnl or a GPU run)")
 
 
-@pytest.mark.parametrize("H, Hkv, T, S, start", [(4, 4, 7, 7, 0), (4, 2, 5, 12, 3), (8, 2, 1, 16, 9)])
+# (4, 2, 150, 150, 0): causal training over three 64-query blocks of growing key spans;
+# (8, 2, 1, 160, 70): a decode step that reads 71 of 160 cache rows.
+@pytest.mark.parametrize("H, Hkv, T, S, start", [(4, 4, 7, 7, 0), (4, 2, 5, 12, 3), (8, 2, 1, 16, 9),
+                                                 (4, 2, 150, 150, 0), (8, 2, 1, 160, 70)])
 def test_fused_attention_matches_reference(H, Hkv, T, S, start):
     rng = np.random.default_rng(H * 100 + T)
     q, k, v = (jt.array(rng.standard_normal(shape).astype(np.float32))
@@ -37,7 +40,7 @@ def test_bmm_matches_matmul(trans_b):
 
 
 def test_fused_rope_matches_reference():
-    from Models.kernels import Rope
+    from Models.fused import Rope
     from Models.utils import rope_reference, rope_tables
     rng = np.random.default_rng(3)
     x = jt.array(rng.standard_normal((2, 5, 3, 8)).astype(np.float32))
@@ -52,7 +55,7 @@ def test_fused_rope_matches_reference():
 
 
 def test_fused_cross_entropy_matches_log_softmax():
-    from Models.kernels import CrossEntropyRows
+    from Models.fused import CrossEntropyRows
     rng = np.random.default_rng(4)
     logits = jt.array((3 * rng.standard_normal((6, 11))).astype(np.float32))
     targets = jt.array(rng.integers(0, 11, 6).astype(np.int32))
@@ -63,3 +66,14 @@ def test_fused_cross_entropy_matches_log_softmax():
     got, = jt.grad((fused * weight).sum(), [logits])
     want, = jt.grad((plain * weight).sum(), [logits])
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+
+
+def test_fused_silu_gate_matches_reference():
+    from Models.fused import SiluGate
+    rng = np.random.default_rng(5)
+    gate, up, weight = (jt.array((3 * rng.standard_normal((2, 7, 13))).astype(np.float32)) for _ in range(3))
+    fused = SiluGate.apply(gate, up)
+    plain = nn.silu(gate) * up
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-6, atol=1e-6)
+    for got, want in zip(jt.grad((fused * weight).sum(), [gate, up]), jt.grad((plain * weight).sum(), [gate, up])):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)

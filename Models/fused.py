@@ -1,0 +1,138 @@
+"""Threaded single-pass CPU kernels for the elementwise work around the matmuls.
+
+Jittor runs its own elementwise and reduction kernels on one thread; these run
+each op (RoPE, the SwiGLU gate, cross-entropy over the vocabulary) in one
+OpenMP-parallel pass forward and one backward. The callers fall back to plain
+Jittor ops on a GPU or without oneDNN (kernels.onednn_available()).
+"""
+import Utils.jittor_env  # noqa: F401
+import jittor as jt
+from jittor import nn
+
+from .kernels import onednn_available
+
+ROTATE_PAIRS = """
+#pragma omp parallel for
+for (int64_t bt = 0; bt < B * T; bt++) {
+    const float *c = in1_p + (bt % T) * half, *s = in2_p + (bt % T) * half;
+    for (int64_t h = 0; h < H; h++) {
+        const float *x = in0_p + (bt * H + h) * 2 * half;
+        float *y = out0_p + (bt * H + h) * 2 * half;
+        for (int64_t i = 0; i < half; i++) {
+            float even = x[2 * i], odd = x[2 * i + 1], sine = sign * s[i];
+            y[2 * i] = even * c[i] - odd * sine;
+            y[2 * i + 1] = even * sine + odd * c[i];
+        }
+    }
+}
+"""
+
+
+def rotate_pairs(x: jt.Var, cos: jt.Var, sin: jt.Var, sign: float) -> jt.Var:
+    """Rotate each (even, odd) pair of x [B,T,H,hd] by +-angle; cos/sin [T,hd/2]."""
+    B, T, H, hd = x.shape
+    sizes = f"const int64_t B = {B}, T = {T}, H = {H}, half = {hd // 2}; const float sign = {sign!r}f;\n"
+    return jt.code(x.shape, "float32", [x.float32(), cos, sin], cpu_src=sizes + ROTATE_PAIRS)
+
+
+class Rope(jt.Function):
+    """RoPE in one threaded pass; its gradient is the rotation by the opposite angle."""
+
+    def execute(self, x, cos, sin):
+        self.saved = (cos, sin)
+        return rotate_pairs(x, cos, sin, 1.0)
+
+    def grad(self, grad_out):
+        cos, sin = self.saved
+        return rotate_pairs(grad_out, cos, sin, -1.0), None, None
+
+
+CROSS_ENTROPY_FORWARD = """
+#pragma omp parallel for
+for (int64_t r = 0; r < N; r++) {
+    const float *x = in0_p + r * V;
+    float top = -INFINITY, total = 0.f;
+    for (int64_t v = 0; v < V; v++) top = std::max(top, x[v]);
+    for (int64_t v = 0; v < V; v++) total += std::exp(x[v] - top);
+    out1_p[r] = top + std::log(total);
+    out0_p[r] = out1_p[r] - x[in1_p[r]];
+}
+"""
+
+CROSS_ENTROPY_BACKWARD = """
+#pragma omp parallel for
+for (int64_t r = 0; r < N; r++) {
+    const float *x = in0_p + r * V;
+    float *g = out0_p + r * V, scale = in3_p[r], lse = in2_p[r];
+    for (int64_t v = 0; v < V; v++) g[v] = scale * std::exp(x[v] - lse);
+    g[in1_p[r]] -= scale;
+}
+"""
+
+
+class CrossEntropyRows(jt.Function):
+    """nll [N] = logsumexp(logits [N,V]) - logits[target], one threaded pass each way."""
+
+    def execute(self, logits, targets):
+        N, V = logits.shape
+        self.sizes = f"const int64_t N = {N}, V = {V};\n"
+        nll, lse = jt.code([(N,), (N,)], ["float32", "float32"], [logits, targets],
+                           cpu_header="#include <cmath>\n#include <algorithm>\n",
+                           cpu_src=self.sizes + CROSS_ENTROPY_FORWARD)
+        self.saved = (logits, targets, lse.detach())
+        return nll
+
+    def grad(self, grad_nll):
+        logits, targets, lse = self.saved
+        grad = jt.code(logits.shape, "float32", [logits, targets, lse, grad_nll],
+                       cpu_header="#include <cmath>\n", cpu_src=self.sizes + CROSS_ENTROPY_BACKWARD)
+        return grad, None
+
+
+def token_nll(logits: jt.Var, targets: jt.Var) -> jt.Var:
+    """-log softmax(logits)[target]: logits [B,T,V] fp32, targets [B,T] int -> [B,T]."""
+    B, T, V = logits.shape
+    if onednn_available():
+        return CrossEntropyRows.apply(logits.reshape(B * T, V), targets.reshape(B * T).int32()).reshape(B, T)
+    log_probs = nn.log_softmax(logits, dim=-1)
+    return -jt.gather(log_probs, 2, targets.unsqueeze(-1)).squeeze(-1)
+
+
+SWIGLU_FORWARD = """
+#pragma omp parallel for simd
+for (int64_t i = 0; i < N; i++) {
+    const float g = in0_p[i];
+    out0_p[i] = g / (1.f + std::exp(-g)) * in1_p[i];
+}
+"""
+
+SWIGLU_BACKWARD = """
+#pragma omp parallel for simd
+for (int64_t i = 0; i < N; i++) {
+    const float g = in0_p[i], u = in1_p[i], d = in2_p[i], s = 1.f / (1.f + std::exp(-g));
+    out0_p[i] = d * u * s * (1.f + g * (1.f - s));
+    out1_p[i] = d * g * s;
+}
+"""
+
+
+class SiluGate(jt.Function):
+    """silu(gate) * up, the SwiGLU product, with its two gradients in one pass."""
+
+    def execute(self, gate, up):
+        self.saved = (gate, up)
+        self.sizes = f"const int64_t N = {gate.numel()};\n"
+        return jt.code(gate.shape, "float32", [gate, up], cpu_header="#include <cmath>\n",
+                       cpu_src=self.sizes + SWIGLU_FORWARD)
+
+    def grad(self, grad_out):
+        gate, up = self.saved
+        return jt.code([gate.shape, up.shape], ["float32", "float32"], [gate, up, grad_out],
+                       cpu_header="#include <cmath>\n", cpu_src=self.sizes + SWIGLU_BACKWARD)
+
+
+def silu_gate(gate: jt.Var, up: jt.Var) -> jt.Var:
+    """silu(gate) * up for two fp32 tensors of one shape."""
+    if onednn_available():
+        return SiluGate.apply(gate.float32(), up.float32())
+    return nn.silu(gate) * up
