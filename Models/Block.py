@@ -11,8 +11,8 @@ import jittor as jt
 from jittor import nn
 
 from .Experts import MOELoraLayer, prompt_attention
-from .fused import silu_gate
-from .kernels import attention, repeat_kv
+from .fused import FrozenRMSNorm, silu_gate
+from .kernels import attention, onednn_available, repeat_kv
 from .ModelArgs import ModelArgs
 from .utils import apply_rope
 
@@ -24,6 +24,8 @@ class RMSNorm(nn.Module):
 
     def execute(self, x: jt.Var) -> jt.Var:
         # x [..., D] -> [..., D], statistics in fp32
+        if onednn_available() and x.dtype == "float32" and not self.weight.requires_grad:
+            return FrozenRMSNorm.apply(x, self.weight, self.eps)  # one threaded pass (CPU)
         x32 = x.float32()
         normed = x32 * jt.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
         return normed.cast(x.dtype) * self.weight
@@ -38,7 +40,7 @@ def lora_for(args: ModelArgs, layer_id: int, target: str, in_features: int, out_
 
 
 def with_lora(base: jt.Var, lora, x: jt.Var, weights: dict, target: str) -> jt.Var:
-    return base if lora is None else base + lora(x, weights[target])
+    return base if lora is None else lora.add_to(base, x, weights[target])
 
 
 class Attention(nn.Module):

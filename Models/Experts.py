@@ -9,6 +9,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import init, nn
 
+from .fused import add_weighted
 from .kernels import bmm
 
 
@@ -58,6 +59,12 @@ class MOELoraLayer(nn.Module):
             self.lora_A = nn.ModuleList([nn.Linear(in_features, rank, bias=False) for _ in range(n_a)])
             self.lora_B = nn.ModuleList([zero_linear(rank, out_features) for _ in range(expert_num)])
 
+    def add_to(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
+        """base [B,T,out] + this expert's output, in one fused pass for a single LoRA."""
+        if self.expert_num == 1:
+            return add_weighted(base, self.lora_B(self.lora_A(x)), type_weight, self.scaling)
+        return base + self(x, type_weight)
+
     def execute(self, x: jt.Var, type_weight: jt.Var) -> jt.Var:
         # x [B,T,in], type_weight [B,T] -> [B,T,out]
         weight = type_weight.unsqueeze(-1)
@@ -83,6 +90,12 @@ class PAdapterLayer(nn.Module):
             n_down = 1 if hydra else expert_num
             self.down_proj = nn.ModuleList([xavier_linear(dim, size, 1e-4) for _ in range(n_down)])
             self.up_proj = nn.ModuleList([xavier_linear(size, dim, 1e-4) for _ in range(expert_num)])
+
+    def add_to(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
+        """base [B,T,D] + this adapter's output, in one fused pass for a single adapter."""
+        if self.expert_num == 1:
+            return add_weighted(base, self.up_proj(nn.silu(self.down_proj(x))), type_weight, 1.0)
+        return base + self(x, type_weight)
 
     def execute(self, x: jt.Var, type_weight: jt.Var) -> jt.Var:
         # x [B,T,D] (the normalised FFN input), type_weight [B,T] -> [B,T,D]

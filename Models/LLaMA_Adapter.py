@@ -71,7 +71,11 @@ class LLaMA_adapter(nn.Module):
         Returns (loss scalar, logits [B,T,V]).
         """
         logits = self.llama(tokens, records=records)  # [B,T,V]
-        nll = token_nll(logits[:, :-1], tokens[:, 1:])  # [B,T-1]
-        mask = loss_mask[:, 1:].float32()
+        # Position t predicts tokens[:, t+1]; the last position gets a dummy target and
+        # weight 0, which spares copying logits[:, :-1] (a [B,T-1,V] slice) both ways.
+        B = tokens.shape[0]
+        targets = jt.concat([tokens[:, 1:], jt.zeros((B, 1), tokens.dtype)], dim=1)  # [B,T]
+        mask = jt.concat([loss_mask[:, 1:].float32(), jt.zeros((B, 1), "float32")], dim=1)
+        nll = token_nll(logits, targets)  # [B,T]
         loss = (nll * mask).sum() / mask.sum().maximum(1.0)
         return loss, logits

@@ -136,3 +136,88 @@ def silu_gate(gate: jt.Var, up: jt.Var) -> jt.Var:
     if onednn_available():
         return SiluGate.apply(gate.float32(), up.float32())
     return nn.silu(gate) * up
+
+
+RMS_NORM_FORWARD = """
+#pragma omp parallel for
+for (int64_t r = 0; r < N; r++) {
+    const float *x = in0_p + r * D, *w = in1_p;
+    float *y = out0_p + r * D, squares = 0.f;
+    for (int64_t i = 0; i < D; i++) squares += x[i] * x[i];
+    const float inv = 1.f / std::sqrt(squares / D + eps);
+    out1_p[r] = inv;
+    for (int64_t i = 0; i < D; i++) y[i] = x[i] * inv * w[i];
+}
+"""
+
+RMS_NORM_BACKWARD = """
+#pragma omp parallel for
+for (int64_t r = 0; r < N; r++) {
+    const float *x = in0_p + r * D, *w = in1_p, *d = in3_p + r * D, inv = in2_p[r];
+    float *dx = out0_p + r * D, dot = 0.f;
+    for (int64_t i = 0; i < D; i++) dot += d[i] * w[i] * x[i];
+    const float k = inv * inv * inv * dot / D;
+    for (int64_t i = 0; i < D; i++) dx[i] = d[i] * w[i] * inv - x[i] * k;
+}
+"""
+
+
+class FrozenRMSNorm(jt.Function):
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim; the gradient reaches x only
+    (the norm weights belong to the frozen base)."""
+
+    def execute(self, x, weight, eps):
+        D = x.shape[-1]
+        self.sizes = f"const int64_t N = {x.numel() // D}, D = {D}; const float eps = {eps!r}f;\n"
+        y, inv = jt.code([x.shape, (x.numel() // D,)], ["float32", "float32"], [x, weight],
+                         cpu_header="#include <cmath>\n", cpu_src=self.sizes + RMS_NORM_FORWARD)
+        self.saved = (x, weight, inv.detach())
+        return y
+
+    def grad(self, grad_out):
+        x, weight, inv = self.saved
+        dx = jt.code(x.shape, "float32", [x, weight, inv, grad_out], cpu_src=self.sizes + RMS_NORM_BACKWARD)
+        return dx, None, None
+
+
+ADD_WEIGHTED_FORWARD = """
+#pragma omp parallel for
+for (int64_t r = 0; r < N; r++) {
+    const float *base = in0_p + r * F, *delta = in1_p + r * F, w = in2_p[r] * scale;
+    float *out = out0_p + r * F;
+    for (int64_t i = 0; i < F; i++) out[i] = base[i] + delta[i] * w;
+}
+"""
+
+ADD_WEIGHTED_BACKWARD = """
+#pragma omp parallel for
+for (int64_t r = 0; r < N; r++) {
+    const float *delta = in0_p + r * F, *g = in2_p + r * F, w = in1_p[r] * scale;
+    float *ddelta = out0_p + r * F, dot = 0.f;
+    for (int64_t i = 0; i < F; i++) { ddelta[i] = g[i] * w; dot += g[i] * delta[i]; }
+    out1_p[r] = dot * scale;
+}
+"""
+
+
+class AddWeighted(jt.Function):
+    """base + delta * weight[..., None] * scale: an expert's output added under its router weight."""
+
+    def execute(self, base, delta, weight, scale):
+        F = base.shape[-1]
+        self.sizes = f"const int64_t N = {base.numel() // F}, F = {F}; const float scale = {float(scale)!r}f;\n"
+        self.saved = (delta, weight)
+        return jt.code(base.shape, "float32", [base, delta, weight], cpu_src=self.sizes + ADD_WEIGHTED_FORWARD)
+
+    def grad(self, grad_out):
+        delta, weight = self.saved
+        ddelta, dweight = jt.code([delta.shape, weight.shape], ["float32", "float32"], [delta, weight, grad_out],
+                                  cpu_src=self.sizes + ADD_WEIGHTED_BACKWARD)
+        return grad_out, ddelta, dweight, None
+
+
+def add_weighted(base: jt.Var, delta: jt.Var, weight: jt.Var, scale: float) -> jt.Var:
+    """base [..., F] + delta [..., F] * weight [...] * scale, all fp32."""
+    if onednn_available():
+        return AddWeighted.apply(base.float32(), delta.float32(), weight.float32(), scale)
+    return base + delta * scale * weight.unsqueeze(-1)

@@ -77,3 +77,29 @@ def test_fused_silu_gate_matches_reference():
     np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-6, atol=1e-6)
     for got, want in zip(jt.grad((fused * weight).sum(), [gate, up]), jt.grad((plain * weight).sum(), [gate, up])):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_rms_norm_matches_reference():
+    from Models.fused import FrozenRMSNorm
+    rng = np.random.default_rng(6)
+    x, weight_out = (jt.array(rng.standard_normal((3, 5, 16)).astype(np.float32)) for _ in range(2))
+    scale = jt.array((1 + 0.1 * rng.standard_normal(16)).astype(np.float32))
+    fused = FrozenRMSNorm.apply(x, scale, 1e-5)
+    plain = x * jt.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5) * scale
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-6, atol=1e-6)
+    got, = jt.grad((fused * weight_out).sum(), [x])
+    want, = jt.grad((plain * weight_out).sum(), [x])
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_add_weighted_matches_reference():
+    from Models.fused import AddWeighted
+    rng = np.random.default_rng(7)
+    base, delta, weight_out = (jt.array(rng.standard_normal((2, 5, 12)).astype(np.float32)) for _ in range(3))
+    router_weight = jt.array(rng.random((2, 5)).astype(np.float32))
+    fused = AddWeighted.apply(base, delta, router_weight, 0.5)
+    plain = base + delta * 0.5 * router_weight.unsqueeze(-1)
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-6, atol=1e-6)
+    inputs = [base, delta, router_weight]
+    for got, want in zip(jt.grad((fused * weight_out).sum(), inputs), jt.grad((plain * weight_out).sum(), inputs)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
