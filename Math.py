@@ -305,6 +305,8 @@ def finetune(args, sigterm):
 
 
 def main(argv=None):
+    if os.environ.get("DISABLE_MULTIPROCESSING") == "1":  # set by block_sigterm: the pool, not the threads
+        jt.flags.use_parallel_op_compiler = 16  # Jittor's default, which that switch also turned off
     args = get_args_parser().parse_args(argv)
     misc.init_distributed_mode(args)
     print(json.dumps(vars(args), indent=2))

@@ -10,9 +10,9 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .Experts import MOELoraLayer, prompt_attention
+from .Experts import MOELoraLayer
 from .fused import FrozenRMSNorm, silu_gate
-from .kernels import attention, onednn_available, repeat_kv
+from .kernels import attention, onednn_available
 from .ModelArgs import ModelArgs
 from .utils import apply_rope
 
@@ -96,14 +96,14 @@ class Attention(nn.Module):
         return with_lora(self.wo(out), self.lora_O, out, weights, "O")
 
     def prompt_output(self, xq: jt.Var, type_weight: jt.Var) -> jt.Var:
-        # xq [B,T,H,hd], type_weight [B,T] -> [B,T,H,hd]
+        # xq [B,T,H,hd] (rotated queries), type_weight [B,T] -> [B,T,H,hd]
+        B, T, H, hd = xq.shape
         L = self.prompt.weight.shape[0]
-        prompt_k = self.wk(self.prompt.weight).reshape(1, L, self.n_kv_heads, self.head_dim)  # base proj, no RoPE
-        prompt_v = self.wv(self.prompt.weight).reshape(1, L, self.n_kv_heads, self.head_dim)
-        prompt_k = repeat_kv(prompt_k, self.n_rep).transpose(0, 2, 1, 3)  # [1,H,L,hd]
-        prompt_v = repeat_kv(prompt_v, self.n_rep).transpose(0, 2, 1, 3)
-        out = prompt_attention(xq.transpose(0, 2, 1, 3), prompt_k, prompt_v, self.prompt_gate)  # [B,H,T,hd]
-        return out.transpose(0, 2, 1, 3) * type_weight.reshape(xq.shape[0], xq.shape[1], 1, 1)
+        # the learned prompt through the base projections, no RoPE, no mask: [B,L,Hkv,hd]
+        prompt_k = self.wk(self.prompt.weight).reshape(1, L, self.n_kv_heads, hd).broadcast((B, L, self.n_kv_heads, hd))
+        prompt_v = self.wv(self.prompt.weight).reshape(1, L, self.n_kv_heads, hd).broadcast((B, L, self.n_kv_heads, hd))
+        out = attention(xq, prompt_k, prompt_v, jt.zeros((T, L), "float32"))  # [B,T,H,hd]
+        return out * self.prompt_gate.reshape(1, 1, H, 1) * type_weight.reshape(B, T, 1, 1)
 
 
 class FeedForward(nn.Module):

@@ -1,4 +1,6 @@
-"""The experts: LoRA (MOELoraLayer), the parallel adapter (PAdapterLayer), prompt tuning.
+"""The experts: LoRA (MOELoraLayer) and the parallel adapter (PAdapterLayer).
+
+Prompt tuning lives in Block.Attention: it needs the layer's queries and projections.
 
 Every expert takes its input and its per-token type weight [B,T] and returns its
 contribution already multiplied by that weight; the block owns the routing.
@@ -10,7 +12,6 @@ import jittor as jt
 from jittor import init, nn
 
 from .fused import add_weighted
-from .kernels import bmm
 
 
 def zero_linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
@@ -106,13 +107,3 @@ class PAdapterLayer(nn.Module):
         hidden = [nn.silu(d(x)) for d in self.down_proj]
         outputs = [u(hidden[e % len(hidden)]) for e, u in enumerate(self.up_proj)]
         return mix_experts(gate, outputs) * weight
-
-
-def prompt_attention(xq: jt.Var, prompt_k: jt.Var, prompt_v: jt.Var, gate: jt.Var) -> jt.Var:
-    """Rotated queries attend to the learned prompt (no mask, no cache), scaled by a per-head gate.
-
-    xq [B,H,T,hd], prompt_k/prompt_v [1,H,L,hd], gate [1,H,1,1] -> [B,H,T,hd]
-    """
-    batch = (xq.shape[0],) + tuple(prompt_k.shape[1:])
-    scores = bmm(xq, prompt_k.broadcast(batch), trans_b=True) / math.sqrt(xq.shape[-1])  # [B,H,T,L]
-    return gate * bmm(nn.softmax(scores, dim=-1), prompt_v.broadcast(batch))

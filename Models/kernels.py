@@ -1,9 +1,10 @@
-"""Batched matmul for attention on CPU through oneDNN.
+"""Attention on CPU through oneDNN's sgemm.
 
 Jittor's CPU `matmul` maps 2-D products to oneDNN, but batched ones
-([B,H,T,hd] @ [B,H,hd,S]) fall back to a broadcast-multiply-reduce that runs
-4-8x slower and dominated our training step. `bmm` calls oneDNN's sgemm once
-per batch entry instead; on a GPU, or without oneDNN, it is Jittor's matmul.
+([B,H,T,hd] @ [B,H,hd,S]) fall back to a broadcast-multiply-reduce that ran
+4-8x slower and dominated our training step, and its softmax is single-threaded.
+FusedAttention calls oneDNN's sgemm per (batch, head) on strided views instead;
+on a GPU, or without oneDNN, `attention` is plain Jittor ops.
 """
 import numpy as np
 
@@ -20,46 +21,6 @@ extern "C" int dnnl_sgemm(char transa, char transb, int64_t M, int64_t N, int64_
 
 def onednn_available() -> bool:
     return jt.compile_extern.mkl_ops is not None and not jt.flags.use_cuda
-
-
-def sgemm_batched(a: jt.Var, b: jt.Var, trans_a: bool, trans_b: bool) -> jt.Var:
-    """op(a) @ op(b) over equal leading dims, fp32, no autograd."""
-    n, m = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
-    k = b.shape[-2] if trans_b else b.shape[-1]
-    batch = int(np.prod(a.shape[:-2]))
-    src = f"""
-    for (int64_t i = 0; i < {batch}; i++)
-        dnnl_sgemm('{"T" if trans_a else "N"}', '{"T" if trans_b else "N"}', {n}, {k}, {m}, 1.f,
-                   in0_p + i * {n * m}, {n if trans_a else m}, in1_p + i * {m * k}, {m if trans_b else k},
-                   0.f, out0_p + i * {n * k}, {k});
-    """
-    return jt.code(tuple(a.shape[:-2]) + (n, k), "float32", [a.float32(), b.float32()],
-                   cpu_header=SGEMM_DECLARATION, cpu_src=src)
-
-
-class BatchedMatmul(jt.Function):
-    """op(a) @ op(b) with its gradient, each piece itself a batched sgemm."""
-
-    def execute(self, a, b, trans_a=False, trans_b=False):
-        self.saved = (a, b, trans_a, trans_b)
-        return sgemm_batched(a, b, trans_a, trans_b)
-
-    def grad(self, grad_out):
-        a, b, trans_a, trans_b = self.saved
-        if not trans_a and not trans_b:  # c = a b
-            return sgemm_batched(grad_out, b, False, True), sgemm_batched(a, grad_out, True, False)
-        if not trans_a and trans_b:  # c = a b^T
-            return sgemm_batched(grad_out, b, False, False), sgemm_batched(grad_out, a, True, False)
-        if trans_a and not trans_b:  # c = a^T b
-            return sgemm_batched(b, grad_out, False, True), sgemm_batched(a, grad_out, False, False)
-        return sgemm_batched(b, grad_out, True, True), sgemm_batched(grad_out, a, True, True)
-
-
-def bmm(a: jt.Var, b: jt.Var, trans_b: bool = False) -> jt.Var:
-    """a [...,n,m] @ b [...,m,k] (or b^T for b [...,k,m]) -> [...,n,k]; leading dims must match."""
-    if not onednn_available():
-        return nn.matmul(a, b.transpose(*range(b.ndim - 2), b.ndim - 1, b.ndim - 2) if trans_b else b)
-    return BatchedMatmul.apply(a, b, False, trans_b)
 
 
 ATTENTION_HEADER = SGEMM_DECLARATION + "#include <cmath>\n#include <algorithm>\n#include <vector>\n"

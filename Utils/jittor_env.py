@@ -50,7 +50,7 @@ def block_sigterm():
     handler ever interrupts Jittor (a Python handler corrupted its heap in about 1 run in
     15). Jittor's forked compiler pool is switched off: it would inherit the block too,
     hang the exit, and under mpirun die by SIGKILL, which Jittor's SIGCHLD handler turns
-    into the exit of the rank. Ops then compile one after another.
+    into the exit of the rank (Math.main turns the threaded op compiler back on).
     """
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     os.environ["DISABLE_MULTIPROCESSING"] = "1"
