@@ -29,7 +29,7 @@ from Data.dataset import load_examples
 from Data.prompts import format_prompt
 from Data.scoring import CHOICE, answer_kind, extract_answer, is_correct
 from Data.synthetic import make_splits
-from Models.ModelArgs import META_FIELDS, ModelArgs
+from Models.ModelArgs import META_FIELDS, MOA_FLAG_NAMES, ModelArgs, add_moa_arguments
 from Models.Tokenizer import Tokenizer
 from Models.checkpoints import ADAPTER_PARAMS, ADAPTER_WEIGHTS, build_model, load_adapter
 from Models.generate import generate
@@ -40,25 +40,6 @@ from Utils import misc
 SPLIT_NAMES = ("test", "val", "validation", "train")
 # One data set of the run: examples[first:first + count] of the joined list, scored by `rule`.
 TestSet = namedtuple("TestSet", "name path rule first count")
-MOA_FLAGS = {  # flag: (type, help) -- for the authors' adapter.pth, which carries no config
-    "variant": (str, "soft or sparse"),
-    "lora_layers": (str, "LoRA layer spans, half-open, e.g. '0-32'"),
-    "lora_rank": (int, "LoRA rank r"),
-    "lora_targets": (str, "comma-separated LoRA targets, e.g. 'Q,K,V,O,FFN_DOWN'"),
-    "lora_alpha": (float, "LoRA alpha"),
-    "expert_num": (int, "LoRA experts per target (MoE-LoRA when > 1)"),
-    "p_adapter_layers": (str, "parallel adapter layer spans"),
-    "p_adapter_size": (int, "parallel adapter bottleneck size"),
-    "prompt_layers": (str, "prompt tuning layer spans (Soft only)"),
-    "prompt_len": (int, "prompt length"),
-    "swi_x": (int, "type router: 0 = Linear, else SwiGLU hidden n_types*swi_x"),
-    "max_threshold": (float, "Sparse MoA: Gamma's upper bound"),
-    "gamma_grad": (str, "Sparse MoA: 'authors' or 'ste' (training only; must match the adapter)"),
-}
-MOA_SWITCHES = {"hydra_moe": "HydraLoRA (one shared A)", "p_adapter_hydra": "hydra parallel adapter",
-                "const_threshold": "Sparse MoA: constant Gamma = max_threshold"}
-
-
 def get_args_parser():
     p = argparse.ArgumentParser(description="Generate answers with a MoA adapter, score them, dump router weights.")
     p.add_argument("--adapter_path", default=None,
@@ -86,10 +67,7 @@ def get_args_parser():
     p.add_argument("--plot_examples", type=int, default=3, help="examples drawn in the token_weight heatmap")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
     moa = p.add_argument_group("MoA settings (needed for the authors' adapter.pth; override adapter_params.json)")
-    for name, (kind, text) in MOA_FLAGS.items():
-        moa.add_argument(f"--{name}", type=kind, default=None, help=text)
-    for name, text in MOA_SWITCHES.items():
-        moa.add_argument(f"--{name}", action="store_true", default=None, help=text)
+    add_moa_arguments(moa, training=False)
     return p
 
 
@@ -211,7 +189,7 @@ def model_overrides(args, adapter, llama_path):
             raise CheckpointError(f"{config_path}: adapter trained on another base than {llama_path}: "
                                   + "; ".join(other_base))
         overrides = {k: v for k, v in config.items() if k not in META_FIELDS}
-    flags = {k: getattr(args, k) for k in (*MOA_FLAGS, *MOA_SWITCHES) if getattr(args, k) is not None}
+    flags = {k: getattr(args, k) for k in MOA_FLAG_NAMES if getattr(args, k) is not None}
     return {**overrides, **flags}
 
 

@@ -28,7 +28,7 @@ from Data.dataset import FinetuneDataset, load_examples, split_validation
 from Data.synthetic import make_splits
 from engine_finetune import NonFiniteLoss, StopFlag, build_optimizer, set_rng_state, train_one_epoch, write_adapter
 from Models.checkpoints import adapter_arrays, assign_strict, build_model, config_differences, load_adapter
-from Models.ModelArgs import ModelArgs
+from Models.ModelArgs import ModelArgs, add_moa_arguments
 from Models.tiny_base import ensure_default_base
 from Models.Tokenizer import Tokenizer
 from Models.torch_io import load_pth
@@ -59,23 +59,7 @@ def get_args_parser():
       "(or the synthetic val split)")
     a("--val_fraction", type=float, default=0.05, help="share of --data_path held out for validation when "
       "--val_data_path is not given; 0 = no validation")
-    a("--variant", default="sparse", choices=["soft", "sparse"], help="Soft MoA (weighted sum) or Sparse MoA "
-      "(learned threshold)")
-    a("--lora_layers", default=None, help="half-open layer spans with LoRA, e.g. '0-32' or '0-8,24-32'; default all")
-    a("--lora_rank", type=int, default=16, help="LoRA rank r")
-    a("--lora_targets", default="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN", help="comma list from Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN")
-    a("--lora_alpha", type=float, default=16.0, help="LoRA scaling numerator (scale = alpha / r)")
-    a("--expert_num", type=int, default=1, help="LoRA / adapter experts per target (MoE-LoRA when > 1)")
-    a("--hydra_moe", action="store_true", help="share one LoRA A among the experts (HydraLoRA)")
-    a("--p_adapter_layers", default=None, help="layer spans with the parallel adapter; default all; '0-0' none")
-    a("--p_adapter_size", type=int, default=16, help="parallel adapter bottleneck width")
-    a("--p_adapter_hydra", action="store_true", help="share the adapter's down projection among experts")
-    a("--prompt_layers", default="0-0", help="layer spans with prompt tuning (Soft MoA only); '0-0' none")
-    a("--prompt_len", type=int, default=10, help="prompt tokens per layer")
-    a("--swi_x", type=int, default=4, help="type router hidden width multiplier (SwiGLU); 0 = a Linear router")
-    a("--max_threshold", type=float, default=0.5, help="Sparse MoA: upper bound of the learned threshold")
-    a("--const_threshold", action="store_true", help="Sparse MoA: a constant threshold instead of a learned one")
-    a("--gamma_grad", default="authors", choices=["authors", "ste"], help="gradient through the Sparse selection")
+    add_moa_arguments(p, training=True)
     a("--blr", type=float, default=4e-2, help="base lr: lr = blr * batch_size * accum_iter / 256")
     a("--lr", type=float, default=None, help="absolute lr (overrides --blr)")
     a("--min_lr", type=float, default=0.0, help="lr floor of the cosine schedule")

@@ -99,9 +99,9 @@ class Attention(nn.Module):
         # xq [B,T,H,hd] (rotated queries), type_weight [B,T] -> [B,T,H,hd]
         B, T, H, hd = xq.shape
         L = self.prompt.weight.shape[0]
-        # the learned prompt through the base projections, no RoPE, no mask: [B,L,Hkv,hd]
-        prompt_k = self.wk(self.prompt.weight).reshape(1, L, self.n_kv_heads, hd).broadcast((B, L, self.n_kv_heads, hd))
-        prompt_v = self.wv(self.prompt.weight).reshape(1, L, self.n_kv_heads, hd).broadcast((B, L, self.n_kv_heads, hd))
+        kv_shape = (B, L, self.n_kv_heads, hd)  # the learned prompt through the base projections, no RoPE
+        prompt_k = self.wk(self.prompt.weight).reshape(1, *kv_shape[1:]).broadcast(kv_shape)
+        prompt_v = self.wv(self.prompt.weight).reshape(1, *kv_shape[1:]).broadcast(kv_shape)
         out = attention(xq, prompt_k, prompt_v, jt.zeros((T, L), "float32"))  # [B,T,H,hd]
         return out * self.prompt_gate.reshape(1, 1, H, 1) * type_weight.reshape(B, T, 1, 1)
 

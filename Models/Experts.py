@@ -60,21 +60,21 @@ class MOELoraLayer(nn.Module):
             self.lora_A = nn.ModuleList([nn.Linear(in_features, rank, bias=False) for _ in range(n_a)])
             self.lora_B = nn.ModuleList([zero_linear(rank, out_features) for _ in range(expert_num)])
 
-    def add_to(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
-        """base [B,T,out] + this expert's output, in one fused pass for a single LoRA."""
+    def unweighted(self, x: jt.Var) -> jt.Var:
+        """B(A x), mixed by the expert router when expert_num > 1; before scaling and type weight."""
         if self.expert_num == 1:
-            return add_weighted(base, self.lora_B(self.lora_A(x)), type_weight, self.scaling)
-        return base + self(x, type_weight)
+            return self.lora_B(self.lora_A(x))
+        gate = nn.softmax(self.lora_router(x), dim=-1)  # [B,T,E]
+        shared = [a(x) for a in self.lora_A]  # hydra: one A serves every B
+        return mix_experts(gate, [b(shared[e % len(shared)]) for e, b in enumerate(self.lora_B)])
+
+    def add_to(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
+        """base [B,T,out] + this expert's output, in one fused pass."""
+        return add_weighted(base, self.unweighted(x), type_weight, self.scaling)
 
     def execute(self, x: jt.Var, type_weight: jt.Var) -> jt.Var:
         # x [B,T,in], type_weight [B,T] -> [B,T,out]
-        weight = type_weight.unsqueeze(-1)
-        if self.expert_num == 1:
-            return self.lora_B(self.lora_A(x)) * self.scaling * weight
-        gate = nn.softmax(self.lora_router(x), dim=-1)  # [B,T,E]
-        shared = [a(x) for a in self.lora_A]  # hydra: one A serves every B
-        outputs = [b(shared[e % len(shared)]) for e, b in enumerate(self.lora_B)]
-        return mix_experts(gate, outputs) * self.scaling * weight
+        return self.unweighted(x) * self.scaling * type_weight.unsqueeze(-1)
 
 
 class PAdapterLayer(nn.Module):
@@ -92,18 +92,18 @@ class PAdapterLayer(nn.Module):
             self.down_proj = nn.ModuleList([xavier_linear(dim, size, 1e-4) for _ in range(n_down)])
             self.up_proj = nn.ModuleList([xavier_linear(size, dim, 1e-4) for _ in range(expert_num)])
 
-    def add_to(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
-        """base [B,T,D] + this adapter's output, in one fused pass for a single adapter."""
+    def unweighted(self, x: jt.Var) -> jt.Var:
+        """up(silu(down(x))), mixed by the adapter router when expert_num > 1; before the type weight."""
         if self.expert_num == 1:
-            return add_weighted(base, self.up_proj(nn.silu(self.down_proj(x))), type_weight, 1.0)
-        return base + self(x, type_weight)
+            return self.up_proj(nn.silu(self.down_proj(x)))
+        gate = nn.softmax(self.adapter_router(x), dim=-1)  # [B,T,E]
+        hidden = [nn.silu(d(x)) for d in self.down_proj]
+        return mix_experts(gate, [u(hidden[e % len(hidden)]) for e, u in enumerate(self.up_proj)])
+
+    def add_to(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
+        """base [B,T,D] + this adapter's output, in one fused pass."""
+        return add_weighted(base, self.unweighted(x), type_weight, 1.0)
 
     def execute(self, x: jt.Var, type_weight: jt.Var) -> jt.Var:
         # x [B,T,D] (the normalised FFN input), type_weight [B,T] -> [B,T,D]
-        weight = type_weight.unsqueeze(-1)
-        if self.expert_num == 1:
-            return self.up_proj(nn.silu(self.down_proj(x))) * weight
-        gate = nn.softmax(self.adapter_router(x), dim=-1)  # [B,T,E]
-        hidden = [nn.silu(d(x)) for d in self.down_proj]
-        outputs = [u(hidden[e % len(hidden)]) for e, u in enumerate(self.up_proj)]
-        return mix_experts(gate, outputs) * weight
+        return self.unweighted(x) * type_weight.unsqueeze(-1)

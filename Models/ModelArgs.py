@@ -161,3 +161,37 @@ class ModelArgs:
             return cls(**{**params, **overrides})
         except (TypeError, ValueError) as e:
             raise type(e)(f"{path}: {e}") from None
+
+
+# The MoA flags of Math.py (with these training defaults) and Infer.py (where each defaults to
+# None, so that only the flags given override an adapter's saved config): flag, type (bool for a
+# switch), training default, choices, help.
+MOA_ARGUMENTS = (
+    ("variant", str, "sparse", VARIANTS, "Soft MoA (weighted sum) or Sparse MoA (learned threshold)"),
+    ("lora_layers", str, None, None, "half-open layer spans with LoRA, e.g. '0-32' or '0-8,24-32'; default all"),
+    ("lora_rank", int, 16, None, "LoRA rank r"),
+    ("lora_targets", str, ",".join(LORA_TARGETS), None, f"comma list from {','.join(LORA_TARGETS)}"),
+    ("lora_alpha", float, 16.0, None, "LoRA scaling numerator (scale = alpha / r)"),
+    ("expert_num", int, 1, None, "LoRA / adapter experts per target (MoE-LoRA when > 1)"),
+    ("hydra_moe", bool, False, None, "share one LoRA A among the experts (HydraLoRA)"),
+    ("p_adapter_layers", str, None, None, "layer spans with the parallel adapter; default all; '0-0' none"),
+    ("p_adapter_size", int, 16, None, "parallel adapter bottleneck width"),
+    ("p_adapter_hydra", bool, False, None, "share the adapter's down projection among experts"),
+    ("prompt_layers", str, "0-0", None, "layer spans with prompt tuning (Soft MoA only); '0-0' none"),
+    ("prompt_len", int, 10, None, "prompt tokens per layer"),
+    ("swi_x", int, 4, None, "type router hidden width multiplier (SwiGLU); 0 = a Linear router"),
+    ("max_threshold", float, 0.5, None, "Sparse MoA: upper bound of the learned threshold"),
+    ("const_threshold", bool, False, None, "Sparse MoA: a constant threshold instead of a learned one"),
+    ("gamma_grad", str, "authors", GAMMA_GRADS, "gradient through the Sparse selection"),
+)
+MOA_FLAG_NAMES = tuple(argument[0] for argument in MOA_ARGUMENTS)
+
+
+def add_moa_arguments(parser, training: bool):
+    """Add the MoA flags to an argparse parser or group; see MOA_ARGUMENTS."""
+    for name, kind, default, choices, text in MOA_ARGUMENTS:
+        if kind is bool:
+            parser.add_argument(f"--{name}", action="store_true", default=False if training else None, help=text)
+        else:
+            parser.add_argument(f"--{name}", type=kind, choices=choices, default=default if training else None,
+                                help=text)
