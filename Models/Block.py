@@ -40,7 +40,7 @@ def lora_for(args: ModelArgs, layer_id: int, target: str, in_features: int, out_
 
 
 def with_lora(base: jt.Var, lora, x: jt.Var, weights: dict, target: str) -> jt.Var:
-    return base if lora is None else lora.add_to(base, x, weights[target])
+    return base if lora is None else lora(base, x, weights[target])
 
 
 class Attention(nn.Module):

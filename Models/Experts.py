@@ -2,8 +2,9 @@
 
 Prompt tuning lives in Block.Attention: it needs the layer's queries and projections.
 
-Every expert takes its input and its per-token type weight [B,T] and returns its
-contribution already multiplied by that weight; the block owns the routing.
+Every expert is called as expert(base, x, type_weight): it adds its output on x,
+under its per-token type weight [B,T], to the tensor it sits beside (base), in one
+fused pass; the block owns the routing.
 """
 import math
 
@@ -68,13 +69,9 @@ class MOELoraLayer(nn.Module):
         shared = [a(x) for a in self.lora_A]  # hydra: one A serves every B
         return mix_experts(gate, [b(shared[e % len(shared)]) for e, b in enumerate(self.lora_B)])
 
-    def add_to(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
-        """base [B,T,out] + this expert's output, in one fused pass."""
+    def execute(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
+        # base [B,T,out] + the expert's output on x [B,T,in], weighted by type_weight [B,T] -> [B,T,out]
         return add_weighted(base, self.unweighted(x), type_weight, self.scaling)
-
-    def execute(self, x: jt.Var, type_weight: jt.Var) -> jt.Var:
-        # x [B,T,in], type_weight [B,T] -> [B,T,out]
-        return self.unweighted(x) * self.scaling * type_weight.unsqueeze(-1)
 
 
 class PAdapterLayer(nn.Module):
@@ -100,10 +97,6 @@ class PAdapterLayer(nn.Module):
         hidden = [nn.silu(d(x)) for d in self.down_proj]
         return mix_experts(gate, [u(hidden[e % len(hidden)]) for e, u in enumerate(self.up_proj)])
 
-    def add_to(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
-        """base [B,T,D] + this adapter's output, in one fused pass."""
+    def execute(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
+        # base [B,T,D] + the adapter's output on x [B,T,D] (the normalised FFN input), weighted by type_weight [B,T]
         return add_weighted(base, self.unweighted(x), type_weight, 1.0)
-
-    def execute(self, x: jt.Var, type_weight: jt.Var) -> jt.Var:
-        # x [B,T,D] (the normalised FFN input), type_weight [B,T] -> [B,T,D]
-        return self.unweighted(x) * type_weight.unsqueeze(-1)

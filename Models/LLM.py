@@ -52,7 +52,7 @@ class TransformerBlock(nn.Module):
         normed = self.ffn_norm(h)
         out = h + self.feed_forward(normed, weights)
         if self.p_adapter is not None:
-            out = self.p_adapter.add_to(out, normed, weights["PADAPTER"])
+            out = self.p_adapter(out, normed, weights["PADAPTER"])
         if self.variant == "soft":
             out = jt.clamp(out, -SOFT_CLAMP, SOFT_CLAMP)
         return out

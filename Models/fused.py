@@ -1,8 +1,8 @@
 """Threaded single-pass CPU kernels for the elementwise work around the matmuls.
 
 Jittor runs its own elementwise and reduction kernels on one thread; these run
-each op (RoPE, the SwiGLU gate, cross-entropy over the vocabulary) in one
-OpenMP-parallel pass forward and one backward. The callers fall back to plain
+each op (RoPE, cross-entropy over the vocabulary, the SwiGLU gate, RMSNorm, an
+expert's weighted addition) in one OpenMP-parallel pass forward and one backward. The callers fall back to plain
 Jittor ops on a GPU or without oneDNN (kernels.onednn_available()).
 """
 import Utils.jittor_env  # noqa: F401

@@ -112,16 +112,17 @@ class FusedAttention(jt.Function):
         S, Hkv = k.shape[1], k.shape[2]
         sizes = (f"const int64_t B = {B}, T = {T}, H = {H}, hd = {hd}, S = {S}, Hkv = {Hkv}, "
                  f"n_rep = {H // Hkv}; const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n")
-        sizes += "const float *mask = in3_p;\n" + KEY_SPANS
         out, probs = jt.code([(B, T, H, hd), (B, H, T, S)], ["float32", "float32"], [q, k, v, mask],
-                             cpu_header=ATTENTION_HEADER, cpu_src=sizes + ATTENTION_FORWARD)
+                             cpu_header=ATTENTION_HEADER,
+                             cpu_src=sizes + "const float *mask = in3_p;\n" + KEY_SPANS + ATTENTION_FORWARD)
         self.saved = (q, k, v, probs.detach(), mask, sizes)
         return out
 
     def grad(self, grad_out):
         q, k, v, probs, mask, sizes = self.saved
         dq, dk, dv = jt.code([q.shape, k.shape, v.shape], ["float32"] * 3, [q, k, v, probs, grad_out, mask],
-                             cpu_header=ATTENTION_HEADER, cpu_src=sizes.replace("in3_p", "in5_p") + ATTENTION_BACKWARD)
+                             cpu_header=ATTENTION_HEADER,
+                             cpu_src=sizes + "const float *mask = in5_p;\n" + KEY_SPANS + ATTENTION_BACKWARD)
         return dq, dk, dv, None
 
 
