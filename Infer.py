@@ -28,14 +28,15 @@ import Utils.jittor_env  # noqa: F401  (must precede any jittor import)
 from Data.dataset import load_examples
 from Data.prompts import format_prompt
 from Data.scoring import CHOICE, answer_kind, extract_answer, is_correct
-from Data.synthetic import make_splits
-from Models.ModelArgs import META_FIELDS, MOA_FLAG_NAMES, ModelArgs, add_moa_arguments
+from Models.ModelArgs import META_FIELDS, ModelArgs
 from Models.Tokenizer import Tokenizer
 from Models.checkpoints import ADAPTER_PARAMS, ADAPTER_WEIGHTS, build_model, load_adapter
 from Models.generate import generate
 from Models.tiny_base import ensure_default_base
 from Models.torch_io import CheckpointError
 from Utils import misc
+from Utils.misc import print_main
+from Utils.settings import GenerationArgs, add_arguments, given
 
 SPLIT_NAMES = ("test", "val", "validation", "train")
 # One data set of the run: examples[first:first + count] of the joined list, scored by `rule`.
@@ -56,18 +57,17 @@ def get_args_parser():
     p.add_argument("--output_dir", default=None,
                    help="predictions, scores and plots; default: <run dir>/eval (or eval_base with --no_adapter)")
     p.add_argument("--max_examples", type=int, default=None, help="evaluate only the first N examples of each data set")
-    p.add_argument("--max_gen_len", type=int, default=200, help="most tokens generated per example (authors: 200)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (the demo's default); the authors used 0.1 with top_p 0.75")
-    p.add_argument("--top_p", type=float, default=0.75, help="nucleus sampling mass when temperature > 0")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (each batch draws from (seed, rank, batch))")
     p.add_argument("--batch_size", type=int, default=8, help="prompts generated together per rank")
     p.add_argument("--save_weights", action="store_true",
                    help="save type_weight.pkl / token_weight.pkl and draw router heatmaps")
     p.add_argument("--plot_examples", type=int, default=3, help="examples drawn in the token_weight heatmap")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
-    moa = p.add_argument_group("MoA settings (needed for the authors' adapter.pth; override adapter_params.json)")
-    add_moa_arguments(moa, training=False)
+    add_arguments(p.add_argument_group("decoding (default: the run's recipe in its args.json, else as shown)"),
+                  GenerationArgs)
+    moa = p.add_argument_group("MoA settings: only for an adapter.pth without adapter_params.json beside it, "
+                               "which must then name what it was trained with")
+    add_arguments(moa, ModelArgs, optional=True)
     return p
 
 
@@ -128,36 +128,25 @@ def data_files(paths):
     return files
 
 
-def default_test_set(run_dir, run_args, output_dir):
-    """The run's synthetic test file if it saved one, else generated disjoint from its training split."""
-    candidates = [run_args.get(k) for k in ("test_path", "test_data_path")]
-    if run_dir:
-        candidates += [os.path.join(run_dir, *p) for p in (("data", "test.json"), ("synthetic", "test.json"),
-                                                           ("test.json",))]
-    for path in candidates:
-        if path and os.path.isfile(path):
-            return [("synthetic", path)]
-    # make_splits draws train, val, test from one stream: the same n_train/n_val/seed give the same
-    # training set, so this test split is disjoint from what the run trained on.
-    _, _, test = make_splits(int(run_args.get("n_train", 2000)), int(run_args.get("n_val", 200)),
-                             max(300, int(run_args.get("n_test", 300))), seed=int(run_args.get("seed", 0)))
-    path = os.path.join(output_dir, "synthetic_test.json")
-    if misc.is_main_process():
-        with open(path, "w") as f:
-            json.dump(test, f, indent=1)
-    return [("synthetic", test)]
+def default_test_set(run_dir):
+    """The test split the run recorded (Math.py writes <run>/data/test.json for its synthetic data)."""
+    path = os.path.join(run_dir, "data", "test.json") if run_dir else None
+    if path is None or not os.path.isfile(path):
+        where = f"{path} does not exist" if path else "no training run was found"
+        raise FileNotFoundError(f"no recorded test split ({where}): pass --data_path with the test files; "
+                                "a regenerated set could overlap what the adapter trained on")
+    return [("synthetic", path)]
 
 
 def load_test_sets(sources, max_examples):
-    """[(name, file or example list)] -> (joined examples, [TestSet]); repeated names get a suffix."""
+    """[(name, file)] -> (joined examples, [TestSet]); repeated names get a suffix."""
     examples, test_sets, seen = [], [], {}
     for name, source in sources:
         seen[name] = seen.get(name, 0) + 1
         name = name if seen[name] == 1 else f"{name}_{seen[name]}"
-        loaded = load_examples(source) if isinstance(source, str) else source
+        loaded = load_examples(source)
         loaded = loaded[:max_examples] if max_examples else loaded
-        path = source if isinstance(source, str) else "(generated: synthetic_test.json)"
-        test_sets.append(TestSet(name, path, scoring_rule(name, loaded), len(examples), len(loaded)))
+        test_sets.append(TestSet(name, source, scoring_rule(name, loaded), len(examples), len(loaded)))
         examples += loaded
     return examples, test_sets
 
@@ -189,15 +178,16 @@ def model_overrides(args, adapter, llama_path):
             raise CheckpointError(f"{config_path}: adapter trained on another base than {llama_path}: "
                                   + "; ".join(other_base))
         overrides = {k: v for k, v in config.items() if k not in META_FIELDS}
-    flags = {k: getattr(args, k) for k in MOA_FLAG_NAMES if getattr(args, k) is not None}
-    return {**overrides, **flags}
+    return {**overrides, **given(args, ModelArgs)}
 
 
 def load_model(args, adapter, llama_path, max_seq_len):
     """The base with the adapter's experts (none with --no_adapter), weights loaded strictly."""
     overrides = model_overrides(args, adapter, llama_path) if adapter else {}
     try:
-        model = build_model(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": args.batch_size})
+        model_args = ModelArgs.from_params_json(llama_path, **{**overrides, "max_seq_len": max_seq_len,
+                                                               "max_batch_size": args.batch_size})
+        model = build_model(llama_path, model_args)
     except TypeError as e:  # a config field of the wrong type
         raise ValueError(str(e)) from None
     if adapter:
@@ -213,16 +203,16 @@ def load_model(args, adapter, llama_path, max_seq_len):
 
 # ---- running ------------------------------------------------------------------------
 
-def generate_share(model, tok, prompts, indices, args, save_weights, rank):
+def generate_share(model, tok, prompts, indices, args, gen, rank):
     """Generate for the examples `indices` (longest-first batches); {index: result}."""
     order = sorted(indices, key=lambda i: -len(prompts[i]))
     results = {}
     bar = tqdm(total=len(order), desc="generate", disable=rank != 0, dynamic_ncols=True)
     for start in range(0, len(order), args.batch_size):
         batch = order[start:start + args.batch_size]
-        records = [] if save_weights else None
-        outputs = generate(model, tok, [prompts[i] for i in batch], args.max_gen_len, args.temperature,
-                           args.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size)
+        records = [] if args.save_weights else None
+        outputs = generate(model, tok, [prompts[i] for i in batch], gen.max_gen_len, gen.temperature,
+                           gen.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size)
         for j, (i, out) in enumerate(zip(batch, outputs)):
             results[i] = {"generation": tok.decode(out), "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),
                           "records": records[j] if records is not None else None}
@@ -251,11 +241,11 @@ def gather_results(local, output_dir, rank, world):
 
 
 def write_jsonl(path, rows):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:  # overwritten, never appended
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    def write(tmp):
+        with open(tmp, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    misc.atomic_write(path, write)
 
 
 def score_and_write(test_sets, examples, results, output_dir, meta):
@@ -273,8 +263,7 @@ def score_and_write(test_sets, examples, results, output_dir, meta):
         write_jsonl(os.path.join(output_dir, f"{name}_predictions.jsonl"), rows)
         scores[name] = {"accuracy": correct / count, "correct": correct, "total": count, "rule": rule, "path": path}
     summary = {"datasets": scores, "average": sum(s["accuracy"] for s in scores.values()) / len(scores), **meta}
-    with open(os.path.join(output_dir, "scores.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    misc.write_json(summary, os.path.join(output_dir, "scores.json"))
     return summary
 
 
@@ -295,12 +284,16 @@ def weight_pickles(test_sets, tok, results, model):
 
 
 def check_args(args):
-    for flag in ("batch_size", "max_gen_len", "max_examples", "plot_examples"):
+    for flag in ("batch_size", "max_examples", "plot_examples"):
         value = getattr(args, flag)
         if value is not None and value < (0 if flag == "plot_examples" else 1):
             raise ValueError(f"--{flag}={value} is too small")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise ValueError(f"--temperature must be >= 0 and --top_p in (0, 1], got {args.temperature}, {args.top_p}")
+
+
+def generation_settings(args, run_args) -> GenerationArgs:
+    """The flags given, else what the run's args.json recorded (its recipe's), else the defaults."""
+    recorded = {k: run_args[k] for k in ("max_gen_len", "temperature", "top_p") if k in run_args}
+    return GenerationArgs(**{**recorded, **given(args, GenerationArgs)})
 
 
 def run(args):
@@ -310,28 +303,27 @@ def run(args):
     adapter, run_dir, run_args, llama_path = resolve_run(args)
     output_dir = args.output_dir or (os.path.join(run_dir, "eval_base" if args.no_adapter else "eval") if run_dir
                                      else os.path.join(args.output_root, "eval_base"))
+    gen = generation_settings(args, run_args)
+    sources = data_files(args.data_path) if args.data_path else default_test_set(run_dir)
+    examples, test_sets = load_test_sets(sources, args.max_examples)
     os.makedirs(output_dir, exist_ok=True)
     tok = Tokenizer(os.path.join(llama_path, "tokenizer.model"))
-
-    sources = data_files(args.data_path) if args.data_path else default_test_set(run_dir, run_args, output_dir)
-    examples, test_sets = load_test_sets(sources, args.max_examples)
     prompts = [tok.encode(format_prompt(ex), bos=True, eos=False) for ex in examples]
 
-    max_seq_len = max(map(len, prompts)) + args.max_gen_len
+    max_seq_len = max(map(len, prompts)) + gen.max_gen_len
     model = load_model(args, adapter, llama_path, max_seq_len)
-    print(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
+    print_main(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
           f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len}")
 
-    local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, args.save_weights, rank)
+    local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, gen, rank)
     results = gather_results(local, output_dir, rank, world)
     if rank != 0:
         return None
-    meta = {"adapter": adapter, "llama_path": llama_path, "max_gen_len": args.max_gen_len,
-            "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "world_size": world}
+    meta = {"adapter": adapter, "llama_path": llama_path, **vars(gen), "seed": args.seed, "world_size": world}
     summary = score_and_write(test_sets, examples, results, output_dir, meta)
     for name, s in summary["datasets"].items():
-        print(f"  {name:<12} {100 * s['accuracy']:6.2f}%  ({s['correct']}/{s['total']})")
-    print(f"  {'average':<12} {100 * summary['average']:6.2f}%   -> {output_dir}/scores.json")
+        print_main(f"  {name:<12} {100 * s['accuracy']:6.2f}%  ({s['correct']}/{s['total']})")
+    print_main(f"  {'average':<12} {100 * summary['average']:6.2f}%   -> {output_dir}/scores.json")
     log_path = os.path.join(run_dir, "log.txt") if run_dir else None
     from Utils import plots  # matplotlib only on rank 0
     type_data = token_data = None
@@ -341,7 +333,7 @@ def run(args):
         misc.save_on_master(token_data, os.path.join(output_dir, "token_weight.pkl"))
     pngs = plots.plot_all(output_dir, type_data, token_data, log_path, tuple(range(args.plot_examples)))
     if pngs:
-        print("[infer] plots: " + ", ".join(sorted(pngs.values())))
+        print_main("[infer] plots: " + ", ".join(sorted(pngs.values())))
     return summary
 
 

@@ -15,18 +15,19 @@ import itertools
 import json
 import math
 import os
-import random
 import signal
 import time
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import numpy as np
 
 import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
 import jittor as jt
 
-from Models.checkpoints import ADAPTER_PARAMS, ADAPTER_WEIGHTS, adapter_arrays
-from Models.torch_io import save_pth
-from Utils.misc import MetricLogger, SmoothedValue, all_reduce_sum, is_main_process, save_on_master
+from Models.checkpoints import checkpoint_state, save_checkpoint
+from Utils.misc import MetricLogger, SmoothedValue, all_reduce_sum, is_main_process, print_main
+from Utils.settings import TrainArgs
 
 
 class NonFiniteLoss(RuntimeError):
@@ -140,53 +141,43 @@ def evaluate(model, dataset):
     return float(nll_sum / max(count, 1.0))
 
 
-# ---- checkpoints -----------------------------------------------------------------
+# ---- training --------------------------------------------------------------------
 
-def rng_state():
-    keys, pos, has_gauss, cached = np.random.get_state()[1:]
-    numpy_state = {"keys": keys.astype(np.int64), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
-    return {"numpy": numpy_state, "python": np.asarray(random.getstate()[1], dtype=np.int64)}
-
-
-def set_rng_state(state):
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    random.setstate((3, tuple(int(x) for x in state["python"]), None))
-
-
-def checkpoint_state(run, model, optimizer, epoch, data_iter_step):
-    """Everything a resume needs; call on EVERY rank (it fetches Vars), then write on rank 0."""
-    return {"adapter": adapter_arrays(model), "optimizer": optimizer.state_arrays(),
-            "epoch": epoch, "data_iter_step": data_iter_step, "global_step": run.global_step,
-            "early_stopper": run.stopper.state_dict(), "rng": rng_state(),
-            "args": run.saved_args, "signature": run.signature, "model_args": model.args.to_dict()}
+@dataclass(frozen=True)
+class RunContext:
+    """What the loop reads but never changes: where to write, the ranks, validation, stopping rules."""
+    output_dir: str
+    world_size: int
+    steps_per_epoch: int
+    val_dataset: Any
+    stopper: Any  # Utils.misc.EarlyStopper (keeps its own counters)
+    log_writer: Any  # tensorboardX SummaryWriter on rank 0, None elsewhere
+    sigterm: Any  # StopFlag
+    amp_level: int
+    settings: dict  # the run's resolved settings, saved into every checkpoint
+    signature: dict  # what a resume must match (Models.checkpoints.resume_signature)
 
 
-def write_checkpoint(state, path):
-    """Rank 0 writes atomically (temp file + os.replace): a kill mid-write keeps the old file."""
-    save_on_master(lambda tmp: save_pth(state, tmp), path)
+@dataclass
+class Progress:
+    """Where a run stands: restored from a checkpoint, returned by train()."""
+    epoch: int = 0
+    next_batch: int = 0  # the global batch the next optimizer step starts from
+    global_step: int = 0
+    stop_reason: Optional[str] = None  # 'max_steps', 'sigterm' or 'early_stop'
+    input_tokens: int = 0  # padded inputs over all ranks, for tokens/s
+    train_seconds: float = 0.0
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "data_iter_step": self.next_batch, "global_step": self.global_step}
 
 
-def write_adapter(state, out_dir):
-    """adapter.pth + adapter_params.json from a checkpoint state, as Models.checkpoints.save_adapter writes them."""
-    if not is_main_process():
-        return
-    os.makedirs(out_dir, exist_ok=True)
-    save_pth(state["adapter"], os.path.join(out_dir, ADAPTER_WEIGHTS))
-    def write_json(tmp):
-        with open(tmp, "w") as f:
-            json.dump(state["model_args"], f, indent=2)
-    save_on_master(write_json, os.path.join(out_dir, ADAPTER_PARAMS))
-
-
-def log_line(run, record):
+def log_line(ctx, record):
     """One JSON line in <output_dir>/log.txt (rank 0)."""
     if is_main_process():
-        with open(os.path.join(run.output_dir, "log.txt"), "a") as f:
+        with open(os.path.join(ctx.output_dir, "log.txt"), "a") as f:
             f.write(json.dumps(record) + "\n")
 
-
-# ---- training --------------------------------------------------------------------
 
 class StopFlag:
     """SIGTERM, polled between optimizer steps; the loop then saves and leaves.
@@ -206,52 +197,69 @@ class StopFlag:
         return self.requested
 
 
-def validate_and_save(run, model, optimizer, epoch, next_step):
-    """Validation (when there is a val set), early stopper, checkpoint-best and checkpoint-latest."""
+def save(ctx, model, optimizer, progress, best=False):
+    """checkpoint-latest (and with best, checkpoint-best + adapter-best); every rank calls it."""
+    state = checkpoint_state(model, optimizer, ctx.stopper, progress.position(), ctx.settings, ctx.signature)
+    if best:
+        save_checkpoint(state, ctx.output_dir, "best", with_adapter=True)
+    save_checkpoint(state, ctx.output_dir, "latest")
+
+
+def validate_and_save(ctx, model, optimizer, progress):
+    """Validation (when there is a val set), the early stopper, the checkpoints."""
     improved = False
-    if run.val_dataset is not None:
-        with jt.flag_scope(auto_mixed_precision_level=run.amp_level):
-            val_loss = evaluate(model, run.val_dataset)
-        improved, should_stop = run.stopper.step(val_loss)
-        print(f"[val] step {run.global_step}: val_loss {val_loss:.4f} (best {run.stopper.best:.4f})"
-              f"{' improved' if improved else ''}")
-        if run.log_writer is not None:
-            run.log_writer.add_scalar("val_loss", val_loss, run.global_step)
-        log_line(run, {"event": "val", "step": run.global_step, "epoch": epoch, "val_loss": val_loss,
-                       "best_val_loss": run.stopper.best})
+    if ctx.val_dataset is not None:
+        with jt.flag_scope(auto_mixed_precision_level=ctx.amp_level):
+            val_loss = evaluate(model, ctx.val_dataset)
+        improved, should_stop = ctx.stopper.step(val_loss)
+        print_main(f"[val] step {progress.global_step}: val_loss {val_loss:.4f} (best {ctx.stopper.best:.4f})"
+                   f"{' improved' if improved else ''}")
+        if ctx.log_writer is not None:
+            ctx.log_writer.add_scalar("val_loss", val_loss, progress.global_step)
+        log_line(ctx, {"event": "val", "step": progress.global_step, "epoch": progress.epoch, "val_loss": val_loss,
+                       "best_val_loss": ctx.stopper.best})
         if should_stop:
-            print(f"[early stop] no improvement in {run.stopper.patience} validations; best {run.stopper.best:.4f}")
-            run.stop_reason = "early_stop"
-    state = checkpoint_state(run, model, optimizer, epoch, next_step)
-    if improved:
-        write_checkpoint(state, os.path.join(run.output_dir, "checkpoint-best.pth"))
-        write_adapter(state, os.path.join(run.output_dir, "adapter-best"))
-    write_checkpoint(state, os.path.join(run.output_dir, "checkpoint-latest.pth"))
+            print_main(f"[early stop] no improvement in {ctx.stopper.patience} validations; "
+                       f"best {ctx.stopper.best:.4f}")
+            progress.stop_reason = "early_stop"
+    save(ctx, model, optimizer, progress, best=improved)
 
 
-def train_one_epoch(model, dataset, optimizer, epoch, start_step, run, args):
-    """Optimizer steps of `epoch` from global batch `start_step` (a multiple of accum_iter).
+def train(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, start: Progress) -> Progress:
+    """Optimizer steps from `start` to the end of the last epoch or an early stop; returns where it ended."""
+    progress = replace(start)
+    if cfg.max_steps and progress.global_step >= cfg.max_steps:
+        progress.stop_reason = "max_steps"
+    while progress.epoch < cfg.epochs and progress.stop_reason is None:
+        train_one_epoch(model, dataset, optimizer, cfg, ctx, progress)
+        if progress.stop_reason is None:
+            progress.epoch, progress.next_batch = progress.epoch + 1, 0
+    return progress
 
-    Sets run.stop_reason to 'max_steps', 'sigterm' or 'early_stop' when the run must end early.
-    """
-    world = run.world_size
-    first, last = start_step // args.accum_iter, run.steps_per_epoch
+
+def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, progress: Progress):
+    """The optimizer steps of progress.epoch from global batch progress.next_batch (a multiple of
+    accum_iter); advances `progress`, setting stop_reason when the run must end early."""
+    world, epoch = ctx.world_size, progress.epoch
+    first, last = progress.next_batch // cfg.accum_iter, ctx.steps_per_epoch
+    total_steps = cfg.epochs * ctx.steps_per_epoch
+    warmup_steps = int(round(cfg.warmup_epochs * ctx.steps_per_epoch))
     metric_logger = MetricLogger(delimiter="  ")
     metric_logger.add_meter("lr", SmoothedValue(window_size=1, fmt="{value:.3e}"))
     header = f"Epoch: [{epoch}]"
-    for opt_step in metric_logger.log_every(range(first, last), args.log_interval, header, total=last - first):
+    for opt_step in metric_logger.log_every(range(first, last), cfg.log_interval, header, total=last - first):
         started = time.time()
-        batch_steps = range(opt_step * args.accum_iter, (opt_step + 1) * args.accum_iter)
+        batch_steps = range(opt_step * cfg.accum_iter, (opt_step + 1) * cfg.accum_iter)
         n_targets = sum(target_count(dataset, epoch, s) for s in batch_steps)
-        lr = lr_at(run.global_step, run.total_steps, run.warmup_steps, args.lr, args.min_lr)
+        lr = lr_at(progress.global_step, total_steps, warmup_steps, cfg.lr, cfg.min_lr)
         optimizer.lr = lr
         for pg in optimizer.param_groups:
             pg["lr"] = lr
 
         local_nll, local_targets, input_tokens = 0.0, 0.0, 0
-        for tokens, mask in itertools.islice(dataset.batches(epoch, batch_steps[0]), args.accum_iter):
+        for tokens, mask in itertools.islice(dataset.batches(epoch, batch_steps[0]), cfg.accum_iter):
             count = float(mask[:, 1:].sum())
-            with jt.flag_scope(auto_mixed_precision_level=run.amp_level):
+            with jt.flag_scope(auto_mixed_precision_level=ctx.amp_level):
                 loss, _ = model(jt.array(tokens), jt.array(mask))
                 # local share of sum(mask*nll)/N; backward's rank mean then gives the global gradient
                 optimizer.backward(loss * (count * world / max(n_targets, 1.0)))
@@ -260,40 +268,39 @@ def train_one_epoch(model, dataset, optimizer, epoch, start_step, run, args):
             local_targets += count
             input_tokens += tokens.size
         nll_sum, targets, input_tokens, stop_votes = all_reduce_sum(
-            [local_nll, local_targets, input_tokens, float(run.sigterm.poll())])
+            [local_nll, local_targets, input_tokens, float(ctx.sigterm.poll())])
         train_loss = float(nll_sum / max(targets, 1.0))
         if not math.isfinite(train_loss):
-            raise NonFiniteLoss(f"training loss is {train_loss} at step {run.global_step + 1} (epoch {epoch}); "
+            raise NonFiniteLoss(f"training loss is {train_loss} at step {progress.global_step + 1} (epoch {epoch}); "
                                 f"stopping without saving, the last good checkpoint is untouched. "
                                 f"Try a lower --blr/--lr or --clip_grad")
-        grad_norm = clip_gradients(optimizer, args.clip_grad)
+        grad_norm = clip_gradients(optimizer, cfg.clip_grad)
         optimizer.step()
         jt.sync(list(model.adapter_parameters().values()) + [grad_norm])
         grad_norm = grad_norm.item()
-        run.global_step += 1
-        run.input_tokens += int(input_tokens)
-        run.train_seconds += time.time() - started
+        progress.global_step += 1
+        progress.input_tokens += int(input_tokens)
+        progress.train_seconds += time.time() - started
+        progress.next_batch = (opt_step + 1) * cfg.accum_iter
 
         metric_logger.update(loss=train_loss, lr=lr, grad_norm=grad_norm)
-        if run.log_writer is not None:
-            run.log_writer.add_scalar("c_train_loss", train_loss, run.global_step)
-            run.log_writer.add_scalar("lr", lr, run.global_step)
-        if run.global_step % args.log_interval == 0 or run.global_step == 1:
-            log_line(run, {"event": "train", "step": run.global_step, "epoch": epoch, "train_loss": train_loss,
+        if ctx.log_writer is not None:
+            ctx.log_writer.add_scalar("c_train_loss", train_loss, progress.global_step)
+            ctx.log_writer.add_scalar("lr", lr, progress.global_step)
+        if progress.global_step % cfg.log_interval == 0 or progress.global_step == 1:
+            log_line(ctx, {"event": "train", "step": progress.global_step, "epoch": epoch, "train_loss": train_loss,
                            "lr": lr, "grad_norm": grad_norm, "tokens": int(input_tokens)})
 
-        next_step = (opt_step + 1) * args.accum_iter  # the global batch a resume starts from
-        saved = opt_step + 1 == last or (args.eval_interval > 0 and run.global_step % args.eval_interval == 0)
+        saved = opt_step + 1 == last or (cfg.eval_interval > 0 and progress.global_step % cfg.eval_interval == 0)
         if saved:
-            validate_and_save(run, model, optimizer, epoch, next_step)
+            validate_and_save(ctx, model, optimizer, progress)
         if stop_votes > 0:  # summed over ranks, so every rank stops at the same step
-            run.stop_reason = "sigterm"
-        elif args.max_steps and run.global_step >= args.max_steps and run.stop_reason is None:
-            run.stop_reason = "max_steps"
-        if run.stop_reason is not None:
+            progress.stop_reason = "sigterm"
+        elif cfg.max_steps and progress.global_step >= cfg.max_steps and progress.stop_reason is None:
+            progress.stop_reason = "max_steps"
+        if progress.stop_reason is not None:
             if not saved:
-                write_checkpoint(checkpoint_state(run, model, optimizer, epoch, next_step),
-                                 os.path.join(run.output_dir, "checkpoint-latest.pth"))
+                save(ctx, model, optimizer, progress)
             break
     metric_logger.synchronize_between_processes()
-    print(f"{header} averaged stats: {metric_logger}")
+    print_main(f"{header} averaged stats: {metric_logger}")

@@ -167,10 +167,6 @@ class FinetuneDataset(Dataset):
             warnings.warn(f"{unlearnable} examples have a prompt of {max_seq_len}+ tokens and no output "
                           f"token left to learn from; raise max_seq_len or shorten them")
 
-    @property
-    def num_examples(self):
-        return self.total_len
-
     def __len__(self):
         full, rest = divmod(self.total_len, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)

@@ -4,6 +4,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
+from Utils.settings import setting
+
 LORA_TARGETS = ("Q", "K", "V", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN")
 # The router's column order is fixed by the authors' code, whatever order lora_targets lists.
 TYPE_ORDER = ("Q", "K", "V", "PROMPT", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN", "PADAPTER")
@@ -14,7 +16,9 @@ META_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multip
 
 
 def parse_layer_span(spec: str, n_layers: int, field: str = "layers") -> frozenset:
-    """'0-8,24-32' -> {0..7, 24..31}; spans are half-open, '0-0' means none."""
+    """'0-8,24-32' -> {0..7, 24..31}; spans are half-open, '0-0' means none, 'all' every layer."""
+    if str(spec).strip() == "all":
+        return frozenset(range(n_layers))
     layers = set()
     for part in str(spec).replace(" ", "").split(","):
         if not part:
@@ -46,25 +50,27 @@ class ModelArgs:
     use_scaled_rope: bool = False
     # runtime
     max_batch_size: int = 32
-    max_seq_len: int = 2048
-    # MoA: experts
-    variant: str = "sparse"
-    lora_layers: str = "0-0"
-    lora_rank: int = 8
-    lora_targets: str = "Q,K,V,O,FFN_DOWN"
-    lora_alpha: float = 8.0
-    expert_num: int = 1
-    hydra_moe: bool = False
-    p_adapter_layers: str = "0-0"
-    p_adapter_size: int = 16
-    p_adapter_hydra: bool = False
-    prompt_layers: str = "0-0"
-    prompt_len: int = 10
+    max_seq_len: int = setting(2048, "tokens per sequence: training examples are cut to it; the KV cache holds it")
+    # MoA: experts (layer spans are half-open, e.g. '0-32' or '0-8,24-32'; 'all' = every layer, '0-0' = none)
+    variant: str = setting("sparse", "Soft MoA (every expert, sigmoid-weighted) or Sparse MoA (a learned "
+                                     "per-token threshold switches experts off)", VARIANTS)
+    lora_layers: str = setting("0-0", "layer spans with LoRA experts")
+    lora_rank: int = setting(8, "LoRA rank r")
+    lora_targets: str = setting("Q,K,V,O,FFN_DOWN", f"comma list of LoRA targets from {','.join(LORA_TARGETS)}")
+    lora_alpha: float = setting(8.0, "LoRA scaling numerator (scale = alpha / r)")
+    expert_num: int = setting(1, "experts per LoRA target, prompt and parallel adapter (MoE-LoRA when > 1)")
+    hydra_moe: bool = setting(False, "the LoRA experts share one A (HydraLoRA)")
+    p_adapter_layers: str = setting("0-0", "layer spans with the parallel adapter")
+    p_adapter_size: int = setting(16, "parallel adapter bottleneck width")
+    p_adapter_hydra: bool = setting(False, "the parallel adapter's experts share one down projection")
+    prompt_layers: str = setting("0-0", "layer spans with prompt tuning (Soft MoA only)")
+    prompt_len: int = setting(10, "prompt tokens per layer")
     # MoA: routing
-    swi_x: int = 4
-    max_threshold: float = 0.5
-    const_threshold: bool = False
-    gamma_grad: str = "authors"
+    swi_x: int = setting(4, "type router hidden width multiplier (SwiGLU); 0 = a Linear router")
+    max_threshold: float = setting(0.5, "Sparse MoA: upper bound of the learned threshold Gamma")
+    const_threshold: bool = setting(False, "Sparse MoA: a constant threshold instead of a learned one")
+    gamma_grad: str = setting("authors", "gradient through the Sparse selection: 'authors' (none reaches "
+                                         "Gamma, as in their code) or 'ste' (straight-through)", GAMMA_GRADS)
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -99,6 +105,9 @@ class ModelArgs:
         if unknown:
             raise ValueError(f"lora_targets={self.lora_targets!r}: unknown target(s) {unknown}; "
                              f"choose from {','.join(LORA_TARGETS)}")
+        for name in ("lora_layers", "p_adapter_layers", "prompt_layers"):
+            if str(getattr(self, name)).strip() == "all":  # saved configs name the span itself
+                setattr(self, name, f"0-{self.n_layers}")
         self.lora_layer_set = parse_layer_span(self.lora_layers, self.n_layers, "lora_layers")
         self.p_adapter_layer_set = parse_layer_span(self.p_adapter_layers, self.n_layers, "p_adapter_layers")
         self.prompt_layer_set = parse_layer_span(self.prompt_layers, self.n_layers, "prompt_layers")
@@ -129,11 +138,6 @@ class ModelArgs:
             present.add("PADAPTER")
         return [t for t in TYPE_ORDER if t in present]
 
-    def adapter_config(self) -> dict:
-        """Every field except Meta's and the runtime ones: what an adapter file must agree on."""
-        skip = set(META_FIELDS) | {"max_batch_size", "max_seq_len"}
-        return {k: v for k, v in asdict(self).items() if k not in skip}
-
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -161,37 +165,3 @@ class ModelArgs:
             return cls(**{**params, **overrides})
         except (TypeError, ValueError) as e:
             raise type(e)(f"{path}: {e}") from None
-
-
-# The MoA flags of Math.py (with these training defaults) and Infer.py (where each defaults to
-# None, so that only the flags given override an adapter's saved config): flag, type (bool for a
-# switch), training default, choices, help.
-MOA_ARGUMENTS = (
-    ("variant", str, "sparse", VARIANTS, "Soft MoA (weighted sum) or Sparse MoA (learned threshold)"),
-    ("lora_layers", str, None, None, "half-open layer spans with LoRA, e.g. '0-32' or '0-8,24-32'; default all"),
-    ("lora_rank", int, 16, None, "LoRA rank r"),
-    ("lora_targets", str, ",".join(LORA_TARGETS), None, f"comma list from {','.join(LORA_TARGETS)}"),
-    ("lora_alpha", float, 16.0, None, "LoRA scaling numerator (scale = alpha / r)"),
-    ("expert_num", int, 1, None, "LoRA / adapter experts per target (MoE-LoRA when > 1)"),
-    ("hydra_moe", bool, False, None, "share one LoRA A among the experts (HydraLoRA)"),
-    ("p_adapter_layers", str, None, None, "layer spans with the parallel adapter; default all; '0-0' none"),
-    ("p_adapter_size", int, 16, None, "parallel adapter bottleneck width"),
-    ("p_adapter_hydra", bool, False, None, "share the adapter's down projection among experts"),
-    ("prompt_layers", str, "0-0", None, "layer spans with prompt tuning (Soft MoA only); '0-0' none"),
-    ("prompt_len", int, 10, None, "prompt tokens per layer"),
-    ("swi_x", int, 4, None, "type router hidden width multiplier (SwiGLU); 0 = a Linear router"),
-    ("max_threshold", float, 0.5, None, "Sparse MoA: upper bound of the learned threshold"),
-    ("const_threshold", bool, False, None, "Sparse MoA: a constant threshold instead of a learned one"),
-    ("gamma_grad", str, "authors", GAMMA_GRADS, "gradient through the Sparse selection"),
-)
-MOA_FLAG_NAMES = tuple(argument[0] for argument in MOA_ARGUMENTS)
-
-
-def add_moa_arguments(parser, training: bool):
-    """Add the MoA flags to an argparse parser or group; see MOA_ARGUMENTS."""
-    for name, kind, default, choices, text in MOA_ARGUMENTS:
-        if kind is bool:
-            parser.add_argument(f"--{name}", action="store_true", default=False if training else None, help=text)
-        else:
-            parser.add_argument(f"--{name}", type=kind, choices=choices, default=default if training else None,
-                                help=text)

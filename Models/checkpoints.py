@@ -16,6 +16,7 @@ names and ours are one and the same. The two file formats differ:
 import glob
 import json
 import os
+import random
 
 import numpy as np
 
@@ -25,6 +26,7 @@ import jittor as jt
 from .LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from .ModelArgs import ModelArgs
 from .torch_io import CheckpointError, load_pth, save_pth
+from Utils.misc import is_main_process, write_json
 
 ADAPTER_WEIGHTS = "adapter.pth"
 ADAPTER_PARAMS = "adapter_params.json"
@@ -92,9 +94,8 @@ def load_base(model: LLaMA_adapter, ckpt_dir: str):
     model.freeze_base()
 
 
-def build_model(llama_dir: str, **overrides) -> LLaMA_adapter:
-    """A Meta checkpoint directory (params.json, consolidated.NN.pth) + MoA settings -> model."""
-    args = ModelArgs.from_params_json(os.path.join(llama_dir, "params.json"), **overrides)
+def build_model(llama_dir: str, args: ModelArgs) -> LLaMA_adapter:
+    """The model `args` describes, its frozen base read from a Meta checkpoint directory."""
     model = LLaMA_adapter(args)
     load_base(model, llama_dir)
     return model
@@ -107,13 +108,78 @@ def adapter_arrays(model: LLaMA_adapter) -> dict:
 
 
 def save_adapter(model: LLaMA_adapter, out_dir: str):
-    """adapter.pth (adapter tensors only, fp32) and adapter_params.json, each written atomically."""
-    os.makedirs(out_dir, exist_ok=True)
-    save_pth(adapter_arrays(model), os.path.join(out_dir, ADAPTER_WEIGHTS))
-    tmp = os.path.join(out_dir, ADAPTER_PARAMS + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(model.args.to_dict(), f, indent=2)
-    os.replace(tmp, os.path.join(out_dir, ADAPTER_PARAMS))
+    """adapter.pth (adapter tensors only, fp32) and adapter_params.json, each written atomically.
+    Call on every rank (it fetches Vars); rank 0 writes."""
+    arrays = adapter_arrays(model)
+    if is_main_process():
+        write_adapter(arrays, model.args.to_dict(), out_dir)
+
+
+def write_adapter(arrays: dict, model_args: dict, out_dir: str):
+    save_pth(arrays, os.path.join(out_dir, ADAPTER_WEIGHTS))
+    write_json(model_args, os.path.join(out_dir, ADAPTER_PARAMS))
+
+
+# ---- training checkpoints ----------------------------------------------------------
+# checkpoint-latest.pth / checkpoint-best.pth: the adapter, AdamW's moments, where the run stands,
+# the early stopper, the RNGs, the run's settings and the signature a resume must match.
+
+def rng_state() -> dict:
+    keys, pos, has_gauss, cached = np.random.get_state()[1:]
+    numpy_state = {"keys": keys.astype(np.int64), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+    return {"numpy": numpy_state, "python": np.asarray(random.getstate()[1], dtype=np.int64)}
+
+
+def set_rng_state(state: dict):
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    random.setstate((3, tuple(int(x) for x in state["python"]), None))
+
+
+def checkpoint_state(model, optimizer, stopper, position: dict, settings: dict, signature: dict) -> dict:
+    """Everything a resume needs; call on EVERY rank (it fetches Vars), then save_checkpoint on rank 0.
+    `position`: epoch, data_iter_step (the next global batch), global_step."""
+    return {"adapter": adapter_arrays(model), "optimizer": optimizer.state_arrays(), **position,
+            "early_stopper": stopper.state_dict(), "rng": rng_state(), "args": settings,
+            "signature": signature, "model_args": model.args.to_dict()}
+
+
+def save_checkpoint(state: dict, out_dir: str, name: str = "latest", with_adapter: bool = False):
+    """checkpoint-<name>.pth (and with_adapter, adapter-<name>/), rank 0 only, each file atomically."""
+    if not is_main_process():
+        return
+    save_pth(state, os.path.join(out_dir, f"checkpoint-{name}.pth"))
+    if with_adapter:
+        write_adapter(state["adapter"], state["model_args"], os.path.join(out_dir, f"adapter-{name}"))
+
+
+def resume_signature(llama_path: str, data_path, val_data_path, train, max_seq_len: int) -> dict:
+    """What a resumed run must share with its checkpoint besides the model's settings."""
+    keys = ("val_fraction", "batch_size", "accum_iter", "epochs", "warmup_epochs", "lr", "min_lr",
+            "weight_decay", "clip_grad", "seed")
+    return {**{k: getattr(train, k) for k in keys}, "max_seq_len": max_seq_len,
+            "llama_path": os.path.abspath(llama_path),
+            "data": os.path.abspath(data_path) if data_path else "synthetic",
+            "val_data": os.path.abspath(val_data_path) if val_data_path else None}
+
+
+def restore_checkpoint(path: str, model, optimizer, stopper, signature: dict) -> dict:
+    """Load a training checkpoint into model, optimizer, stopper and the RNGs after checking it was
+    made with the same settings; returns the checkpoint (its epoch, data_iter_step, global_step)."""
+    ckpt = load_pth(path)
+    if not isinstance(ckpt, dict) or "adapter" not in ckpt or "optimizer" not in ckpt:
+        raise CheckpointError(f"{path}: not a training checkpoint of Math.py (no adapter/optimizer state)")
+    differences = config_differences(ckpt["model_args"], model.args)
+    saved = ckpt.get("signature", {})
+    differences += [f"{k}: checkpoint has {saved.get(k)!r}, this run has {v!r}"
+                    for k, v in signature.items() if saved.get(k) != v]
+    if differences:
+        raise CheckpointError(f"{path}: checkpoint of another configuration, cannot resume: " + "; ".join(differences))
+    assign_strict(model.adapter_parameters(), ckpt["adapter"], path, "adapter")
+    optimizer.load_state_arrays(ckpt["optimizer"], path)
+    stopper.load_state_dict(ckpt["early_stopper"])
+    set_rng_state(ckpt["rng"])
+    return ckpt
 
 
 def config_differences(saved: dict, args: ModelArgs) -> list:

@@ -11,10 +11,11 @@ import io
 import os
 import pickle
 import struct
-import tempfile
 import zipfile
 
 import numpy as np
+
+from Utils.misc import atomic_write
 
 
 class CheckpointError(ValueError):
@@ -304,17 +305,9 @@ def save_pth(obj, path, bf16=False):
                (".storage_alignment", str(_ALIGNMENT).encode()), ("byteorder", b"little")]
     records += [(f"data/{key}", data) for key, data in enumerate(writer.storages)]
     records += [("version", b"3\n")]
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pth",
-                               dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "wb") as file:
+    def write(tmp):
+        with open(tmp, "wb") as file:
             with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED) as archive:
                 for name, data in records:
                     _write_record(archive, file, f"{_ARCHIVE}/{name}", data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a checkpoint is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(path, write)

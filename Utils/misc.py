@@ -5,8 +5,8 @@ MPI by itself and exposes jt.in_mpi, jt.rank, jt.world_size. Rule for every
 helper here: Jittor calls (mpi_all_reduce, .item(), .numpy()) run on EVERY
 rank; rank-0-only branches only print or write files, or the ranks deadlock.
 """
-import builtins
 import datetime
+import json
 import math
 import os
 import pickle
@@ -18,7 +18,9 @@ import numpy as np
 import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
 import jittor as jt
 
-_builtin_print = builtins.print
+# Temp files of interrupted writes start with this, beside the file they were to replace.
+TMP_PREFIX = ".tmp"
+_is_master = True
 
 
 def init_distributed_mode(args):
@@ -37,15 +39,19 @@ def init_distributed_mode(args):
         jt.flags.use_cuda = 1
     setup_for_distributed(args.rank == 0)
     if args.distributed:
-        print(f"| distributed: rank {args.rank} of {args.world_size}, local rank {args.gpu}", force=True)
+        print(f"| distributed: rank {args.rank} of {args.world_size}, local rank {args.gpu}")
 
 
 def setup_for_distributed(is_master):
-    """Silence print() except on the master; print(..., force=True) always prints."""
-    def gated_print(*args, force=False, **kwargs):
-        if is_master or force:
-            _builtin_print(*args, **kwargs)
-    builtins.print = gated_print
+    """Make print_main() print on the master only (print itself is left alone)."""
+    global _is_master
+    _is_master = is_master
+
+
+def print_main(*args, **kwargs):
+    """print() on the master process only: progress and results, once per run."""
+    if _is_master:
+        print(*args, **kwargs)
 
 
 def get_rank():
@@ -60,31 +66,50 @@ def is_main_process():
     return get_rank() == 0
 
 
-def save_on_master(payload, path):
-    """On rank 0, write `payload` to `path` atomically (temp file + os.replace); returns path or None.
-
-    `payload` is either a callable `write(tmp_path)` that writes the file, e.g.
-    `lambda p: jt.save(state, p)` (the temp name keeps `path`'s extension, which
-    jt.save reads to choose its format), or any other object, which is pickled.
-    Fetch Jittor Vars to numpy on ALL ranks before calling: this branch runs on
-    rank 0 alone and must not trigger Jittor work.
-    """
-    if not is_main_process():
-        return None
+def atomic_write(path, write):
+    """Write `path` through `write(tmp_path)` into a temp file beside it, synced, then renamed over
+    `path`: a reader, a crash or a kill -9 never leaves half a file under the real name."""
     folder, name = os.path.split(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp_path = os.path.join(folder, f".tmp{os.getpid()}.{name}")
+    tmp_path = os.path.join(folder, f"{TMP_PREFIX}{os.getpid()}.{name}")
     try:
-        if callable(payload):
-            payload(tmp_path)
-        else:
-            with open(tmp_path, "wb") as f:
-                pickle.dump(payload, f)
+        write(tmp_path)
+        fd = os.open(tmp_path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp_path, path)
     finally:
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
     return path
+
+
+def write_json(obj, path):
+    """Atomically write `obj` as indented JSON."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)
+    return atomic_write(path, write)
+
+
+def save_on_master(payload, path):
+    """On rank 0, write `path` atomically (see atomic_write); returns path, or None on other ranks.
+
+    `payload` is either a callable `write(tmp_path)` that writes the file (the temp name keeps
+    `path`'s extension) or any other object, which is pickled. Fetch Jittor Vars to numpy on ALL
+    ranks before calling: this branch runs on rank 0 alone and must not trigger Jittor work.
+    """
+    if not is_main_process():
+        return None
+    if callable(payload):
+        return atomic_write(path, payload)
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            pickle.dump(payload, f)
+    return atomic_write(path, write)
 
 
 def all_reduce_sum(values):
@@ -196,11 +221,11 @@ class MetricLogger:
                     eta = iter_time.global_avg * (total - 1 - i)
                     parts.append(f"eta: {datetime.timedelta(seconds=int(eta))}")
                 parts += [str(self), f"time: {iter_time}", f"data: {data_time}"]
-                print(self.delimiter.join(p for p in parts if p))
+                print_main(self.delimiter.join(p for p in parts if p))
             end = time.time()
         total_time = time.time() - start
         per_item = total_time / max(count, 1)
-        print(f"{header} Total time: {datetime.timedelta(seconds=int(total_time))} ({per_item:.4f} s / it)")
+        print_main(f"{header} Total time: {datetime.timedelta(seconds=int(total_time))} ({per_item:.4f} s / it)")
 
 
 class EarlyStopper:

@@ -33,7 +33,7 @@ def tiny_meta():
 
 def test_base_logits_match_authors(tiny_meta):
     ref = np.load(tiny_meta / "base_logits.npz", allow_pickle=False)
-    model = build_model(str(tiny_meta), **RUNTIME)
+    model = build_model(str(tiny_meta), ModelArgs.from_params_json(str(tiny_meta), **RUNTIME))
     assert model.adapter_parameters() == {}
     tokens = ref["tokens"].astype(np.int32)
     logits = model.llama(jt.array(tokens)).numpy()
@@ -44,7 +44,7 @@ def test_base_logits_match_authors(tiny_meta):
 
 
 def test_kv_cache_rejected_in_training_mode(tiny_meta):
-    model = build_model(str(tiny_meta), **RUNTIME)
+    model = build_model(str(tiny_meta), ModelArgs.from_params_json(str(tiny_meta), **RUNTIME))
     model.train()
     with pytest.raises(RuntimeError, match="eval mode"):
         model.llama(jt.array(np.ones((1, 4), np.int32)), start_pos=0)
@@ -80,8 +80,8 @@ def test_sharded_checkpoint_joins(tiny_meta, tmp_path):
     shutil.copy(tiny_meta / "params.json", tmp_path / "params.json")
     for i, shard in enumerate(shards):
         save_pth(shard, tmp_path / f"consolidated.0{i}.pth", bf16=True)
-    joined = build_model(str(tmp_path), **RUNTIME)
-    single = build_model(str(tiny_meta), **RUNTIME)
+    joined = build_model(str(tmp_path), ModelArgs.from_params_json(str(tmp_path), **RUNTIME))
+    single = build_model(str(tiny_meta), ModelArgs.from_params_json(str(tiny_meta), **RUNTIME))
     for name, var in single.base_parameters().items():
         assert np.array_equal(var.numpy(), joined.base_parameters()[name].numpy()), name
 
@@ -96,7 +96,7 @@ def meta_copy(tiny_meta, tmp_path):
 def test_missing_params_json(meta_copy):
     (meta_copy / "params.json").unlink()
     with pytest.raises(FileNotFoundError, match="params.json"):
-        build_model(str(meta_copy), **RUNTIME)
+        build_model(str(meta_copy), ModelArgs.from_params_json(str(meta_copy), **RUNTIME))
 
 
 def test_params_json_wrong_type(meta_copy):
@@ -104,7 +104,7 @@ def test_params_json_wrong_type(meta_copy):
     params["n_heads"] = "four"
     (meta_copy / "params.json").write_text(json.dumps(params))
     with pytest.raises(TypeError, match=r"params.json.*n_heads"):
-        build_model(str(meta_copy), **RUNTIME)
+        build_model(str(meta_copy), ModelArgs.from_params_json(str(meta_copy), **RUNTIME))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -122,7 +122,7 @@ def test_bad_checkpoint_tensors(meta_copy, change, message):
         state["layers.0.attention.wk.weight"] = state["layers.0.attention.wk.weight"][:16]
     save_pth(state, meta_copy / "consolidated.00.pth", bf16=True)
     with pytest.raises(CheckpointError, match=message):
-        build_model(str(meta_copy), **RUNTIME)
+        build_model(str(meta_copy), ModelArgs.from_params_json(str(meta_copy), **RUNTIME))
 
 
 def test_missing_checkpoint_file(meta_copy):

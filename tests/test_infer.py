@@ -19,6 +19,8 @@ from matplotlib import image as mpimg
 import Infer
 from Data.prompts import format_prompt
 from Models.Tokenizer import Tokenizer
+from Data.synthetic import make_splits
+from Models.ModelArgs import ModelArgs
 from Models.checkpoints import build_model, export_authors_adapter, save_adapter
 from Models.generate import generate, prefill_length
 from Models.tiny_base import write_random_base
@@ -52,7 +54,8 @@ def tok(base_dir):
 def models(base_dir):
     built = {}
     for i, (name, moa) in enumerate(MOA.items()):
-        model = build_model(base_dir, max_seq_len=64, max_batch_size=4, **moa)
+        args = ModelArgs.from_params_json(base_dir, max_seq_len=64, max_batch_size=4, **moa)
+        model = build_model(base_dir, args)
         randomize_adapter(model, seed=i)
         model.eval()
         built[name] = model
@@ -164,10 +167,12 @@ def example(question, answer):
 def run_dir(tmp_path_factory, base_dir):
     """A training run as Math.py leaves it: adapter/, args.json, log.txt."""
     run = str(tmp_path_factory.mktemp("output") / "run1")
-    model = build_model(base_dir, max_seq_len=64, max_batch_size=4, **MOA["sparse"])
+    args = ModelArgs.from_params_json(base_dir, max_seq_len=64, max_batch_size=4, **MOA["sparse"])
+    model = build_model(base_dir, args)
     randomize_adapter(model, seed=7)
     save_adapter(model, os.path.join(run, "adapter"))
     write_json(os.path.join(run, "args.json"), {"llama_path": base_dir})
+    write_json(os.path.join(run, "data", "test.json"), make_splits(20, 0, 12, seed=5)[2])
     with open(os.path.join(run, "log.txt"), "w") as f:
         for step in range(8):
             row = {"step": step, "c_train_loss": 3.0 - 0.2 * step, "lr": 1e-3}
@@ -239,7 +244,7 @@ def test_infer_authors_adapter_needs_its_flags(monkeypatch, tok, run_dir, base_d
 
 @pytest.fixture(scope="module")
 def weights_run(run_dir):
-    """Infer with its defaults (newest run, generated synthetic test) and --save_weights."""
+    """Infer with its defaults (newest run, the test split it recorded) and --save_weights."""
     summary = Infer.main(["--output_root", os.path.dirname(run_dir), "--max_examples", "5", "--batch_size", "4",
                           "--max_gen_len", "8", "--save_weights"])
     return summary, os.path.join(run_dir, "eval")
@@ -252,7 +257,7 @@ def test_weight_pickles_structure(weights_run, tok):
         types = pickle.load(f)
     with open(os.path.join(out, "token_weight.pkl"), "rb") as f:
         gammas = pickle.load(f)
-    with open(os.path.join(out, "synthetic_test.json")) as f:
+    with open(os.path.join(os.path.dirname(out), "data", "test.json")) as f:
         tests = json.load(f)[:5]
     assert types["kind"] == "type_weight" and gammas["kind"] == "token_weight" and types["variant"] == "sparse"
     assert types["layer_types"] == [["Q", "K", "V", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN", "PADAPTER"]] * 2
@@ -291,6 +296,16 @@ def test_pngs_exist_not_blank_with_expert_names(weights_run, tmp_path):
 
 
 # ---- bad input: one clear message, exit code 2 ----------------------------------------
+
+def test_missing_recorded_test_split_is_an_error(run_dir, tmp_path, capsys):
+    """Never a regenerated test set, which could overlap the training data."""
+    run = tmp_path / "run2"
+    shutil.copytree(run_dir, run)
+    os.remove(run / "data" / "test.json")
+    expect_exit_2(capsys, ["--adapter_path", str(run / "adapter"), "--output_dir", str(tmp_path / "eval")],
+                  "no recorded test split")
+    assert not os.path.exists(tmp_path / "eval" / "scores.json")
+
 
 def expect_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

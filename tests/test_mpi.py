@@ -1,5 +1,4 @@
 """Data parallel over MPI: `mpirun -np 2 python Math.py` must train exactly like one rank."""
-import builtins
 import json
 import os
 import shutil
@@ -16,7 +15,6 @@ import Math
 from Data.synthetic import make_splits
 from Models.tiny_base import write_random_base
 from Models.torch_io import load_pth
-from Utils import misc
 
 MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data parallel)")
@@ -54,10 +52,7 @@ def records(out, event):
 
 def test_two_ranks_match_one_rank(setup, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    try:
-        assert Math.main(argv(setup, one, "--max_steps", 4)) == 0
-    finally:
-        builtins.print = misc._builtin_print
+    assert Math.main(argv(setup, one, "--max_steps", 4)) == 0
     # two ranks, and interrupted half-way: resume under MPI as well
     first = mpirun(2, argv(setup, two, "--max_steps", 2))
     assert first.returncode == 0, first.stdout + first.stderr

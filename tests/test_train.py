@@ -1,6 +1,5 @@
 """Math.py + engine_finetune.py on a tiny random base (dim 64, 2 layers): schedule, learning,
 resume, early stopping, logs, freezing, bad input, SIGTERM. Runs Math.main in-process where it can."""
-import builtins
 import json
 import math
 import os
@@ -23,7 +22,6 @@ from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
 from Models.tiny_base import write_random_base
 from Models.torch_io import load_pth
-from Utils import misc
 
 PYTHON = sys.executable
 # Prompts of the tiny BPE run 127-164 tokens, so 256 keeps every answer.
@@ -45,12 +43,6 @@ def data(tmp_path_factory):
         with open(paths[name], "w") as f:
             json.dump(split, f)
     return paths
-
-
-@pytest.fixture(autouse=True)
-def restore_print():
-    yield
-    builtins.print = misc._builtin_print  # Math.main gates print by rank
 
 
 def train(base, data, out, *extra):
@@ -197,7 +189,8 @@ def test_logs_tensorboard_and_run_files(base, data, tmp_path):
     assert {"c_train_loss", "val_loss", "lr"} <= read_tensorboard_tags(tmp_path / "tensorboard")
     with open(tmp_path / "args.json") as f:
         saved = json.load(f)
-    assert saved["llama_path"] == base and saved["lr"] == 1e-2
+    assert saved["llama_path"] == base and saved["lr"] == 1e-2 and saved["recipe"] == "demo"
+    assert saved["lora_rank"] == 4 and saved["lora_alpha"] == 16.0  # the flag over the recipe
     with open(tmp_path / "adapter" / "adapter_params.json") as f:
         assert json.load(f)["variant"] == "sparse"
 
@@ -265,12 +258,11 @@ def test_batch_size_and_world_size():
         ns.world_size = world_size
         return ns
     with pytest.raises(Math.UserError, match="smaller than the 4 MPI ranks"):
-        Math.check_args(args(2, 4), 2)
+        Math.resolve_settings(args(2, 4), 2)
     with pytest.raises(Math.UserError, match="not divisible by the 2 MPI ranks"):
-        Math.check_args(args(5, 2), 2)
-    ok = args(8, 2)
-    Math.check_args(ok, 2)
-    assert ok.lr == pytest.approx(ok.blr * 8 / 256) and ok.lora_layers == "0-2"
+        Math.resolve_settings(args(5, 2), 2)
+    model_settings, cfg, _ = Math.resolve_settings(args(8, 2), 2)
+    assert cfg.lr == pytest.approx(cfg.blr * 8 / 256) and model_settings["lora_layers"] == "all"
 
 
 def test_resume_with_another_configuration(base, data, tmp_path, capsys):
