@@ -292,3 +292,31 @@ def import_authors_adapter(authors_path: str, out_dir: str, base: ModelArgs):
     model = LLaMA_adapter(ModelArgs(**{**base.to_dict(), **fields}))
     assign_strict(model.adapter_parameters(), arrays, authors_path, "adapter")
     save_adapter(model, out_dir)
+
+
+def main(argv=None):
+    """python -m Models.checkpoints export|import ...: convert adapter files without Python code."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m Models.checkpoints", description=main.__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="our adapter -> the authors' adapter.pth + adapter_params.json")
+    e.add_argument("adapter", help="our adapter directory (adapter.pth + adapter_params.json)")
+    e.add_argument("out", help="the authors' adapter.pth to write (their json goes beside it)")
+    e.add_argument("--bf16", action="store_true", help="store the tensors in bfloat16")
+    i = sub.add_parser("import", help="the authors' adapter.pth or checkpoint-N.pth -> our adapter directory")
+    i.add_argument("authors", help="their adapter.pth (with their adapter_params.json beside it) or checkpoint-N.pth")
+    i.add_argument("out", help="our adapter directory to write")
+    i.add_argument("--llama_path", required=True, help="the Meta checkpoint directory the adapter was trained on")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "export":
+            export_authors_adapter(args.adapter, args.out, bf16=args.bf16)
+        else:
+            import_authors_adapter(args.authors, args.out, ModelArgs.from_params_json(args.llama_path))
+    except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
+        p.exit(2, f"error: {e}\n")
+    print(f"[checkpoints] wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,6 +8,7 @@ import pytest
 
 import jittor as jt
 from golden import max_abs
+from Models import checkpoints
 from Models.checkpoints import (AUTHORS_PARAMS, assign_strict, export_authors_adapter, import_authors_adapter,
                                 load_adapter, read_adapter, read_adapter_config)
 from Models.LLaMA_Adapter import LLaMA_adapter
@@ -127,3 +128,19 @@ def test_flat_adapter_without_their_json_is_refused(tmp_path):
     save_pth(load_pth(fixture("sparse", "adapter.pth")), tmp_path / "adapter.pth")
     with pytest.raises(CheckpointError, match="neither the authors' checkpoint-N.pth"):
         import_authors_adapter(str(tmp_path / "adapter.pth"), str(tmp_path / "ours"), BASE)
+
+
+def test_command_line_import_and_export(tmp_path):
+    params = tmp_path / "base" / "params.json"
+    params.parent.mkdir()
+    params.write_text(json.dumps({k: BASE.to_dict()[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
+                                                                  "vocab_size", "multiple_of")}))
+    checkpoints.main(["import", fixture("soft_e2_hydra", "checkpoint-0.pth"), str(tmp_path / "ours"),
+                      "--llama_path", str(params.parent)])
+    checkpoints.main(["export", str(tmp_path / "ours"), str(tmp_path / "theirs" / "adapter.pth")])
+    assert their_json("soft_e2_hydra") == json.loads((tmp_path / "theirs" / "adapter_params.json").read_text())
+    exported, original = load_pth(tmp_path / "theirs" / "adapter.pth"), load_pth(fixture("soft_e2_hydra", "adapter.pth"))
+    assert sorted(exported) == sorted(original) and all(np.array_equal(exported[k], original[k]) for k in original)
+    with pytest.raises(SystemExit) as info:  # an adapter without its json: a clear error, no traceback
+        checkpoints.main(["export", str(tmp_path / "nothing" / "adapter.pth"), str(tmp_path / "x.pth")])
+    assert info.value.code == 2
