@@ -1,4 +1,4 @@
-"""Evaluate a MoA adapter (or the base alone) on math test sets: generate, score, dump router weights.
+"""Evaluate a MoA adapter (or the base alone) on math or commonsense test sets: generate, score, dump router weights.
 
     python Infer.py                          # newest ./output/*/adapter, its base, the synthetic test set
     python Infer.py --adapter_path output/run/adapter --data_path ../shared/data/math --save_weights
@@ -27,10 +27,10 @@ from tqdm import tqdm
 import Utils.jittor_env  # noqa: F401  (must precede any jittor import)
 from Data.dataset import load_examples
 from Data.prompts import format_prompt
-from Data.scoring import CHOICE, answer_kind, extract_answer, is_correct
+from Data.scoring import extract_answer, is_correct, scoring_rule
 from Models.ModelArgs import META_FIELDS, ModelArgs
 from Models.Tokenizer import Tokenizer
-from Models.checkpoints import ADAPTER_PARAMS, ADAPTER_WEIGHTS, build_model, load_adapter
+from Models.checkpoints import ADAPTER_WEIGHTS, adapter_config_path, build_model, load_adapter, read_adapter_config
 from Models.generate import generate
 from Models.tiny_base import ensure_default_base
 from Models.torch_io import CheckpointError
@@ -146,31 +146,18 @@ def load_test_sets(sources, max_examples):
         name = name if seen[name] == 1 else f"{name}_{seen[name]}"
         loaded = load_examples(source)
         loaded = loaded[:max_examples] if max_examples else loaded
-        test_sets.append(TestSet(name, source, scoring_rule(name, loaded), len(examples), len(loaded)))
+        rule = scoring_rule(name, [ex["answer"] for ex in loaded], source)  # before any generation
+        test_sets.append(TestSet(name, source, rule, len(examples), len(loaded)))
         examples += loaded
     return examples, test_sets
-
-
-def scoring_rule(name, examples):
-    """The scorer's data-set name: the real one when known, else chosen from the answers' form."""
-    try:
-        answer_kind(name)
-        return name
-    except ValueError:
-        letters = all(CHOICE.fullmatch(ex["answer"].strip()) for ex in examples)
-        return "aqua" if letters else "synthetic"
-
-
-def adapter_config_path(adapter):
-    return os.path.join(adapter if os.path.isdir(adapter) else os.path.dirname(adapter), ADAPTER_PARAMS)
 
 
 def model_overrides(args, adapter, llama_path):
     """ModelArgs fields for the model: the adapter's config, then the MoA flags given."""
     overrides = {}
     config_path = adapter_config_path(adapter)
-    if os.path.isfile(config_path):
-        config = read_json(config_path)
+    config = read_adapter_config(adapter)  # ours or the authors' (their option names)
+    if config is not None:
         base = ModelArgs.from_params_json(llama_path).to_dict()
         other_base = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in META_FIELDS
                       if k in config and config[k] != base[k]]
@@ -203,8 +190,9 @@ def load_model(args, adapter, llama_path, max_seq_len):
 
 # ---- running ------------------------------------------------------------------------
 
-def generate_share(model, tok, prompts, indices, args, gen, rank):
-    """Generate for the examples `indices` (longest-first batches); {index: result}."""
+def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len=None):
+    """Generate for the examples `indices` (longest-first batches); {index: result}.
+    budget_seq_len: the authors' per-example budget (Models.generate.generate)."""
     order = sorted(indices, key=lambda i: -len(prompts[i]))
     results = {}
     bar = tqdm(total=len(order), desc="generate", disable=rank != 0, dynamic_ncols=True)
@@ -212,7 +200,8 @@ def generate_share(model, tok, prompts, indices, args, gen, rank):
         batch = order[start:start + args.batch_size]
         records = [] if args.save_weights else None
         outputs = generate(model, tok, [prompts[i] for i in batch], gen.max_gen_len, gen.temperature,
-                           gen.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size)
+                           gen.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size,
+                           budget_seq_len=budget_seq_len)
         for j, (i, out) in enumerate(zip(batch, outputs)):
             results[i] = {"generation": tok.decode(out), "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),
                           "records": records[j] if records is not None else None}
@@ -315,11 +304,15 @@ def run(args):
     print_main(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
           f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len}")
 
-    local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, gen, rank)
+    # the authors give each example min(max_gen_len, max_seq_len - prompt length), max_seq_len from the adapter
+    config = read_adapter_config(adapter) if adapter else None
+    budget_seq_len = config.get("max_seq_len") if config else None
+    local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, gen, rank, budget_seq_len)
     results = gather_results(local, output_dir, rank, world)
     if rank != 0:
         return None
-    meta = {"adapter": adapter, "llama_path": llama_path, **vars(gen), "seed": args.seed, "world_size": world}
+    meta = {"adapter": adapter, "llama_path": llama_path, **vars(gen), "budget_seq_len": budget_seq_len,
+            "seed": args.seed, "world_size": world}
     summary = score_and_write(test_sets, examples, results, output_dir, meta)
     for name, s in summary["datasets"].items():
         print_main(f"  {name:<12} {100 * s['accuracy']:6.2f}%  ({s['correct']}/{s['total']})")

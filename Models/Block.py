@@ -4,6 +4,8 @@
 FFN_GATE, FFN_DOWN) to that expert's per-token weight [B,T].
 """
 
+import math
+
 import numpy as np
 
 import Utils.jittor_env  # noqa: F401
@@ -59,8 +61,11 @@ class Attention(nn.Module):
         self.lora_O = lora_for(args, layer_id, "O", H * hd, D)
         self.has_prompt = layer_id in args.prompt_layer_set
         if self.has_prompt:
-            self.prompt = nn.Embedding(args.expert_num * args.prompt_len, D)
+            self.prompt = nn.Embedding(args.expert_num * args.prompt_len, D)  # expert e: rows e*len..
             self.prompt_gate = jt.zeros((1, H, 1, 1), "float32")  # zero: the prompt starts silent
+            if args.expert_num > 1:  # softmax mixer of the experts' outputs; nn.Linear's start is the authors'
+                self.prompt_router = nn.Linear(D, args.expert_num, bias=True)
+        self.expert_num = args.expert_num
         self._cache_k = self._cache_v = None
 
     def reset_cache(self):
@@ -91,19 +96,42 @@ class Attention(nn.Module):
         keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
         out = attention(xq, keys, values, mask)  # [B,T,H,hd]
         if self.has_prompt:
-            out = out + self.prompt_output(xq, weights["PROMPT"])
+            out = out + self.prompt_output(x, xq, weights["PROMPT"])
         out = out.reshape(B, T, H * hd)  # [B,T,D]
         return with_lora(self.wo(out), self.lora_O, out, weights, "O")
 
-    def prompt_output(self, xq: jt.Var, type_weight: jt.Var) -> jt.Var:
-        # xq [B,T,H,hd] (rotated queries), type_weight [B,T] -> [B,T,H,hd]
+    def prompt_output(self, x: jt.Var, xq: jt.Var, type_weight: jt.Var) -> jt.Var:
+        # x [B,T,D] (the layer's normalised input), xq [B,T,H,hd] (rotated queries), type_weight [B,T] -> [B,T,H,hd]
         B, T, H, hd = xq.shape
         L = self.prompt.weight.shape[0]
-        kv_shape = (B, L, self.n_kv_heads, hd)  # the learned prompt through the base projections, no RoPE
-        prompt_k = self.wk(self.prompt.weight).reshape(1, *kv_shape[1:]).broadcast(kv_shape)
-        prompt_v = self.wv(self.prompt.weight).reshape(1, *kv_shape[1:]).broadcast(kv_shape)
-        out = attention(xq, prompt_k, prompt_v, jt.zeros((T, L), "float32"))  # [B,T,H,hd]
+        # the learned prompt through the base projections, no RoPE
+        prompt_k, prompt_v = self.wk(self.prompt.weight), self.wv(self.prompt.weight)  # [L, Hkv*hd]
+        if self.expert_num > 1:
+            out = self.mixed_prompt_output(x, xq, prompt_k, prompt_v)
+        else:
+            kv_shape = (B, L, self.n_kv_heads, hd)
+            prompt_k = prompt_k.reshape(1, *kv_shape[1:]).broadcast(kv_shape)
+            prompt_v = prompt_v.reshape(1, *kv_shape[1:]).broadcast(kv_shape)
+            out = attention(xq, prompt_k, prompt_v, jt.zeros((T, L), "float32"))  # [B,T,H,hd]
         return out * self.prompt_gate.reshape(1, 1, H, 1) * type_weight.reshape(B, T, 1, 1)
+
+    def mixed_prompt_output(self, x, xq, prompt_k, prompt_v) -> jt.Var:
+        """Several prompt experts, as the authors mix them: ONE softmax over all experts'
+        rows, then each expert's share of it is weighted by softmax(prompt_router(x))."""
+        # x [B,T,D], xq [B,T,H,hd], prompt_k/v [E*P, Hkv*hd] -> [B,T,H,hd] (before gate and type weight)
+        B, T, H, hd = xq.shape
+        L, E = self.prompt.weight.shape[0], self.expert_num
+
+        def per_head(t):  # [L, Hkv*hd] -> [1,H,L,hd]; kv head h // n_rep serves query head h
+            t = t.reshape(L, self.n_kv_heads, 1, hd).broadcast((L, self.n_kv_heads, self.n_rep, hd))
+            return t.reshape(L, H, hd).transpose(1, 0, 2).unsqueeze(0)
+        keys, values = per_head(prompt_k), per_head(prompt_v)
+        q = xq.transpose(0, 2, 1, 3)  # [B,H,T,hd]
+        probs = nn.softmax(jt.matmul(q, keys.transpose(0, 1, 3, 2)) / math.sqrt(hd), dim=-1)  # [B,H,T,L]
+        gate = nn.softmax(self.prompt_router(x), dim=-1)  # [B,T,E]
+        row_gate = gate.reshape(B, 1, T, E, 1).broadcast((B, 1, T, E, L // E)).reshape(B, 1, T, L)
+        out = jt.matmul(probs * row_gate, values)  # [B,H,T,hd]
+        return out.transpose(0, 2, 1, 3)
 
 
 class FeedForward(nn.Module):

@@ -43,31 +43,40 @@ def mix_experts(gate: jt.Var, outputs: list) -> jt.Var:
 class MOELoraLayer(nn.Module):
     """LoRA on one projection: (x A^T) B^T * alpha/r.
 
-    expert_num > 1 mixes several LoRAs with a bias-free softmax router (MoE-LoRA);
-    hydra shares one A across the experts (HydraLoRA). B starts at zero, so the
-    layer adds nothing until trained.
+    expert_num > 1 (MoE-LoRA) mixes `lora_B_l.<e>(lora_A_l.<e>(x))` by a bias-free
+    softmax `router`; with hydra (HydraLoRA) one `lora_A` serves every B. Names are
+    the authors'. B starts at zero, so the layer adds nothing until trained; the
+    router keeps nn.Linear's default uniform(+-1/sqrt(in)) start, which is the
+    authors' (PyTorch's default Linear init).
     """
 
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float,
                  expert_num: int = 1, hydra: bool = False):
         self.scaling = alpha / rank
-        self.expert_num = expert_num
+        self.expert_num, self.hydra = expert_num, hydra
         if expert_num == 1:
             self.lora_A = nn.Linear(in_features, rank, bias=False)
             self.lora_B = zero_linear(rank, out_features)
+            return
+        self.router = nn.Linear(in_features, expert_num, bias=False)
+        if hydra:
+            self.lora_A = nn.Linear(in_features, rank, bias=False)
         else:
-            self.lora_router = nn.Linear(in_features, expert_num, bias=False)
-            n_a = 1 if hydra else expert_num
-            self.lora_A = nn.ModuleList([nn.Linear(in_features, rank, bias=False) for _ in range(n_a)])
-            self.lora_B = nn.ModuleList([zero_linear(rank, out_features) for _ in range(expert_num)])
+            self.lora_A_l = nn.ModuleList([nn.Linear(in_features, rank, bias=False) for _ in range(expert_num)])
+        self.lora_B_l = nn.ModuleList([zero_linear(rank, out_features) for _ in range(expert_num)])
 
     def unweighted(self, x: jt.Var) -> jt.Var:
         """B(A x), mixed by the expert router when expert_num > 1; before scaling and type weight."""
+        # x [B,T,in] -> [B,T,out]
         if self.expert_num == 1:
             return self.lora_B(self.lora_A(x))
-        gate = nn.softmax(self.lora_router(x), dim=-1)  # [B,T,E]
-        shared = [a(x) for a in self.lora_A]  # hydra: one A serves every B
-        return mix_experts(gate, [b(shared[e % len(shared)]) for e, b in enumerate(self.lora_B)])
+        gate = nn.softmax(self.router(x), dim=-1)  # [B,T,E]
+        if self.hydra:
+            shared = self.lora_A(x)  # one A feeds every B
+            outputs = [b(shared) for b in self.lora_B_l]
+        else:
+            outputs = [b(a(x)) for a, b in zip(self.lora_A_l, self.lora_B_l)]
+        return mix_experts(gate, outputs)
 
     def execute(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
         # base [B,T,out] + the expert's output on x [B,T,in], weighted by type_weight [B,T] -> [B,T,out]
@@ -75,27 +84,40 @@ class MOELoraLayer(nn.Module):
 
 
 class PAdapterLayer(nn.Module):
-    """Parallel adapter beside the FFN: up(silu(down(x))), biases on, near-zero start."""
+    """Parallel adapter beside the FFN: up(silu(down(x))), biases on, near-zero start.
+
+    expert_num > 1 mixes `up_proj_l.<e>` by a softmax `router` (with bias, nn.Linear's
+    default start as in the authors' code); with hydra one `down_proj` feeds every
+    up projection. Without hydra each expert has its own `down_proj_l.<e>`: the
+    authors build these but their forward indexes `down_proj` instead and crashes,
+    so that form has no reference; ours runs and keeps their parameter names.
+    """
 
     def __init__(self, dim: int, size: int, expert_num: int = 1, hydra: bool = False):
-        self.expert_num = expert_num
+        self.expert_num, self.hydra = expert_num, hydra
         if expert_num == 1:
             self.down_proj = xavier_linear(dim, size, gain=1e-4)
             self.up_proj = xavier_linear(size, dim, gain=1e-4)
+            return
+        self.router = nn.Linear(dim, expert_num, bias=True)
+        if hydra:
+            self.down_proj = xavier_linear(dim, size, gain=1e-4)
         else:
-            self.adapter_router = nn.Linear(dim, expert_num, bias=True)
-            self.adapter_router.bias = jt.zeros((expert_num,), "float32")
-            n_down = 1 if hydra else expert_num
-            self.down_proj = nn.ModuleList([xavier_linear(dim, size, 1e-4) for _ in range(n_down)])
-            self.up_proj = nn.ModuleList([xavier_linear(size, dim, 1e-4) for _ in range(expert_num)])
+            self.down_proj_l = nn.ModuleList([xavier_linear(dim, size, 1e-4) for _ in range(expert_num)])
+        self.up_proj_l = nn.ModuleList([xavier_linear(size, dim, 1e-4) for _ in range(expert_num)])
 
     def unweighted(self, x: jt.Var) -> jt.Var:
         """up(silu(down(x))), mixed by the adapter router when expert_num > 1; before the type weight."""
+        # x [B,T,D] -> [B,T,D]
         if self.expert_num == 1:
             return self.up_proj(nn.silu(self.down_proj(x)))
-        gate = nn.softmax(self.adapter_router(x), dim=-1)  # [B,T,E]
-        hidden = [nn.silu(d(x)) for d in self.down_proj]
-        return mix_experts(gate, [u(hidden[e % len(hidden)]) for e, u in enumerate(self.up_proj)])
+        gate = nn.softmax(self.router(x), dim=-1)  # [B,T,E]
+        if self.hydra:
+            hidden = nn.silu(self.down_proj(x))  # one down projection feeds every up
+            outputs = [u(hidden) for u in self.up_proj_l]
+        else:
+            outputs = [u(nn.silu(d(x))) for d, u in zip(self.down_proj_l, self.up_proj_l)]
+        return mix_experts(gate, outputs)
 
     def execute(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
         # base [B,T,D] + the adapter's output on x [B,T,D] (the normalised FFN input), weighted by type_weight [B,T]

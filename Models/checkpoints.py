@@ -4,14 +4,19 @@ Every .pth goes through Models.torch_io.load_pth, an allow-list unpickler that
 never runs code named by the file.
 
 Names: our module attributes are the authors' (`llama.layers.0.attention.lora_Q.
-lora_A.weight`, `llama.layers.0.adapter_type_router.w1.weight`, ...), so their
-names and ours are one and the same. The two file formats differ:
+lora_A.weight`, `llama.layers.0.adapter_type_router.w1.weight`, `lora_Q.lora_A_l.1.weight`,
+...), so their names and ours are one and the same. The files:
 - ours: `adapter.pth` holding a flat {name: fp32 tensor} plus `adapter_params.json`
-  (the ModelArgs that shape the adapter);
-- theirs: `adapter.pth` holding {"model": {name: tensor}} (what their
-  extract_adapter_from_checkpoint.py keeps: every name containing lora,
-  prompt or adapter), possibly bf16, no config.
-`export_authors_adapter` and `import_authors_adapter` convert one into the other.
+  (our ModelArgs, Meta's fields included);
+- theirs, as their extract_adapter_from_checkpoint.py writes it: the same flat
+  `adapter.pth` (every name containing lora, prompt or adapter, possibly bf16) plus
+  an `adapter_params.json` of their option names, a different set for Soft and
+  Sparse MoA, which their loader passes to their ModelArgs as keyword arguments;
+- their training checkpoint `checkpoint-N.pth`: {"model": full state dict, "args":
+  the argparse.Namespace of the run, "optimizer", "epoch", "scaler"}.
+The two json files are told apart by our `variant` field. `load_adapter` reads
+both adapter layouts; `export_authors_adapter` writes theirs, `import_authors_adapter`
+turns theirs (or their checkpoint-N.pth) into ours.
 """
 import glob
 import json
@@ -24,8 +29,8 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from .LLaMA_Adapter import LLaMA_adapter, is_adapter_param
-from .ModelArgs import ModelArgs
-from .torch_io import CheckpointError, load_pth, save_pth
+from .ModelArgs import META_FIELDS, ModelArgs
+from .torch_io import CheckpointError, PlainNamespace, load_pth, save_pth
 from Utils.misc import is_main_process, write_json
 
 ADAPTER_WEIGHTS = "adapter.pth"
@@ -191,12 +196,16 @@ def config_differences(saved: dict, args: ModelArgs) -> list:
 
 
 def read_adapter(path: str) -> dict:
-    """Adapter tensors from our adapter.pth or the authors' ({'model': ...}, bf16 allowed)."""
+    """Adapter tensors from a flat adapter.pth or a {'model': ...} checkpoint (bf16 allowed)."""
     if os.path.isdir(path):
         path = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no adapter file")
-    state = load_pth(path)
+    return adapter_tensors(load_pth(path), path)
+
+
+def adapter_tensors(state, path: str) -> dict:
+    """The adapter tensors of a loaded flat {name: tensor} or {'model': {...}, ...}."""
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
     if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
@@ -204,38 +213,176 @@ def read_adapter(path: str) -> dict:
     return {name: value for name, value in state.items() if is_adapter_param(name)}
 
 
+def adapter_config_path(path: str) -> str:
+    return os.path.join(path if os.path.isdir(path) else os.path.dirname(path), ADAPTER_PARAMS)
+
+
+def read_adapter_config(path: str):
+    """The adapter_params.json beside an adapter (ours or the authors') as our ModelArgs
+    fields (Meta's fields only when ours carries them), or None when there is none."""
+    config_path = adapter_config_path(path)
+    if not os.path.isfile(config_path):
+        return None
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object of adapter settings")
+    return config if "variant" in config else fields_from_authors(config, config_path)
+
+
 def load_adapter(model: LLaMA_adapter, path: str):
     """Load our adapter directory or file, or the authors' adapter.pth, into `model` strictly."""
-    config_path = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), ADAPTER_PARAMS)
-    if os.path.isfile(config_path):
-        with open(config_path) as f:
-            differences = config_differences(json.load(f), model.args)
+    config = read_adapter_config(path)
+    if config is not None:
+        differences = config_differences(config, model.args)
         if differences:
-            raise CheckpointError(f"{config_path}: adapter from another configuration: " + "; ".join(differences))
+            raise CheckpointError(f"{adapter_config_path(path)}: adapter from another configuration: "
+                                  + "; ".join(differences))
     weights = os.path.join(path, ADAPTER_WEIGHTS) if os.path.isdir(path) else path
     assign_strict(model.adapter_parameters(), read_adapter(weights), weights, "adapter")
 
 
-def export_authors_adapter(adapter_path: str, out_path: str, bf16: bool = False):
-    """Our adapter (directory or adapter.pth) -> the authors' adapter.pth: {'model': {name: tensor}}."""
-    save_pth({"model": read_adapter(adapter_path)}, out_path, bf16=bf16)
+# ---- the authors' adapter_params.json / run arguments ----------------------------------
+
+# What their extract_adapter_from_checkpoint.py writes, in its order, per variant. Their
+# loader calls ModelArgs(**json), and each variant's ModelArgs knows only its own set.
+AUTHORS_PARAMS = {
+    "sparse": ("w_bias", "lora_layers", "lora_rank", "lora_targets", "lora_alpha", "max_threshold",
+               "bool_weights", "adapter_noisy", "const_threshold", "swi_x", "p_adapter_layers",
+               "p_adapter_size", "p_adapter_hydra", "prompt_layers", "prompt_len", "max_seq_len",
+               "flash_attention2", "bf16"),
+    "soft": ("w_bias", "lora_layers", "lora_rank", "lora_targets", "lora_alpha", "expert_num", "swi_x",
+             "hydra_moe", "p_adapter_layers", "p_adapter_size", "p_adapter_hydra", "prompt_layers",
+             "prompt_len", "expert_weight", "max_seq_len", "flash_attention2", "bf16"),
+}
+# Their options whose effect we do not implement: a true value is an error naming it.
+# adapter_noisy adds an adapter_noise_linear whose use is commented out in their code,
+# but its tensors would sit in the file, so it is refused rather than silently dropped.
+AUTHORS_UNSUPPORTED = ("w_bias", "adapter_noisy")
+# Their options with no effect in their code (the code reading them is commented out):
+# accepted and ignored. flash_attention2 and bf16 choose kernels and precision, not results.
+AUTHORS_IGNORED = ("bool_weights", "expert_weight", "flash_attention2", "bf16")
+# Their fields that are also ours (Meta's when their full ModelArgs is given). Their batch size
+# is the training run's; inference picks its own.
+AUTHORS_SHARED = tuple(f for f in ModelArgs.__dataclass_fields__ if f not in ("variant", "gamma_grad", "max_batch_size"))
 
 
-def import_authors_adapter(authors_path: str, out_dir: str, args: ModelArgs):
-    """The authors' adapter.pth + the ModelArgs it was trained with -> our adapter directory."""
-    model = LLaMA_adapter(args)
-    assign_strict(model.adapter_parameters(), read_adapter(authors_path), authors_path, "adapter")
-    save_adapter(model, out_dir)
+def authors_variant(fields: dict, source: str) -> str:
+    """Soft or Sparse MoA, from which of the two option sets the authors' fields hold."""
+    soft, sparse = "expert_num" in fields, "max_threshold" in fields
+    if soft == sparse:
+        raise CheckpointError(f"{source}: cannot tell Soft from Sparse MoA: expected exactly one of "
+                              "'expert_num' (Soft) and 'max_threshold' (Sparse) among the authors' options")
+    return "soft" if soft else "sparse"
 
 
-# Fields of the authors' ModelArgs that we do not carry; False/None is their default and our behaviour.
-AUTHORS_ONLY_FIELDS = ("flash_attention2", "bf16", "w_bias", "bool_weights", "adapter_noisy", "expert_weight")
+def fields_from_authors(fields: dict, source: str, variant: str = None) -> dict:
+    """The authors' options (adapter_params.json, a checkpoint's args, their ModelArgs) ->
+    our ModelArgs fields; an option we do not implement is an error naming it."""
+    variant = variant or authors_variant(fields, source)
+    unsupported = [k for k in AUTHORS_UNSUPPORTED if fields.get(k)]
+    if unsupported:
+        raise CheckpointError(f"{source}: the authors' option(s) {unsupported} are set, which MoA-Jittor "
+                              "does not implement")
+    missing = [k for k in AUTHORS_PARAMS[variant] if k not in fields and k not in AUTHORS_IGNORED]
+    if missing:
+        raise CheckpointError(f"{source}: missing option(s) {missing} of the authors' {variant} MoA")
+    ours = {k: v for k, v in fields.items() if k in AUTHORS_SHARED}
+    if "lora_alpha" in ours:
+        ours["lora_alpha"] = float(ours["lora_alpha"])  # their argparse reads an int
+    if "rope_theta" in ours:
+        ours["rope_theta"] = float(ours["rope_theta"])
+    return {**ours, "variant": variant}
 
 
 def args_from_authors(model_args: dict, variant: str, **overrides) -> ModelArgs:
-    """The authors' ModelArgs (as a dict) -> ours; an option we do not implement is an error."""
-    unsupported = [k for k in ("w_bias", "bool_weights", "adapter_noisy", "expert_weight") if model_args.get(k)]
-    if unsupported:
-        raise ValueError(f"authors' option(s) {unsupported} are not implemented in MoA-Jittor")
-    fields = {k: v for k, v in model_args.items() if k not in AUTHORS_ONLY_FIELDS}
-    return ModelArgs(variant=variant, **{**fields, **overrides})
+    """The authors' full ModelArgs (as a dict) -> ours."""
+    return ModelArgs(**{**fields_from_authors(model_args, f"authors' {variant} ModelArgs", variant), **overrides})
+
+
+def authors_params(args: ModelArgs) -> dict:
+    """Our ModelArgs -> the authors' adapter_params.json for its variant, their types."""
+    ours = args.to_dict()
+    if args.variant == "sparse" and args.expert_num > 1:
+        raise CheckpointError("the authors' Sparse MoA has one expert per type; expert_num="
+                              f"{args.expert_num} has no place in its adapter_params.json")
+    params = {}
+    for k in AUTHORS_PARAMS[args.variant]:
+        value = ours.get(k, False)  # w_bias, bool_weights, ...: off in every adapter of ours
+        if k == "lora_alpha" and float(value).is_integer():
+            value = int(value)  # their argparse type
+        params[k] = value
+    return params
+
+
+def export_authors_adapter(adapter_path: str, out_path: str, bf16: bool = False):
+    """Our adapter (directory or adapter.pth with its adapter_params.json) -> the authors'
+    adapter.pth at out_path (a flat dict) and their adapter_params.json beside it."""
+    config = read_adapter_config(adapter_path)
+    if config is None:
+        raise FileNotFoundError(f"{adapter_config_path(adapter_path)}: no adapter_params.json beside the adapter")
+    args = ModelArgs(**config) if "dim" in config else None
+    if args is None:
+        raise CheckpointError(f"{adapter_config_path(adapter_path)}: already the authors' format")
+    params = authors_params(args)
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(out_dir, exist_ok=True)
+    save_pth(read_adapter(adapter_path), out_path, bf16=bf16)
+    tmp = os.path.join(out_dir, ADAPTER_PARAMS + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(params, f)
+    os.replace(tmp, os.path.join(out_dir, ADAPTER_PARAMS))
+
+
+def read_authors(path: str):
+    """The authors' adapter.pth (their adapter_params.json beside it) or their training
+    checkpoint-N.pth (its 'args' Namespace) -> (adapter tensors, our ModelArgs fields)."""
+    state = load_pth(path)
+    if isinstance(state, dict) and isinstance(state.get("args"), PlainNamespace):
+        fields = fields_from_authors(vars(state["args"]), f"{path} (args)")
+    else:
+        fields = read_adapter_config(path)
+        if fields is None or "dim" in fields:
+            raise CheckpointError(f"{path}: neither the authors' checkpoint-N.pth (with 'args') nor their "
+                                  f"adapter.pth with their {ADAPTER_PARAMS} beside it")
+    return adapter_tensors(state, path), fields
+
+
+def import_authors_adapter(authors_path: str, out_dir: str, base: ModelArgs):
+    """The authors' adapter.pth or checkpoint-N.pth -> our adapter directory, with no MoA
+    setting to repeat. `base` gives Meta's fields (dim, layers, ...), which their files lack."""
+    arrays, fields = read_authors(authors_path)
+    model = LLaMA_adapter(ModelArgs(**{**base.to_dict(), **fields}))
+    assign_strict(model.adapter_parameters(), arrays, authors_path, "adapter")
+    save_adapter(model, out_dir)
+
+
+def main(argv=None):
+    """python -m Models.checkpoints export|import ...: convert adapter files without Python code."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m Models.checkpoints", description=main.__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="our adapter -> the authors' adapter.pth + adapter_params.json")
+    e.add_argument("adapter", help="our adapter directory (adapter.pth + adapter_params.json)")
+    e.add_argument("out", help="the authors' adapter.pth to write (their json goes beside it)")
+    e.add_argument("--bf16", action="store_true", help="store the tensors in bfloat16")
+    i = sub.add_parser("import", help="the authors' adapter.pth or checkpoint-N.pth -> our adapter directory")
+    i.add_argument("authors", help="their adapter.pth (with their adapter_params.json beside it) or checkpoint-N.pth")
+    i.add_argument("out", help="our adapter directory to write")
+    i.add_argument("--llama_path", required=True, help="the Meta checkpoint directory the adapter was trained on")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "export":
+            export_authors_adapter(args.adapter, args.out, bf16=args.bf16)
+        else:
+            import_authors_adapter(args.authors, args.out, ModelArgs.from_params_json(args.llama_path))
+    except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
+        p.exit(2, f"error: {e}\n")
+    print(f"[checkpoints] wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -66,8 +66,14 @@ def row_records(steps: list, row: int, n_tokens: int) -> list:
 
 
 def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature: float = 0.0,
-             top_p: float = 0.9, seed: int = 0, records=None, batch_size=None, prefill_step: int = 64):
+             top_p: float = 0.9, seed: int = 0, records=None, batch_size=None, prefill_step: int = 64,
+             budget_seq_len=None):
     """Continue each prompt (a list of token ids, bos included) by up to max_gen_len tokens.
+
+    budget_seq_len: the authors' budget, a sequence length that no example's prompt plus
+      generation exceeds: each prompt gets min(max_gen_len, budget_seq_len - len(prompt))
+      tokens (none when its prompt fills it), whatever the batch. The authors' inference
+      takes it from the adapter's config (its training max_seq_len).
 
     Returns one list of generated ids per prompt, cut before the first stop token.
     records: a list that receives, per prompt, a per-layer list of dicts
@@ -90,13 +96,16 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
     lengths = np.array([len(p) for p in prompts])
     if lengths.max() >= max_seq_len:
         raise ValueError(f"a prompt of {lengths.max()} tokens leaves no room to generate in max_seq_len={max_seq_len}")
-    if max_gen_len <= 0:
+    budgets = np.full(len(prompts), max_gen_len)  # [B] tokens each row may generate
+    if budget_seq_len is not None:
+        budgets = np.clip(np.minimum(budgets, budget_seq_len - lengths), 0, None)
+    if budgets.max() <= 0:
         if records is not None:
             records.extend([] for _ in range(n_real))
         return [[] for _ in range(n_real)]
 
     B = len(prompts)
-    total_len = min(max_seq_len, int(lengths.max()) + max_gen_len)
+    total_len = min(max_seq_len, int((lengths + budgets).max()))
     tokens = np.full((B, total_len), PAD_TOKEN, dtype=np.int64)
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = p
@@ -104,7 +113,7 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
     stop_ids = np.array(sorted(tokenizer.stop_tokens))
     rng = np.random.default_rng(seed)
     steps = [] if records is not None else None
-    done = np.zeros(B, dtype=bool)
+    done = budgets <= 0
 
     def forward(fn, *args):
         step_records = [] if steps is not None else None
@@ -123,7 +132,7 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
             tokens[:, pos] = np.where(is_prompt[:, pos], tokens[:, pos], picked)
             generated = pos - lengths + 1  # tokens each row has generated so far (<= 0: still in its prompt)
             done |= ~is_prompt[:, pos] & np.isin(tokens[:, pos], stop_ids)
-            done |= generated >= max_gen_len
+            done |= generated >= budgets
             last_pos = pos
             if done.all() or pos + 1 == total_len:
                 break
@@ -134,7 +143,7 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
 
     outputs = []
     for b in range(n_real):
-        out = tokens[b, lengths[b]:min(last_pos + 1, lengths[b] + max_gen_len)].tolist()
+        out = tokens[b, lengths[b]:min(last_pos + 1, lengths[b] + budgets[b])].tolist()
         stops = [i for i, t in enumerate(out) if t in tokenizer.stop_tokens]
         outputs.append(out[:stops[0]] if stops else out)
         if records is not None:

@@ -3,7 +3,8 @@
 A checkpoint is a zip holding `<prefix>/data.pkl` (a pickle of the containers) and
 `<prefix>/data/<key>` (one raw storage per key). Plain unpickling would run any
 callable the pickle names, so `load_pth` resolves globals through an allow-list:
-only the tensor rebuild functions, storage/dtype markers and plain containers.
+only the tensor rebuild functions, storage/dtype markers, plain containers and an
+argparse.Namespace of plain values (PlainNamespace).
 Tensors come back as numpy arrays; bfloat16 becomes float32 exactly.
 """
 import collections
@@ -50,6 +51,35 @@ _STORAGE_NAMES = {dtype: name for name, dtype in _STORAGE_DTYPES.items()}
 
 
 _UNTYPED_STORAGE = _StorageType(_DTYPES["uint8"])  # torch reads untyped storages as bytes
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _is_plain(value) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, (list, tuple)) and all(map(_is_plain, value)))
+
+
+class PlainNamespace:
+    """What an argparse.Namespace in a checkpoint (the authors' training 'args') loads as:
+    its attributes, which must be plain values (None, bool, int, float, str, lists of
+    them). The pickle can only create it empty and fill it through __setstate__, which
+    checks every value, so a Namespace can carry no object of any other kind."""
+
+    def __new__(cls, *args, **kwargs):
+        if args or kwargs:
+            raise TypeError("an argparse.Namespace is rebuilt empty, then filled from its state")
+        return super().__new__(cls)
+
+    def __setstate__(self, state):
+        if not isinstance(state, dict):
+            raise TypeError(f"argparse.Namespace with a non-plain state {type(state).__name__}")
+        bad = [k for k, v in state.items() if not (isinstance(k, str) and not k.startswith("__") and _is_plain(v))]
+        if bad:
+            raise TypeError(f"argparse.Namespace with non-plain value(s) or name(s): {bad!r:.120}")
+        self.__dict__.update(state)
+
+    def __repr__(self):
+        return f"Namespace({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
 
 def bf16_bits_to_float32(bits):
@@ -100,6 +130,7 @@ class _CheckpointReader(pickle.Unpickler):
             ("torch", "UntypedStorage"): _UNTYPED_STORAGE,
             ("torch.storage", "UntypedStorage"): _UNTYPED_STORAGE,
             ("collections", "OrderedDict"): collections.OrderedDict,
+            ("argparse", "Namespace"): PlainNamespace,  # the authors' checkpoint-N.pth keeps its run's args
             **{("builtins", c.__name__): c for c in (dict, list, tuple, set, frozenset)},
             **{("torch", name): _StorageType(_DTYPES[dtype]) for name, dtype in _STORAGE_DTYPES.items()},
             **{("torch", name): dtype for name, dtype in _DTYPES.items()},
@@ -120,7 +151,7 @@ class _CheckpointReader(pickle.Unpickler):
         found = self.allowed.get((module, name))
         if found is None:
             raise self.error(f"refusing to load global '{module}.{name}' "
-                             "(only tensors, storages and plain containers are allowed)")
+                             "(only tensors, storages, plain containers and argparse.Namespace are allowed)")
         return found
 
     def persistent_load(self, pid):

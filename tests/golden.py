@@ -6,12 +6,15 @@ import numpy as np
 from conftest import shared_path
 from Models.checkpoints import args_from_authors
 
+# The golden files: sparse_s0, soft_s0 (one expert per type) and soft_e2_s3 (two experts per type).
+GOLDEN_FILES = ("sparse_s0", "soft_s0", "soft_e2_s3")
 
-def load_golden(variant: str):
-    """(npz, meta dict, ModelArgs) for sparse_s0 / soft_s0."""
-    data = np.load(shared_path("golden", f"{variant}_s0.npz"), allow_pickle=False)
+
+def load_golden(name: str):
+    """(npz, meta dict, ModelArgs) for a golden file by its stem, e.g. 'soft_e2_s3'."""
+    data = np.load(shared_path("golden", f"{name}.npz"), allow_pickle=False)
     meta = json.loads(str(data["meta"]))
-    return data, meta, args_from_authors(meta["model_args"], variant)
+    return data, meta, args_from_authors(meta["model_args"], meta["variant"])
 
 
 def golden_params(data) -> dict:

@@ -9,7 +9,7 @@ from conftest import shared_path
 from Data.dataset import (FinetuneDataset, bucket_for, default_buckets, encode_example, load_examples,
                           split_validation)
 from Data.prompts import format_prompt
-from Data.scoring import extract_answer, is_correct, score
+from Data.scoring import extract_answer, is_correct, score, scoring_rule
 from Data.synthetic import make_splits
 
 
@@ -282,6 +282,40 @@ def test_aqua_letters():
     assert extract_answer("aqua", "\nAnswer: (D)") == "A"  # first capital A-E wins, as the authors do
     assert extract_answer("AQuA", "no capitals here") is None
     assert is_correct("AQuA", "(E) 12", "E") and not is_correct("AQuA", "xyz", "A")
+
+
+# (data set, generation, label, the authors' prediction, correct): their rule is the first match of the
+# set's keywords in the stripped generation, case-sensitive, no word boundary, compared exactly to the label
+COMMONSENSE_CASES = [
+    ("boolq", "the correct answer is true", "true", "true", True),
+    ("boolq", "false, not true", "true", "false", False),  # the first match decides
+    ("boolq", "The answer is True", "true", None, False),  # case-sensitive
+    ("boolq", "untrue", "true", "true", True),  # no word boundary
+    ("piqa", "the correct answer is solution2", "solution2", "solution2", True),
+    ("piqa", "Solution1 looks better", "solution1", None, False),
+    ("social_i_qa", "answer3 or answer1", "answer1", "answer3", False),
+    ("ARC-Challenge", "the correct answer is answer4", "answer4", "answer4", True),
+    ("ARC-Easy", "answer5", "answer5", "answer5", True),
+    ("openbookqa", "answer 2", "answer2", None, False),
+    ("hellaswag", "ending3 then ending1", "ending3", "ending3", True),
+    ("winogrande", "the correct answer is option1", "option2", "option1", False),
+    ("winogrande", "option2", "option2", "option2", True),
+    ("boolq", "no keyword here", "false", None, False),
+]
+
+
+@pytest.mark.parametrize("dataset, text, label, prediction, correct", COMMONSENSE_CASES)
+def test_commonsense_authors_rules(dataset, text, label, prediction, correct):
+    assert extract_answer(dataset, text) == prediction
+    assert is_correct(dataset, text, label) == correct
+
+
+def test_scoring_rule_is_chosen_or_refused():
+    assert scoring_rule("boolq", ["true"]) == "boolq" and scoring_rule("AddSub", ["3"]) == "AddSub"
+    assert scoring_rule("mymath", ["3", "1,000", "-2.5"]) == "synthetic"
+    assert scoring_rule("mychoice", ["A", " C"]) == "aqua"
+    with pytest.raises(ValueError, match=r"data set 'mystery' \(x/test.json\): no scoring rule"):
+        scoring_rule("mystery", ["true", "false"], "x/test.json")
 
 
 def test_scoring_errors():

@@ -17,6 +17,7 @@ import jittor as jt
 from matplotlib import image as mpimg
 
 import Infer
+from conftest import shared_path
 from Data.prompts import format_prompt
 from Models.Tokenizer import Tokenizer
 from Data.synthetic import make_splits
@@ -150,6 +151,20 @@ def test_sampling_is_seeded(models, tok, prompts):
     assert all(0 <= t < tok.n_words for out in first for t in out)
 
 
+def test_budget_per_example_as_the_authors(models, tok, prompts):
+    """budget_seq_len L: each prompt of n tokens generates min(max_gen_len, L - n), whatever its batch."""
+    model = models["sparse"]
+    free = generate(model, tok, prompts, GEN)
+    lengths = [len(p) for p in prompts]
+    budget = max(lengths) + 3
+    cut = generate(model, tok, prompts, GEN, budget_seq_len=budget)
+    assert [len(out) for out in cut] == [min(GEN, budget - n) for n in lengths]
+    assert len({len(out) for out in cut}) > 1  # some rows cut by the budget, some by max_gen_len
+    assert all(out == full[:len(out)] for out, full in zip(cut, free))
+    shortest = lengths.index(min(lengths))
+    assert generate(model, tok, prompts, GEN, budget_seq_len=min(lengths))[shortest] == []  # a full prompt
+
+
 # ---- Infer.py -------------------------------------------------------------------------
 
 def write_json(path, data):
@@ -222,6 +237,7 @@ def test_infer_scores_per_dataset_and_average(monkeypatch, tok, run_dir, crafted
     assert scores["datasets"]["AQuA"]["accuracy"] == pytest.approx(0.5)
     assert scores["datasets"]["AQuA"]["rule"] == "AQuA"
     assert scores["average"] == pytest.approx(0.625)
+    assert scores["budget_seq_len"] == 64  # the adapter's max_seq_len, as the authors' inference reads it
     for name, rows in CRAFTED.items():
         with open(os.path.join(out, f"{name}_predictions.jsonl")) as f:
             lines = [json.loads(line) for line in f]
@@ -229,13 +245,14 @@ def test_infer_scores_per_dataset_and_average(monkeypatch, tok, run_dir, crafted
         assert [r["index"] for r in lines] == list(range(len(rows)))
 
 
-def test_infer_authors_adapter_needs_its_flags(monkeypatch, tok, run_dir, base_dir, crafted_dirs, tmp_path, capsys):
+def test_infer_authors_adapter_reads_their_params(monkeypatch, tok, run_dir, base_dir, crafted_dirs, tmp_path, capsys):
     monkeypatch.setattr(Infer, "generate", fake_generate(tok))
     authors = str(tmp_path / "authors" / "adapter.pth")
-    os.makedirs(os.path.dirname(authors))
-    export_authors_adapter(os.path.join(run_dir, "adapter"), authors)
+    export_authors_adapter(os.path.join(run_dir, "adapter"), authors)  # + their adapter_params.json
     common = ["--adapter_path", authors, "--llama_path", base_dir, "--data_path", crafted_dirs[0],
               "--output_dir", str(tmp_path / "eval")]
+    assert Infer.main(common)["datasets"]["AddSub"]["accuracy"] == pytest.approx(0.75)  # no MoA flag needed
+    os.remove(os.path.join(os.path.dirname(authors), "adapter_params.json"))
     expect_exit_2(capsys, common, "needs the MoA flags")  # the message also names the unexpected tensors
     flags = ["--variant", "sparse", "--lora_layers", "0-2", "--p_adapter_layers", "0-2",
              "--lora_targets", "Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"]
@@ -356,3 +373,28 @@ def test_mpirun_two_ranks_equal_one(tmp_path, run_dir, crafted_dirs):
         one = (tmp_path / "one" / f"{name}_predictions.jsonl").read_text()
         assert one == (tmp_path / "two" / f"{name}_predictions.jsonl").read_text()
     assert not list((tmp_path / "two").glob(".part*"))  # part files cleaned up
+
+
+COMMONSENSE = ("boolq", "piqa", "social_i_qa", "winogrande", "ARC-Challenge", "ARC-Easy", "openbookqa")
+
+
+def test_infer_commonsense_tiny_run(base_dir, tmp_path):
+    """The tiny base over ../shared/data/commonsense: accuracy per set by its own rule, and the average."""
+    root = str(shared_path("data", "commonsense"))
+    summary = Infer.main(["--no_adapter", "--llama_path", base_dir, "--data_path", root, "--max_examples", "2",
+                          "--max_gen_len", "3", "--batch_size", "2", "--output_dir", str(tmp_path)])
+    sets = summary["datasets"]
+    assert sorted(sets) == sorted(COMMONSENSE)  # HellaSwag's test set is not in ../shared
+    assert all(s["total"] == 2 and s["rule"] == name and 0 <= s["accuracy"] <= 1 for name, s in sets.items())
+    assert summary["average"] == pytest.approx(np.mean([s["accuracy"] for s in sets.values()]))
+    with open(tmp_path / "scores.json") as f:
+        assert json.load(f)["datasets"]["boolq"]["total"] == 2
+
+
+def test_unknown_scoring_rule_fails_before_generation(monkeypatch, capsys, base_dir, tmp_path):
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generation ran before the scoring rule was checked")
+    monkeypatch.setattr(Infer, "generate", no_generation)
+    path = write_json(str(tmp_path / "mystery" / "test.json"), [example("Is the sky green?", "false")])
+    expect_exit_2(capsys, ["--no_adapter", "--llama_path", base_dir, "--data_path", path,
+                           "--output_dir", str(tmp_path / "eval")], "data set 'mystery'")

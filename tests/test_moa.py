@@ -137,3 +137,28 @@ def test_parameter_counts_per_type():
     assert counts["PROMPT"] == 2 * (3 * D + 4)
     assert counts["PADAPTER"] == 2 * (8 * D + 8 + D * 8 + D)
     assert counts["total"] == sum(v for k, v in counts.items() if k not in ("total", "base"))
+
+
+def test_multi_expert_names_and_start():
+    """The authors' names and starting values: routers as PyTorch's default Linear, B and gates at zero."""
+    args = ModelArgs(**{**BASE, **ALL_ON, "variant": "soft", "lora_targets": "Q,FFN_DOWN", "expert_num": 3,
+                        "hydra_moe": True, "p_adapter_hydra": False, "prompt_layers": "0-1", "prompt_len": 2})
+    params = {n[len("llama.layers.0."):]: v.numpy() for n, v in LLaMA_adapter(args).adapter_parameters().items()
+              if n.startswith("llama.layers.0.") and "adapter_type_router" not in n}
+    F = args.ffn_hidden_dim
+    shapes = {"attention.lora_Q.router.weight": (3, 32), "attention.lora_Q.lora_A.weight": (4, 32),
+              "feed_forward.lora_DOWN.router.weight": (3, F), "feed_forward.lora_DOWN.lora_A.weight": (4, F),
+              "attention.prompt.weight": (6, 32), "attention.prompt_gate": (1, 4, 1, 1),
+              "attention.prompt_router.weight": (3, 32), "attention.prompt_router.bias": (3,),
+              "p_adapter.router.weight": (3, 32), "p_adapter.router.bias": (3,),
+              **{f"attention.lora_Q.lora_B_l.{e}.weight": (32, 4) for e in range(3)},
+              **{f"feed_forward.lora_DOWN.lora_B_l.{e}.weight": (32, 4) for e in range(3)},
+              **{f"p_adapter.down_proj_l.{e}.{w}": s for e in range(3) for w, s in (("weight", (8, 32)), ("bias", (8,)))},
+              **{f"p_adapter.up_proj_l.{e}.{w}": s for e in range(3) for w, s in (("weight", (32, 8)), ("bias", (32,)))}}
+    assert {n: v.shape for n, v in params.items()} == shapes
+    for name in ("attention.lora_Q.router.weight", "attention.prompt_router.weight", "attention.prompt_router.bias",
+                 "p_adapter.router.weight", "p_adapter.router.bias", "feed_forward.lora_DOWN.router.weight"):
+        bound = 1 / np.sqrt(F if "DOWN" in name else 32)  # uniform(+-1/sqrt(fan_in)), bias included
+        assert 0 < np.abs(params[name]).max() <= bound and np.abs(params[name]).max() > bound / 2, name
+    assert all(not params[n].any() for n in params if "lora_B_l" in n or n == "attention.prompt_gate")
+    assert all(0 < np.abs(params[n]).max() < 1e-3 for n in params if "proj_l" in n and n.endswith("weight"))

@@ -1,22 +1,25 @@
-"""MoA against the authors' PyTorch outputs (../shared/golden/{sparse,soft}_s0.npz)."""
+"""MoA against the authors' PyTorch outputs (../shared/golden/{sparse_s0,soft_s0,soft_e2_s3}.npz)."""
+import json
+
 import numpy as np
 import pytest
 
-from golden import golden_params, load_golden, max_abs
+from golden import GOLDEN_FILES, golden_params, load_golden, max_abs
 import jittor as jt
-from Models.checkpoints import assign_strict, export_authors_adapter, import_authors_adapter, load_adapter
+from Models.checkpoints import (AUTHORS_PARAMS, assign_strict, export_authors_adapter, import_authors_adapter,
+                                load_adapter, save_adapter)
 from Models.LLaMA_Adapter import LLaMA_adapter, is_adapter_param
-from Models.torch_io import save_pth
+from Models.torch_io import load_pth
 from test_base import kv_logits
 
 
-def golden_model(variant: str, **overrides):
-    data, meta, args = load_golden(variant)
+def golden_model(name: str, **overrides):
+    data, meta, args = load_golden(name)
     if overrides:
         args = type(args)(**{**args.to_dict(), **overrides})
     model = LLaMA_adapter(args)
     params = golden_params(data)
-    assign_strict(dict(model.named_parameters()), params, f"{variant}_s0.npz", "golden")
+    assign_strict(dict(model.named_parameters()), params, f"{name}.npz", "golden")
     return model, data, meta
 
 
@@ -26,9 +29,9 @@ def forward(model, data, records=None):
     return model(tokens, mask, records=records)
 
 
-@pytest.mark.parametrize("variant", ["sparse", "soft"])
-def test_golden_forward_loss_router(variant):
-    model, data, meta = golden_model(variant)
+@pytest.mark.parametrize("name", GOLDEN_FILES)
+def test_golden_forward_loss_router(name):
+    model, data, meta = golden_model(name)
     records = []
     loss, logits = forward(model, data, records)
     assert max_abs(logits.numpy(), data["logits"]) <= 1e-4
@@ -36,15 +39,15 @@ def test_golden_forward_loss_router(variant):
     for layer, record in enumerate(records):
         assert model.llama.layers[layer].type_names == meta["type_names"][layer]
         assert max_abs(record["type_weight"].numpy(), data[f"type_weights/{layer}"]) <= 1e-5
-        if variant == "sparse":
+        if meta["variant"] == "sparse":
             assert max_abs(record["threshold"].numpy(), data[f"thresholds/{layer}"]) <= 1e-5
             # sigmoid > 0, so a non-zero type weight is exactly a selected expert
             assert np.array_equal(record["type_weight"].numpy() > 0, data[f"selected/{layer}"] > 0)
 
 
-@pytest.mark.parametrize("variant", ["sparse", "soft"])
-def test_golden_gradients(variant):
-    model, data, meta = golden_model(variant)
+@pytest.mark.parametrize("name", GOLDEN_FILES)
+def test_golden_gradients(name):
+    model, data, meta = golden_model(name)
     loss, _ = forward(model, data)
     adapter = model.adapter_parameters()
     assert sorted(adapter) == sorted(meta["trainable"])
@@ -57,16 +60,16 @@ def test_golden_gradients(variant):
             assert max_abs(got, ref) / np.abs(ref).max() <= 1e-3, name
 
 
-@pytest.mark.parametrize("variant", ["sparse", "soft"])
-def test_golden_kv_cache(variant):
-    model, data, meta = golden_model(variant)
+@pytest.mark.parametrize("name", GOLDEN_FILES)
+def test_golden_kv_cache(name):
+    model, data, meta = golden_model(name)
     model.eval()
     got = kv_logits(model.llama, data["tokens"].astype(np.int32), meta["kv_prefill"])
     assert max_abs(got, data["kv_logits"]) <= 1e-4
 
 
 def test_learning_gamma_gets_gradient():
-    model, data, _ = golden_model("sparse", gamma_grad="ste")
+    model, data, _ = golden_model("sparse_s0", gamma_grad="ste")
     loss, logits = forward(model, data)
     assert max_abs(logits.numpy(), data["logits"]) <= 1e-4  # same forward as the authors'
     names = [n for n in model.adapter_parameters() if "adapter_threshold_fn" in n]
@@ -76,20 +79,20 @@ def test_learning_gamma_gets_gradient():
         assert np.all(np.isfinite(g)) and np.abs(g).max() > 0, name
 
 
-@pytest.mark.parametrize("variant", ["sparse", "soft"])
-def test_authors_adapter_import_export(variant, tmp_path):
-    """Their adapter.pth ({'model': ...}, bf16 or fp32) -> ours -> theirs keeps every tensor."""
-    model, data, meta = golden_model(variant)
+@pytest.mark.parametrize("name", GOLDEN_FILES)
+def test_authors_adapter_export_import(name, tmp_path):
+    """Ours -> their adapter.pth (flat) + adapter_params.json (their fields and values) -> ours, unchanged."""
+    model, data, meta = golden_model(name)
     params = golden_params(data)
-    theirs = {n: params[n] for n in meta["adapter_only_names"]}
-    save_pth({"model": theirs}, tmp_path / "adapter.pth")
-    import_authors_adapter(str(tmp_path / "adapter.pth"), str(tmp_path / "ours"), model.args)
+    save_adapter(model, str(tmp_path / "ours"))
+    export_authors_adapter(str(tmp_path / "ours"), str(tmp_path / "theirs" / "adapter.pth"))
+    theirs = load_pth(tmp_path / "theirs" / "adapter.pth")
+    assert sorted(theirs) == sorted(meta["adapter_only_names"])
+    assert all(np.array_equal(theirs[n], params[n]) for n in theirs)
+    with open(tmp_path / "theirs" / "adapter_params.json") as f:
+        assert json.load(f) == {k: meta["model_args"][k] for k in AUTHORS_PARAMS[meta["variant"]]}
+    import_authors_adapter(str(tmp_path / "theirs" / "adapter.pth"), str(tmp_path / "back"), model.args)
     fresh = LLaMA_adapter(model.args)
-    load_adapter(fresh, str(tmp_path / "ours"))
-    for name, var in fresh.adapter_parameters().items():
-        assert np.array_equal(var.numpy(), theirs[name]), name
-    export_authors_adapter(str(tmp_path / "ours"), str(tmp_path / "back.pth"))
-    from Models.torch_io import load_pth
-    back = load_pth(tmp_path / "back.pth")["model"]
-    assert sorted(back) == sorted(theirs) and all(np.array_equal(back[n], theirs[n]) for n in theirs)
-    assert all(is_adapter_param(n) for n in back)
+    load_adapter(fresh, str(tmp_path / "back"))
+    assert all(np.array_equal(var.numpy(), params[n]) for n, var in fresh.adapter_parameters().items())
+    assert all(is_adapter_param(n) for n in theirs)

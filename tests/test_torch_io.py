@@ -1,4 +1,5 @@
 """Models/torch_io.py: the torch-free, allow-list reader and writer of torch zip checkpoints."""
+import argparse
 import collections
 import os
 import pickle
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import shared_path
-from Models.torch_io import (CheckpointError, bf16_bits_to_float32, float32_to_bf16_bits,
+from Models.torch_io import (CheckpointError, PlainNamespace, bf16_bits_to_float32, float32_to_bf16_bits,
                              load_pth, save_pth)
 
 # ---- hand-built pickles: torch is not a dependency, so checkpoints are assembled from opcodes
@@ -270,6 +271,53 @@ def test_reduce_object_payload_is_refused(tmp_path, protocol):
     data_pkl = pickle.dumps({"evil": _RunsCommand(f"touch {marker}")}, protocol=protocol)
     path = _write_zip(tmp_path / "evil.pth", data_pkl)
     with pytest.raises(CheckpointError, match=rf"refusing to load global '{os.system.__module__}\.system'"):
+        load_pth(path)
+    assert not marker.exists()
+
+
+# ---- argparse.Namespace: the authors' checkpoint-N.pth keeps its run's args as one
+
+
+def test_namespace_of_plain_values_loads(tmp_path):
+    """As torch.save pickles it (protocol 2: GLOBAL, NEWOBJ, BUILD with the attribute dict)."""
+    args = argparse.Namespace(lr=None, blr=6e-3, lora_layers="0-32", epochs=2, pin_mem=True,
+                              betas=(0.9, 0.95), milestones=[1, 2])
+    path = _write_zip(tmp_path / "checkpoint-1.pth", pickle.dumps({"args": args, "epoch": 1}, protocol=2))
+    loaded = load_pth(path)
+    assert isinstance(loaded["args"], PlainNamespace) and vars(loaded["args"]) == vars(args)
+    assert loaded["epoch"] == 1
+
+
+def _namespace(state):
+    """argparse.Namespace() filled by BUILD from `state` (pickle opcodes)."""
+    return _global("argparse", "Namespace") + b")\x81" + state + b"b"
+
+
+@pytest.mark.parametrize("state, why", [
+    (b"}(" + _str("w") + _tensor("0", 2, 0, (2,), (1,)) + b"u", "non-plain"),  # a tensor
+    (b"}(" + _str("sub") + b"}(" + _str("a") + _int(1) + b"uu", "non-plain"),  # a container
+    (b"}(" + _str("__class__") + _str("x") + b"u", "non-plain"),  # a dunder name
+    (_str("not a dict"), "non-plain"),
+])
+def test_namespace_with_anything_but_plain_values_is_refused(tmp_path, state, why):
+    path = _write_zip(tmp_path / "ns.pth", _dict_pickle(args=_namespace(state)),
+                      {"0": np.ones(2, np.float32).tobytes()})
+    with pytest.raises(CheckpointError, match=why) as info:
+        load_pth(path)
+    assert str(path) in str(info.value)
+
+
+def test_namespace_built_with_arguments_is_refused(tmp_path):
+    path = _write_zip(tmp_path / "ns.pth", _dict_pickle(args=_call(_global("argparse", "Namespace"), _str("x"))))
+    with pytest.raises(CheckpointError, match="rebuilt empty"):
+        load_pth(path)
+
+
+def test_payload_inside_a_namespace_is_refused_before_it_runs(tmp_path):
+    marker = tmp_path / "ran"
+    state = b"}(" + _str("evil") + _payloads(marker)["os.system"] + b"u"
+    path = _write_zip(tmp_path / "ns.pth", _dict_pickle(args=_namespace(state)))
+    with pytest.raises(CheckpointError, match="refusing to load global 'os.system'"):
         load_pth(path)
     assert not marker.exists()
 
