@@ -30,7 +30,8 @@ from Data.prompts import format_prompt
 from Data.scoring import extract_answer, is_correct, scoring_rule
 from Models.ModelArgs import META_FIELDS, ModelArgs
 from Models.Tokenizer import Tokenizer
-from Models.checkpoints import ADAPTER_WEIGHTS, adapter_config_path, build_model, load_adapter, read_adapter_config
+from Models.checkpoints import ADAPTER_WEIGHTS, adapter_config_path, load_adapter, read_adapter_config
+from Models.meta_checkpoint import build_model
 from Models.generate import generate
 from Models.tiny_base import ensure_default_base
 from Models.torch_io import CheckpointError

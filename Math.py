@@ -27,7 +27,8 @@ import jittor as jt
 from Data.dataset import FinetuneDataset, load_examples, split_validation
 from Data.synthetic import make_splits
 from engine_finetune import NonFiniteLoss, Progress, RunContext, StopFlag, build_optimizer, train
-from Models.checkpoints import (build_model, load_adapter, restore_checkpoint, resume_signature, save_adapter)
+from Models.checkpoints import load_adapter, restore_checkpoint, resume_signature, save_adapter
+from Models.meta_checkpoint import build_model
 from Models.ModelArgs import ModelArgs
 from Models.tiny_base import ensure_default_base
 from Models.Tokenizer import Tokenizer

@@ -1,7 +1,8 @@
-"""Meta checkpoint directories, adapter files, and the authors' adapter format.
+"""Adapter files (ours and the authors', both ways) and training checkpoints: saved, restored,
+signed for resume. Meta's base checkpoints are read in Models/meta_checkpoint.py.
 
 Every .pth goes through Models.torch_io.load_pth, an allow-list unpickler that
-never runs code named by the file.
+never runs code named by the file; every file is written atomically.
 
 Names: our module attributes are the authors' (`llama.layers.0.attention.lora_Q.
 lora_A.weight`, `llama.layers.0.adapter_type_router.w1.weight`, `lora_Q.lora_A_l.1.weight`,
@@ -18,7 +19,6 @@ The two json files are told apart by our `variant` field. `load_adapter` reads
 both adapter layouts; `export_authors_adapter` writes theirs, `import_authors_adapter`
 turns theirs (or their checkpoint-N.pth) into ours.
 """
-import glob
 import json
 import os
 import random
@@ -29,38 +29,14 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from .LLaMA_Adapter import LLaMA_adapter, is_adapter_param
-from .ModelArgs import META_FIELDS, ModelArgs
+from .authors_options import authors_params, fields_from_authors
+from .ModelArgs import ModelArgs
 from .torch_io import CheckpointError, PlainNamespace, load_pth, save_pth
 from Utils.misc import is_main_process, write_json
 
 ADAPTER_WEIGHTS = "adapter.pth"
 ADAPTER_PARAMS = "adapter_params.json"
-IGNORED_META_KEYS = ("rope.freqs",)
-
-
-def join_shards(shards: list, expected: dict, source: str) -> dict:
-    """Model-parallel shards -> full tensors: replicated ones are taken once, split ones
-    are joined along the one dimension whose sizes add up to the expected shape."""
-    merged = {}
-    for name, shape in expected.items():
-        parts = [s[name] for s in shards if name in s]
-        if len(parts) != len(shards):
-            continue  # reported as missing by the strict check
-        if tuple(parts[0].shape) == tuple(shape) or len(parts) == 1:
-            merged[name] = parts[0]
-            continue
-        for dim in range(len(shape)):
-            if sum(p.shape[dim] for p in parts) == shape[dim]:
-                merged[name] = np.concatenate(parts, axis=dim)
-                break
-        else:
-            raise CheckpointError(f"{source}: shards of '{name}' {[list(p.shape) for p in parts]} "
-                                  f"do not join into {list(shape)}")
-    for shard in shards:
-        for name in shard:
-            if name not in expected and name not in IGNORED_META_KEYS:
-                merged.setdefault(name, shard[name])  # unexpected: the strict check names it
-    return merged
+IGNORED_META_KEYS = ("rope.freqs",)  # in Meta's files, recomputed here
 
 
 def assign_strict(params: dict, arrays: dict, source: str, what: str):
@@ -80,30 +56,6 @@ def assign_strict(params: dict, arrays: dict, source: str, what: str):
         raise CheckpointError(f"{source}: " + "; ".join(problems))
     for name, var in params.items():
         var.assign(jt.array(np.ascontiguousarray(arrays[name], dtype=np.float32)))
-
-
-def load_base(model: LLaMA_adapter, ckpt_dir: str):
-    """Fill the frozen base from Meta's consolidated.NN.pth shards (names without 'llama.')."""
-    paths = sorted(glob.glob(os.path.join(ckpt_dir, "consolidated.*.pth")))
-    if not paths:
-        raise FileNotFoundError(f"{ckpt_dir}: no consolidated.NN.pth checkpoint file")
-    shards = []
-    for path in paths:
-        shard = load_pth(path)
-        if not isinstance(shard, dict) or not all(isinstance(v, np.ndarray) for v in shard.values()):
-            raise CheckpointError(f"{path}: expected a flat dict of tensor names to tensors")
-        shards.append(shard)
-    base = {name[len("llama."):]: var for name, var in model.base_parameters().items()}
-    source = paths[0] if len(paths) == 1 else f"{ckpt_dir} ({len(paths)} shards)"
-    assign_strict(base, join_shards(shards, {k: v.shape for k, v in base.items()}, source), source, "base")
-    model.freeze_base()
-
-
-def build_model(llama_dir: str, args: ModelArgs) -> LLaMA_adapter:
-    """The model `args` describes, its frozen base read from a Meta checkpoint directory."""
-    model = LLaMA_adapter(args)
-    load_base(model, llama_dir)
-    return model
 
 
 # ---- adapters --------------------------------------------------------------------
@@ -245,79 +197,6 @@ def load_adapter(model: LLaMA_adapter, path: str):
     assign_strict(model.adapter_parameters(), read_adapter(weights), weights, "adapter")
 
 
-# ---- the authors' adapter_params.json / run arguments ----------------------------------
-
-# What their extract_adapter_from_checkpoint.py writes, in its order, per variant. Their
-# loader calls ModelArgs(**json), and each variant's ModelArgs knows only its own set.
-AUTHORS_PARAMS = {
-    "sparse": ("w_bias", "lora_layers", "lora_rank", "lora_targets", "lora_alpha", "max_threshold",
-               "bool_weights", "adapter_noisy", "const_threshold", "swi_x", "p_adapter_layers",
-               "p_adapter_size", "p_adapter_hydra", "prompt_layers", "prompt_len", "max_seq_len",
-               "flash_attention2", "bf16"),
-    "soft": ("w_bias", "lora_layers", "lora_rank", "lora_targets", "lora_alpha", "expert_num", "swi_x",
-             "hydra_moe", "p_adapter_layers", "p_adapter_size", "p_adapter_hydra", "prompt_layers",
-             "prompt_len", "expert_weight", "max_seq_len", "flash_attention2", "bf16"),
-}
-# Their options whose effect we do not implement: a true value is an error naming it.
-# adapter_noisy adds an adapter_noise_linear whose use is commented out in their code,
-# but its tensors would sit in the file, so it is refused rather than silently dropped.
-AUTHORS_UNSUPPORTED = ("w_bias", "adapter_noisy")
-# Their options with no effect in their code (the code reading them is commented out):
-# accepted and ignored. flash_attention2 and bf16 choose kernels and precision, not results.
-AUTHORS_IGNORED = ("bool_weights", "expert_weight", "flash_attention2", "bf16")
-# Their fields that are also ours (Meta's when their full ModelArgs is given). Their batch size
-# is the training run's; inference picks its own.
-AUTHORS_SHARED = tuple(f for f in ModelArgs.__dataclass_fields__ if f not in ("variant", "gamma_grad", "max_batch_size"))
-
-
-def authors_variant(fields: dict, source: str) -> str:
-    """Soft or Sparse MoA, from which of the two option sets the authors' fields hold."""
-    soft, sparse = "expert_num" in fields, "max_threshold" in fields
-    if soft == sparse:
-        raise CheckpointError(f"{source}: cannot tell Soft from Sparse MoA: expected exactly one of "
-                              "'expert_num' (Soft) and 'max_threshold' (Sparse) among the authors' options")
-    return "soft" if soft else "sparse"
-
-
-def fields_from_authors(fields: dict, source: str, variant: str = None) -> dict:
-    """The authors' options (adapter_params.json, a checkpoint's args, their ModelArgs) ->
-    our ModelArgs fields; an option we do not implement is an error naming it."""
-    variant = variant or authors_variant(fields, source)
-    unsupported = [k for k in AUTHORS_UNSUPPORTED if fields.get(k)]
-    if unsupported:
-        raise CheckpointError(f"{source}: the authors' option(s) {unsupported} are set, which MoA-Jittor "
-                              "does not implement")
-    missing = [k for k in AUTHORS_PARAMS[variant] if k not in fields and k not in AUTHORS_IGNORED]
-    if missing:
-        raise CheckpointError(f"{source}: missing option(s) {missing} of the authors' {variant} MoA")
-    ours = {k: v for k, v in fields.items() if k in AUTHORS_SHARED}
-    if "lora_alpha" in ours:
-        ours["lora_alpha"] = float(ours["lora_alpha"])  # their argparse reads an int
-    if "rope_theta" in ours:
-        ours["rope_theta"] = float(ours["rope_theta"])
-    return {**ours, "variant": variant}
-
-
-def args_from_authors(model_args: dict, variant: str, **overrides) -> ModelArgs:
-    """The authors' full ModelArgs (as a dict) -> ours."""
-    return ModelArgs(**{**fields_from_authors(model_args, f"authors' {variant} ModelArgs", variant), **overrides})
-
-
-def authors_params(args: ModelArgs) -> dict:
-    """Our ModelArgs -> the authors' adapter_params.json for its variant, their types."""
-    ours = args.to_dict()
-    if args.variant == "sparse" and args.expert_num > 1:
-        raise CheckpointError("the authors' Sparse MoA has one expert per type; expert_num="
-                              f"{args.expert_num} has no place in its adapter_params.json")
-    params = {}
-    for k in AUTHORS_PARAMS[args.variant]:
-        value = ours.get(k, False)  # w_bias, bool_weights, ...: off in every adapter of ours
-        if k == "lora_alpha" and float(value).is_integer():
-            value = int(value)  # their argparse type
-        params[k] = value
-    return params
-
-
 def export_authors_adapter(adapter_path: str, out_path: str, bf16: bool = False):
     """Our adapter (directory or adapter.pth with its adapter_params.json) -> the authors'
     adapter.pth at out_path (a flat dict) and their adapter_params.json beside it."""
@@ -328,13 +207,8 @@ def export_authors_adapter(adapter_path: str, out_path: str, bf16: bool = False)
     if args is None:
         raise CheckpointError(f"{adapter_config_path(adapter_path)}: already the authors' format")
     params = authors_params(args)
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
     save_pth(read_adapter(adapter_path), out_path, bf16=bf16)
-    tmp = os.path.join(out_dir, ADAPTER_PARAMS + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(params, f)
-    os.replace(tmp, os.path.join(out_dir, ADAPTER_PARAMS))
+    write_json(params, os.path.join(os.path.dirname(os.path.abspath(out_path)), ADAPTER_PARAMS))
 
 
 def read_authors(path: str):

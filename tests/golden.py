@@ -4,7 +4,7 @@ import json
 import numpy as np
 
 from conftest import shared_path
-from Models.checkpoints import args_from_authors
+from Models.authors_options import args_from_authors
 
 # The golden files: sparse_s0, soft_s0 (one expert per type) and soft_e2_s3 (two experts per type).
 GOLDEN_FILES = ("sparse_s0", "soft_s0", "soft_e2_s3")

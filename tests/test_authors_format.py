@@ -9,7 +9,8 @@ import pytest
 import jittor as jt
 from golden import max_abs
 from Models import checkpoints
-from Models.checkpoints import (AUTHORS_PARAMS, assign_strict, export_authors_adapter, import_authors_adapter,
+from Models.authors_options import AUTHORS_PARAMS
+from Models.checkpoints import (assign_strict, export_authors_adapter, import_authors_adapter,
                                 load_adapter, read_adapter, read_adapter_config)
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs

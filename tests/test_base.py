@@ -8,7 +8,7 @@ import pytest
 from conftest import shared_path
 from golden import max_abs
 import jittor as jt
-from Models.checkpoints import build_model, load_base
+from Models.meta_checkpoint import build_model, load_base
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs, parse_layer_span
 from Models.torch_io import CheckpointError, load_pth, save_pth

@@ -22,7 +22,8 @@ from Data.prompts import format_prompt
 from Models.Tokenizer import Tokenizer
 from Data.synthetic import make_splits
 from Models.ModelArgs import ModelArgs
-from Models.checkpoints import build_model, export_authors_adapter, save_adapter
+from Models.checkpoints import export_authors_adapter, save_adapter
+from Models.meta_checkpoint import build_model
 from Models.generate import generate, prefill_length
 from Models.tiny_base import write_random_base
 from Utils import plots

@@ -6,7 +6,8 @@ import pytest
 
 from golden import GOLDEN_FILES, golden_params, load_golden, max_abs
 import jittor as jt
-from Models.checkpoints import (AUTHORS_PARAMS, assign_strict, export_authors_adapter, import_authors_adapter,
+from Models.authors_options import AUTHORS_PARAMS
+from Models.checkpoints import (assign_strict, export_authors_adapter, import_authors_adapter,
                                 load_adapter, save_adapter)
 from Models.LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from Models.torch_io import load_pth
