@@ -9,6 +9,7 @@ LORA_TARGETS = ("Q", "K", "V", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN")
 TYPE_ORDER = ("Q", "K", "V", "PROMPT", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN", "PADAPTER")
 VARIANTS = ("soft", "sparse")
 GAMMA_GRADS = ("authors", "ste")
+PRECISIONS = ("bf16", "fp32")
 META_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                "ffn_dim_multiplier", "norm_eps", "rope_theta", "use_scaled_rope")
 
@@ -47,6 +48,11 @@ class ModelArgs:
     # runtime
     max_batch_size: int = 32
     max_seq_len: int = 2048
+    # "bf16" (default) or "fp32": how the frozen base's matrices are stored and multiplied
+    # (Models/precision.py). bf16 halves the base's memory and uses the CPU's bf16 units where
+    # it has them; Meta ships its checkpoints in bf16, so storing them so loses nothing. fp32
+    # matches the authors' fp32 golden outputs to 1e-6 (the parity tests use it).
+    precision: str = "bf16"
     # MoA: experts
     variant: str = "sparse"
     lora_layers: str = "0-0"
@@ -91,6 +97,8 @@ class ModelArgs:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant={self.variant!r}: choose one of {VARIANTS}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: choose one of {PRECISIONS}")
         if self.gamma_grad not in GAMMA_GRADS:
             raise ValueError(f"gamma_grad={self.gamma_grad!r}: choose one of {GAMMA_GRADS}")
         if self.swi_x < 0:
@@ -131,7 +139,7 @@ class ModelArgs:
 
     def adapter_config(self) -> dict:
         """Every field except Meta's and the runtime ones: what an adapter file must agree on."""
-        skip = set(META_FIELDS) | {"max_batch_size", "max_seq_len"}
+        skip = set(META_FIELDS) | {"max_batch_size", "max_seq_len", "precision"}
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
     def to_dict(self) -> dict:

@@ -11,7 +11,7 @@ def load_golden(variant: str):
     """(npz, meta dict, ModelArgs) for sparse_s0 / soft_s0."""
     data = np.load(shared_path("golden", f"{variant}_s0.npz"), allow_pickle=False)
     meta = json.loads(str(data["meta"]))
-    return data, meta, args_from_authors(meta["model_args"], variant)
+    return data, meta, args_from_authors(meta["model_args"], variant, precision="fp32")  # parity in fp32
 
 
 def golden_params(data) -> dict:
