@@ -29,7 +29,7 @@ from Data.dataset import load_examples
 from Data.prompts import format_prompt
 from Data.scoring import CHOICE, answer_kind, extract_answer, is_correct
 from Data.synthetic import make_splits
-from Models.ModelArgs import META_FIELDS, MOA_FLAG_NAMES, ModelArgs, add_moa_arguments
+from Models.ModelArgs import META_FIELDS, MOA_FLAG_NAMES, PRECISION_HELP, PRECISIONS, ModelArgs, add_moa_arguments
 from Models.Tokenizer import Tokenizer
 from Models.checkpoints import ADAPTER_PARAMS, ADAPTER_WEIGHTS, build_model, load_adapter
 from Models.generate import generate
@@ -66,6 +66,8 @@ def get_args_parser():
                    help="save type_weight.pkl / token_weight.pkl and draw router heatmaps")
     p.add_argument("--plot_examples", type=int, default=3, help="examples drawn in the token_weight heatmap")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
+    p.add_argument("--precision", default=None, choices=PRECISIONS,
+                   help=PRECISION_HELP + "; default: the adapter's training precision, else bf16")
     moa = p.add_argument_group("MoA settings (needed for the authors' adapter.pth; override adapter_params.json)")
     add_moa_arguments(moa, training=False)
     return p
@@ -197,7 +199,9 @@ def load_model(args, adapter, llama_path, max_seq_len):
     """The base with the adapter's experts (none with --no_adapter), weights loaded strictly."""
     overrides = model_overrides(args, adapter, llama_path) if adapter else {}
     try:
-        model = build_model(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": args.batch_size})
+        precision = {"precision": args.precision} if args.precision else {}
+        model = build_model(llama_path, **{**overrides, **precision, "max_seq_len": max_seq_len,
+                                           "max_batch_size": args.batch_size})
     except TypeError as e:  # a config field of the wrong type
         raise ValueError(str(e)) from None
     if adapter:

@@ -28,7 +28,7 @@ from Data.dataset import FinetuneDataset, load_examples, split_validation
 from Data.synthetic import make_splits
 from engine_finetune import NonFiniteLoss, StopFlag, build_optimizer, set_rng_state, train_one_epoch, write_adapter
 from Models.checkpoints import adapter_arrays, assign_strict, build_model, config_differences, load_adapter
-from Models.ModelArgs import ModelArgs, add_moa_arguments
+from Models.ModelArgs import PRECISION_HELP, PRECISIONS, ModelArgs, add_moa_arguments
 from Models.tiny_base import ensure_default_base
 from Models.Tokenizer import Tokenizer
 from Models.torch_io import load_pth
@@ -86,6 +86,7 @@ def get_args_parser():
     a("--log_interval", type=int, default=100, help="terminal and log.txt line every N optimizer steps")
     a("--amp", action="store_true", help="GPU only: fp16 frozen base + Jittor AMP level 4 (adapters and "
       "optimizer stay fp32; untested on GPU so far); ignored on CPU")
+    a("--precision", default="bf16", choices=PRECISIONS, help=PRECISION_HELP)
     a("--device", default="cuda", choices=["cuda", "cpu"], help="cuda when available, or force cpu")
     return p
 
@@ -191,7 +192,8 @@ def prepare(args):
                         p_adapter_hydra=args.p_adapter_hydra, prompt_layers=args.prompt_layers,
                         prompt_len=args.prompt_len, swi_x=args.swi_x, max_threshold=args.max_threshold,
                         const_threshold=args.const_threshold, gamma_grad=args.gamma_grad,
-                        max_seq_len=args.max_seq_len, max_batch_size=args.batch_size // args.world_size)
+                        max_seq_len=args.max_seq_len, max_batch_size=args.batch_size // args.world_size,
+                        precision=args.precision)
     if args.amp and jt.flags.use_cuda:
         # fp16 storage for the frozen base; the adapters and their AdamW state stay fp32
         for p in model.base_parameters().values():

@@ -10,6 +10,10 @@ TYPE_ORDER = ("Q", "K", "V", "PROMPT", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN", "P
 VARIANTS = ("soft", "sparse")
 GAMMA_GRADS = ("authors", "ste")
 PRECISIONS = ("bf16", "fp32")
+PRECISION_HELP = ("storage of the frozen base's matrices. bf16 (the default) halves the base's memory, runs on the "
+                  "CPU's bf16 units (avx512_bf16/AMX) or the GPU's half matmul, and loses nothing on Meta's bf16 "
+                  "checkpoints; fp32 is plain fp32 (the authors' fp32 numbers). Adapters, routers, norms, softmax, "
+                  "loss and optimizer are fp32 either way")
 META_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                "ffn_dim_multiplier", "norm_eps", "rope_theta", "use_scaled_rope")
 
