@@ -66,9 +66,11 @@ def get_args_parser():
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
     add_arguments(p.add_argument_group("decoding (default: the run's recipe in its args.json, else as shown)"),
                   GenerationArgs)
-    moa = p.add_argument_group("MoA settings: only for an adapter.pth without adapter_params.json beside it, "
-                               "which must then name what it was trained with")
-    add_arguments(moa, ModelArgs, optional=True)
+    model = p.add_argument_group(
+        "model settings: an adapter's adapter_params.json (ours or the authors') gives them, and a flag that "
+        "disagrees with it is refused; an adapter.pth without that json needs the ones it was trained with. "
+        "--precision may differ from training")
+    add_arguments(model, ModelArgs, optional=True, exclude=("max_seq_len",))  # sized to the prompts + generation
     return p
 
 

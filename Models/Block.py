@@ -13,10 +13,10 @@ import jittor as jt
 from jittor import nn
 
 from .Experts import MOELoraLayer
-from .fused import FrozenRMSNorm, silu_gate
-from .kernels import attention, onednn_available
+from .fused import rms_norm, rope, silu_gate
+from .kernels import attention
 from .ModelArgs import ModelArgs
-from .utils import apply_rope
+from .precision import BaseLinear
 
 
 class RMSNorm(nn.Module):
@@ -26,11 +26,7 @@ class RMSNorm(nn.Module):
 
     def execute(self, x: jt.Var) -> jt.Var:
         # x [..., D] -> [..., D], statistics in fp32
-        if onednn_available() and x.dtype == "float32" and not self.weight.requires_grad:
-            return FrozenRMSNorm.apply(x, self.weight, self.eps)  # one threaded pass (CPU)
-        x32 = x.float32()
-        normed = x32 * jt.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
-        return normed.cast(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def lora_for(args: ModelArgs, layer_id: int, target: str, in_features: int, out_features: int):
@@ -51,10 +47,10 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = H, Hkv, hd
         self.n_rep = H // Hkv
         self.max_seq_len = args.max_seq_len
-        self.wq = nn.Linear(D, H * hd, bias=False)
-        self.wk = nn.Linear(D, Hkv * hd, bias=False)
-        self.wv = nn.Linear(D, Hkv * hd, bias=False)
-        self.wo = nn.Linear(H * hd, D, bias=False)
+        self.wq = BaseLinear(D, H * hd)
+        self.wk = BaseLinear(D, Hkv * hd)
+        self.wv = BaseLinear(D, Hkv * hd)
+        self.wo = BaseLinear(H * hd, D)
         self.lora_Q = lora_for(args, layer_id, "Q", D, H * hd)
         self.lora_K = lora_for(args, layer_id, "K", D, Hkv * hd)
         self.lora_V = lora_for(args, layer_id, "V", D, Hkv * hd)
@@ -92,7 +88,7 @@ class Attention(nn.Module):
         xq = with_lora(self.wq(x), self.lora_Q, x, weights, "Q").reshape(B, T, H, hd)
         xk = with_lora(self.wk(x), self.lora_K, x, weights, "K").reshape(B, T, Hkv, hd)
         xv = with_lora(self.wv(x), self.lora_V, x, weights, "V").reshape(B, T, Hkv, hd)
-        xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
+        xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
         keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
         out = attention(xq, keys, values, mask)  # [B,T,H,hd]
         if self.has_prompt:
@@ -139,9 +135,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int):
         D, F = args.dim, args.ffn_hidden_dim
-        self.w1 = nn.Linear(D, F, bias=False)
-        self.w2 = nn.Linear(F, D, bias=False)
-        self.w3 = nn.Linear(D, F, bias=False)
+        self.w1 = BaseLinear(D, F)
+        self.w2 = BaseLinear(F, D)
+        self.w3 = BaseLinear(D, F)
         self.lora_UP = lora_for(args, layer_id, "FFN_UP", D, F)
         self.lora_GATE = lora_for(args, layer_id, "FFN_GATE", D, F)
         self.lora_DOWN = lora_for(args, layer_id, "FFN_DOWN", F, D)

@@ -6,6 +6,7 @@ from jittor import nn
 from .Block import Attention, FeedForward, RMSNorm, attention_mask
 from .Experts import PAdapterLayer
 from .ModelArgs import ModelArgs
+from .precision import BaseLinear
 from .Routing import Gamma, hard_select, type_router
 from .utils import rope_tables
 
@@ -64,7 +65,7 @@ class LLaMA(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList([TransformerBlock(i, args) for i in range(args.n_layers)])
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = BaseLinear(args.dim, args.vocab_size)
         # Meta precomputes twice the context; kept on the host and sliced per call.
         self._rope_cos, self._rope_sin = rope_tables(args.head_dim, args.max_seq_len * 2, args.rope_theta,
                                                      args.use_scaled_rope)
@@ -92,7 +93,7 @@ class LLaMA(nn.Module):
         mask = jt.array(attention_mask(T, S, first))
         cos = jt.array(self._rope_cos[first:first + T])
         sin = jt.array(self._rope_sin[first:first + T])
-        h = self.tok_embeddings(tokens)  # [B,T,D]
+        h = self.tok_embeddings(tokens).float32()  # [B,T,D]; the table may be stored in bf16
         for layer in self.layers:
             h = layer(h, cos, sin, mask, start_pos, records)
-        return self.output(self.norm(h)).float32()  # [B,T,V]
+        return self.output(self.norm(h))  # [B,T,V] fp32

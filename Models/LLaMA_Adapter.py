@@ -15,6 +15,7 @@ from jittor import nn
 from .fused import token_nll
 from .LLM import LLaMA
 from .ModelArgs import ModelArgs
+from .precision import set_base_precision
 
 ADAPTER_KEYS = ("lora", "prompt", "adapter")
 EXPERT_FAMILIES = {"lora_Q": "Q", "lora_K": "K", "lora_V": "V", "lora_O": "O", "lora_UP": "FFN_UP",
@@ -38,7 +39,7 @@ class LLaMA_adapter(nn.Module):
     def __init__(self, args: ModelArgs):
         self.args = args
         self.llama = LLaMA(args)
-        self.freeze_base()
+        set_base_precision(self, args.precision)  # also freezes the base
 
     def freeze_base(self):
         for name, param in self.named_parameters():

@@ -55,7 +55,7 @@ def assign_strict(params: dict, arrays: dict, source: str, what: str):
     if problems:
         raise CheckpointError(f"{source}: " + "; ".join(problems))
     for name, var in params.items():
-        var.assign(jt.array(np.ascontiguousarray(arrays[name], dtype=np.float32)))
+        var.assign(jt.array(np.ascontiguousarray(arrays[name], dtype=np.float32)).cast(var.dtype))  # bf16 stays bf16
 
 
 # ---- adapters --------------------------------------------------------------------
@@ -142,7 +142,7 @@ def restore_checkpoint(path: str, model, optimizer, stopper, signature: dict) ->
 def config_differences(saved: dict, args: ModelArgs) -> list:
     """Fields of a saved adapter config that disagree with the model's (runtime fields ignored)."""
     current = args.to_dict()
-    skip = {"max_batch_size", "max_seq_len"}
+    skip = {"max_batch_size", "max_seq_len", "precision"}
     return [f"{k}: adapter has {saved[k]!r}, model has {current[k]!r}"
             for k in sorted(saved) if k in current and k not in skip and saved[k] != current[k]]
 

@@ -2,14 +2,14 @@
 
 Jittor runs its own elementwise and reduction kernels on one thread; these run
 each op (RoPE, cross-entropy over the vocabulary, the SwiGLU gate, RMSNorm, an
-expert's weighted addition) in one OpenMP-parallel pass forward and one backward. The callers fall back to plain
-Jittor ops on a GPU or without oneDNN (kernels.onednn_available()).
+expert's weighted addition) in one OpenMP-parallel pass forward and one backward.
+Each is a kernels.Kernel: the fused pass next to its plain-Jittor reference, one switch between them.
 """
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .kernels import onednn_available
+from .kernels import Kernel
 
 ROTATE_PAIRS = """
 #pragma omp parallel for
@@ -45,6 +45,20 @@ class Rope(jt.Function):
     def grad(self, grad_out):
         cos, sin = self.saved
         return rotate_pairs(grad_out, cos, sin, -1.0), None, None
+
+
+def plain_rope(x: jt.Var, cos: jt.Var, sin: jt.Var) -> jt.Var:
+    B, T, H, hd = x.shape
+    pairs = x.reshape(B, T, H, hd // 2, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]  # [B,T,H,hd/2]
+    cos = cos.reshape(1, T, 1, hd // 2)
+    sin = sin.reshape(1, T, 1, hd // 2)
+    rotated = jt.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)  # [B,T,H,hd/2,2]
+    return rotated.reshape(B, T, H, hd)
+
+
+# Rotate adjacent pairs (x[2i], x[2i+1]) of each head vector: x [B,T,H,hd], cos/sin [T,hd/2] -> [B,T,H,hd]
+rope = Kernel(lambda x, cos, sin: Rope.apply(x, cos, sin), plain_rope)
 
 
 CROSS_ENTROPY_FORWARD = """
@@ -89,13 +103,18 @@ class CrossEntropyRows(jt.Function):
         return grad, None
 
 
-def token_nll(logits: jt.Var, targets: jt.Var) -> jt.Var:
-    """-log softmax(logits)[target]: logits [B,T,V] fp32, targets [B,T] int -> [B,T]."""
+def fused_token_nll(logits: jt.Var, targets: jt.Var) -> jt.Var:
     B, T, V = logits.shape
-    if onednn_available():
-        return CrossEntropyRows.apply(logits.reshape(B * T, V), targets.reshape(B * T).int32()).reshape(B, T)
+    return CrossEntropyRows.apply(logits.reshape(B * T, V), targets.reshape(B * T).int32()).reshape(B, T)
+
+
+def plain_token_nll(logits: jt.Var, targets: jt.Var) -> jt.Var:
     log_probs = nn.log_softmax(logits, dim=-1)
     return -jt.gather(log_probs, 2, targets.unsqueeze(-1)).squeeze(-1)
+
+
+# -log softmax(logits)[target]: logits [B,T,V] fp32, targets [B,T] int -> [B,T]
+token_nll = Kernel(fused_token_nll, plain_token_nll)
 
 
 SWIGLU_FORWARD = """
@@ -131,11 +150,8 @@ class SiluGate(jt.Function):
                        cpu_header="#include <cmath>\n", cpu_src=self.sizes + SWIGLU_BACKWARD)
 
 
-def silu_gate(gate: jt.Var, up: jt.Var) -> jt.Var:
-    """silu(gate) * up for two fp32 tensors of one shape."""
-    if onednn_available():
-        return SiluGate.apply(gate.float32(), up.float32())
-    return nn.silu(gate) * up
+# silu(gate) * up for two fp32 tensors of one shape
+silu_gate = Kernel(lambda gate, up: SiluGate.apply(gate.float32(), up.float32()), lambda gate, up: nn.silu(gate) * up)
 
 
 RMS_NORM_FORWARD = """
@@ -180,6 +196,17 @@ class FrozenRMSNorm(jt.Function):
         return dx, None, None
 
 
+def plain_rms_norm(x: jt.Var, weight: jt.Var, eps: float) -> jt.Var:
+    x32 = x.float32()
+    normed = x32 * jt.rsqrt((x32 * x32).mean(-1, keepdims=True) + eps)
+    return normed.cast(x.dtype) * weight
+
+
+# x [..., D] -> [..., D], statistics in fp32; the fused pass only for fp32 input and a frozen weight
+rms_norm = Kernel(lambda x, weight, eps: FrozenRMSNorm.apply(x, weight, eps), plain_rms_norm,
+                  when=lambda x, weight, eps: x.dtype == "float32" and not weight.requires_grad)
+
+
 ADD_WEIGHTED_FORWARD = """
 #pragma omp parallel for
 for (int64_t r = 0; r < N; r++) {
@@ -216,8 +243,7 @@ class AddWeighted(jt.Function):
         return grad_out, ddelta, dweight, None
 
 
-def add_weighted(base: jt.Var, delta: jt.Var, weight: jt.Var, scale: float) -> jt.Var:
-    """base [..., F] + delta [..., F] * weight [...] * scale, all fp32."""
-    if onednn_available():
-        return AddWeighted.apply(base.float32(), delta.float32(), weight.float32(), scale)
-    return base + delta * scale * weight.unsqueeze(-1)
+# base [..., F] + delta [..., F] * weight [...] * scale, all fp32
+add_weighted = Kernel(
+    lambda base, delta, weight, scale: AddWeighted.apply(base.float32(), delta.float32(), weight.float32(), scale),
+    lambda base, delta, weight, scale: base + delta * scale * weight.unsqueeze(-1))

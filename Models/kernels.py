@@ -1,10 +1,15 @@
-"""Attention on CPU through oneDNN's sgemm.
+"""The one switch between fused CPU kernels and plain Jittor ops; attention through oneDNN's sgemm.
+
+Every fused op of the project (here, in fused.py and precision.py) is a `Kernel`:
+a fused CPU implementation (C++ through jt.code, OpenMP, oneDNN) paired with its
+plain-Jittor reference, defined next to each other. `fused_kernels_on()` alone
+decides which one runs; tests call `.fused` and `.plain` directly and compare
+values and gradients.
 
 Jittor's CPU `matmul` maps 2-D products to oneDNN, but batched ones
 ([B,H,T,hd] @ [B,H,hd,S]) fall back to a broadcast-multiply-reduce that ran
 4-8x slower and dominated our training step, and its softmax is single-threaded.
-FusedAttention calls oneDNN's sgemm per (batch, head) on strided views instead;
-on a GPU, or without oneDNN, `attention` is plain Jittor ops.
+FusedAttention calls oneDNN's sgemm per (batch, head) on strided views instead.
 """
 import numpy as np
 
@@ -19,8 +24,25 @@ extern "C" int dnnl_sgemm(char transa, char transb, int64_t M, int64_t N, int64_
 """
 
 
-def onednn_available() -> bool:
+def fused_kernels_on() -> bool:
+    """The switch: fused kernels need Jittor's oneDNN (libdnnl found) and a CPU run; a GPU run,
+    or a CPU without oneDNN, takes the plain-Jittor references."""
     return jt.compile_extern.mkl_ops is not None and not jt.flags.use_cuda
+
+
+class Kernel:
+    """A fused CPU kernel and its plain-Jittor reference; calling it runs the one the switch picks.
+
+    `when(*args)`, if given, further limits the fused kernel to the inputs it handles.
+    """
+
+    def __init__(self, fused, plain, when=None):
+        self.fused, self.plain, self.when = fused, plain, when
+
+    def __call__(self, *args):
+        if fused_kernels_on() and (self.when is None or self.when(*args)):
+            return self.fused(*args)
+        return self.plain(*args)
 
 
 ATTENTION_HEADER = SGEMM_DECLARATION + "#include <cmath>\n#include <algorithm>\n#include <vector>\n"
@@ -126,15 +148,12 @@ class FusedAttention(jt.Function):
         return dq, dk, dv, None
 
 
-def attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var) -> jt.Var:
-    """q [B,T,H,hd], k/v [B,S,Hkv,hd], additive mask [T,S] -> [B,T,H,hd]."""
-    if onednn_available():
-        return FusedAttention.apply(q.float32(), k.float32(), v.float32(), mask)
-    return reference_attention(q, k, v, mask)
+def fused_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var) -> jt.Var:
+    return FusedAttention.apply(q.float32(), k.float32(), v.float32(), mask)
 
 
-def reference_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var) -> jt.Var:
-    """The same attention in plain Jittor ops (GPU, or no oneDNN)."""
+def plain_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var) -> jt.Var:
+    """The same attention in plain Jittor ops."""
     n_rep = q.shape[2] // k.shape[2]
     keys = repeat_kv(k, n_rep).transpose(0, 2, 3, 1)  # [B,H,hd,S]
     values = repeat_kv(v, n_rep).transpose(0, 2, 1, 3)  # [B,H,S,hd]
@@ -148,3 +167,7 @@ def repeat_kv(x: jt.Var, n_rep: int) -> jt.Var:
         return x
     B, S, Hkv, hd = x.shape
     return x.reshape(B, S, Hkv, 1, hd).broadcast((B, S, Hkv, n_rep, hd)).reshape(B, S, Hkv * n_rep, hd)
+
+
+# q [B,T,H,hd], k/v [B,S,Hkv,hd], additive mask [T,S] -> [B,T,H,hd]
+attention = Kernel(fused_attention, plain_attention)

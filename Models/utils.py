@@ -3,12 +3,6 @@ import math
 
 import numpy as np
 
-import Utils.jittor_env  # noqa: F401
-import jittor as jt
-
-from .fused import Rope
-from .kernels import onednn_available
-
 # LLaMA-3.1 scaled RoPE constants
 ROPE_SCALE_FACTOR = 8.0
 ROPE_LOW_FREQ_FACTOR = 1.0
@@ -42,24 +36,6 @@ def rope_tables(head_dim: int, end: int, theta: float, use_scaled: bool):
     freqs = rope_frequencies(head_dim, theta, use_scaled)
     angles = np.outer(np.arange(end, dtype=np.float32), freqs).astype(np.float32)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-def apply_rope(x: jt.Var, cos: jt.Var, sin: jt.Var) -> jt.Var:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) of each head vector; x [B,T,H,hd], cos/sin [T,hd/2]."""
-    if onednn_available():  # the CPU build: one threaded C++ pass instead of five Jittor ops
-        return Rope.apply(x, cos, sin)
-    return rope_reference(x, cos, sin)
-
-
-def rope_reference(x: jt.Var, cos: jt.Var, sin: jt.Var) -> jt.Var:
-    """apply_rope in plain Jittor ops (GPU, or no oneDNN)."""
-    B, T, H, hd = x.shape
-    pairs = x.reshape(B, T, H, hd // 2, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]  # [B,T,H,hd/2]
-    cos = cos.reshape(1, T, 1, hd // 2)
-    sin = sin.reshape(1, T, 1, hd // 2)
-    rotated = jt.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)  # [B,T,H,hd/2,2]
-    return rotated.reshape(B, T, H, hd)
 
 
 def sample_top_p(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> np.ndarray:

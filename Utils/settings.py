@@ -30,12 +30,14 @@ def _scalar_type(annotation):
     return args[0] if args else annotation
 
 
-def add_arguments(parser, cls, shown_defaults=None, optional=False):
+def add_arguments(parser, cls, shown_defaults=None, optional=False, exclude=()):
     """One flag per setting of `cls`. Unset flags stay out of the namespace (see `resolve`), so the
     help shows `shown_defaults` (e.g. a recipe's values) or the field's default; `optional` says the
     flag only overrides something saved elsewhere (Infer.py's MoA flags over an adapter's config)."""
     shown_defaults = shown_defaults or {}
     for f in setting_fields(cls):
+        if f.name in exclude:
+            continue
         kind = _scalar_type(f.type)
         default = shown_defaults.get(f.name, f.default if f.default is not MISSING else None)
         text = f.metadata["help"] + ("" if optional else f" (default: {default})")

@@ -1,8 +1,9 @@
 """Training and decoding speed of MoA-Jittor on this machine; prints key=value pairs last.
 
-python bench/bench.py --variant sparse --config small
+python bench/bench.py --variant sparse --config small [--precision fp32]
 The model is random (speed does not depend on the values); the sgemm roofline
-for MFU is measured in the same run.
+for MFU and the bf16 base matmul's rate are measured in the same run.
+bench/side_by_side.py runs this beside the authors' code.
 """
 import argparse
 import os
@@ -19,7 +20,8 @@ import jittor as jt  # noqa: E402
 
 from Models.generate import generate  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
-from Models.ModelArgs import ModelArgs  # noqa: E402
+from Models.ModelArgs import PRECISION_HELP, PRECISIONS, ModelArgs  # noqa: E402
+from Models.precision import base_linear  # noqa: E402
 
 CONFIGS = {
     "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=64),
@@ -28,15 +30,17 @@ CONFIGS = {
 MOA = dict(lora_layers="0-{L}", lora_rank=8, lora_alpha=8, lora_targets="Q,K,V,O,FFN_UP,FFN_DOWN",
            p_adapter_layers="0-{L}", p_adapter_size=16, swi_x=4)
 TRAIN_BATCH, TRAIN_SEQ = 8, 256
+GEMM_SIZE = 1024  # the bf16 roofline's n^3 product; bench/torch_gemm.py times torch on the same size
 DECODE_BATCH, PROMPT_LEN, NEW_TOKENS = 4, 32, 64
 
 
-def model_args(config: str, variant: str) -> ModelArgs:
+def model_args(config: str, variant: str, precision: str = "bf16") -> ModelArgs:
     base = CONFIGS[config]
     moa = {k: v.format(L=base["n_layers"]) if isinstance(v, str) else v for k, v in MOA.items()}
     if variant == "soft":
         moa.update(prompt_layers=f"0-{base['n_layers']}", prompt_len=10)
-    return ModelArgs(**base, **moa, variant=variant, max_seq_len=TRAIN_SEQ, max_batch_size=TRAIN_BATCH)
+    return ModelArgs(**base, **moa, variant=variant, max_seq_len=TRAIN_SEQ, max_batch_size=TRAIN_BATCH,
+                     precision=precision)
 
 
 def train_flops_per_token(model: LLaMA_adapter, seq: int) -> float:
@@ -64,6 +68,19 @@ def sgemm_gflops() -> float:
         x @ x
     numpy_rate = 5 * 2 * n ** 3 / (time.perf_counter() - start) / 1e9
     return max(jittor_rate, numpy_rate)
+
+
+def base_matmul_gflops(n: int = GEMM_SIZE) -> float:
+    """Our bf16 base matmul (Models/precision.base_linear: fp32 x times bf16 weights, fp32 out) on an
+    n^3 product, best of 3 after a warm-up, as bench/torch_gemm.py times torch."""
+    x, weight = jt.randn(n, n), jt.randn(n, n).bfloat16().stop_grad()
+    base_linear(x, weight).sync()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        base_linear(x, weight).sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e9
 
 
 def time_training(model: LLaMA_adapter, steps: int = 5, warmup: int = 2):
@@ -102,19 +119,22 @@ def main():
     parser.add_argument("--variant", choices=["sparse", "soft"], default="sparse", help="MoA variant")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="model size")
     parser.add_argument("--no_decode", action="store_true", help="skip the decoding benchmark")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16", help=PRECISION_HELP)
     opts = parser.parse_args()
     jt.set_global_seed(0)
-    model = LLaMA_adapter(model_args(opts.config, opts.variant))
+    model = LLaMA_adapter(model_args(opts.config, opts.variant, opts.precision))
     first_step_s, train_s = time_training(model)
     train_tok_s = TRAIN_BATCH * TRAIN_SEQ / train_s
     decode_tok_s = 0.0 if opts.no_decode else time_decoding(model)
     roofline = sgemm_gflops()
+    bf16_gflops = base_matmul_gflops()
     mfu = train_flops_per_token(model, TRAIN_SEQ) * train_tok_s / 1e9 / roofline
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     onednn = os.environ.get("use_mkl", "1") == "1"
-    print(f"variant={opts.variant} config={opts.config} onednn={int(onednn)} train_ms={train_s * 1e3:.1f} "
+    print(f"variant={opts.variant} config={opts.config} precision={opts.precision} onednn={int(onednn)} train_ms={train_s * 1e3:.1f} "
           f"train_tok_s={train_tok_s:.0f} decode_tok_s={decode_tok_s:.0f} peak_rss_mb={peak_rss_mb:.0f} "
-          f"mfu={mfu:.3f} sgemm_gflops={roofline:.0f} first_step_s={first_step_s:.2f} warm_step_s={train_s:.3f}")
+          f"mfu={mfu:.3f} sgemm_gflops={roofline:.0f} bf16_matmul_gflops={bf16_gflops:.1f} gemm_n={GEMM_SIZE} "
+          f"first_step_s={first_step_s:.2f} warm_step_s={train_s:.3f}")
 
 
 if __name__ == "__main__":

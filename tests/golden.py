@@ -14,7 +14,7 @@ def load_golden(name: str):
     """(npz, meta dict, ModelArgs) for a golden file by its stem, e.g. 'soft_e2_s3'."""
     data = np.load(shared_path("golden", f"{name}.npz"), allow_pickle=False)
     meta = json.loads(str(data["meta"]))
-    return data, meta, args_from_authors(meta["model_args"], meta["variant"])
+    return data, meta, args_from_authors(meta["model_args"], meta["variant"], precision="fp32")  # parity in fp32
 
 
 def golden_params(data) -> dict:

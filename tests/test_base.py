@@ -14,7 +14,7 @@ from Models.ModelArgs import ModelArgs, parse_layer_span
 from Models.torch_io import CheckpointError, load_pth, save_pth
 from Models.utils import rope_frequencies
 
-RUNTIME = dict(max_seq_len=32, max_batch_size=4)
+RUNTIME = dict(max_seq_len=32, max_batch_size=4, precision="fp32")  # parity is checked in fp32
 
 
 def kv_logits(llama, tokens: np.ndarray, prefill: int) -> np.ndarray:

@@ -1,93 +1,97 @@
-"""The CPU kernels (oneDNN attention, fused elementwise passes) equal plain Jittor ops, values and gradients."""
+"""Every fused CPU kernel equals its plain-Jittor reference, in values and in gradients."""
 import numpy as np
 import pytest
 
 import jittor as jt
 from Models.Block import attention_mask
-from Models.kernels import FusedAttention, onednn_available, reference_attention
-from jittor import nn
+from Models.fused import add_weighted, rms_norm, rope, silu_gate, token_nll
+from Models.kernels import attention, fused_kernels_on
+from Models.precision import BF16Linear, base_linear, cpu_has_bf16_units
+from Models.utils import rope_tables
 
-pytestmark = pytest.mark.skipif(not onednn_available(), reason="oneDNN kernels are off (no libdnnl or a GPU run)")
+pytestmark = pytest.mark.skipif(not fused_kernels_on(), reason="fused kernels are off (no libdnnl or a GPU run)")
+
+
+def normal(rng, shape, scale=1.0):
+    return jt.array((scale * rng.standard_normal(shape)).astype(np.float32))
+
+
+def assert_same(kernel, inputs, differentiable, atol, rtol=1e-6, seed=0):
+    """kernel.fused(*inputs) == kernel.plain(*inputs), and so are the gradients of a random weighted sum."""
+    fused, plain = kernel.fused(*inputs), kernel.plain(*inputs)
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=rtol, atol=atol)
+    weight = normal(np.random.default_rng(seed), fused.shape)
+    wrt = [inputs[i] for i in differentiable]
+    for got, want in zip(jt.grad((fused * weight).sum(), wrt), jt.grad((plain * weight).sum(), wrt)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=10 * rtol, atol=10 * atol)
 
 
 # (4, 2, 150, 150, 0): causal training over three 64-query blocks of growing key spans;
 # (8, 2, 1, 160, 70): a decode step that reads 71 of 160 cache rows.
 @pytest.mark.parametrize("H, Hkv, T, S, start", [(4, 4, 7, 7, 0), (4, 2, 5, 12, 3), (8, 2, 1, 16, 9),
                                                  (4, 2, 150, 150, 0), (8, 2, 1, 160, 70)])
-def test_fused_attention_matches_reference(H, Hkv, T, S, start):
+def test_attention(H, Hkv, T, S, start):
     rng = np.random.default_rng(H * 100 + T)
-    q, k, v = (jt.array(rng.standard_normal(shape).astype(np.float32))
-               for shape in [(2, T, H, 8), (2, S, Hkv, 8), (2, S, Hkv, 8)])
-    mask = jt.array(attention_mask(T, S, start))
-    weight = jt.array(rng.standard_normal((2, T, H, 8)).astype(np.float32))
-    fused = FusedAttention.apply(q, k, v, mask)
-    plain = reference_attention(q, k, v, mask)
-    np.testing.assert_allclose(fused.numpy(), plain.numpy(), atol=2e-6)
-    for got, want in zip(jt.grad((fused * weight).sum(), [q, k, v]), jt.grad((plain * weight).sum(), [q, k, v])):
-        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
+    q, k, v = (normal(rng, shape) for shape in [(2, T, H, 8), (2, S, Hkv, 8), (2, S, Hkv, 8)])
+    assert_same(attention, [q, k, v, jt.array(attention_mask(T, S, start))], [0, 1, 2], atol=2e-6)
 
 
-def test_fused_rope_matches_reference():
-    from Models.fused import Rope
-    from Models.utils import rope_reference, rope_tables
+def test_rope():
     rng = np.random.default_rng(3)
-    x = jt.array(rng.standard_normal((2, 5, 3, 8)).astype(np.float32))
     cos, sin = (jt.array(t[4:9]) for t in rope_tables(8, 16, 500000.0, False))  # positions 4..8
-    plain = rope_reference(x, cos, sin)
-    fused = Rope.apply(x, cos, sin)
-    np.testing.assert_allclose(fused.numpy(), plain.numpy(), atol=1e-6)
-    weight = jt.array(rng.standard_normal((2, 5, 3, 8)).astype(np.float32))
-    got, = jt.grad((fused * weight).sum(), [x])
-    want, = jt.grad((plain * weight).sum(), [x])
-    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+    assert_same(rope, [normal(rng, (2, 5, 3, 8)), cos, sin], [0], atol=1e-6)
 
 
-def test_fused_cross_entropy_matches_log_softmax():
-    from Models.fused import CrossEntropyRows
+def test_token_nll():
     rng = np.random.default_rng(4)
-    logits = jt.array((3 * rng.standard_normal((6, 11))).astype(np.float32))
-    targets = jt.array(rng.integers(0, 11, 6).astype(np.int32))
-    weight = jt.array(rng.random(6).astype(np.float32))
-    fused = CrossEntropyRows.apply(logits, targets)
-    plain = -jt.gather(nn.log_softmax(logits, dim=-1), 1, targets.unsqueeze(-1)).squeeze(-1)
-    np.testing.assert_allclose(fused.numpy(), plain.numpy(), atol=1e-5)
-    got, = jt.grad((fused * weight).sum(), [logits])
-    want, = jt.grad((plain * weight).sum(), [logits])
-    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+    targets = jt.array(rng.integers(0, 11, (2, 3)).astype(np.int32))
+    assert_same(token_nll, [normal(rng, (2, 3, 11), 3.0), targets], [0], atol=1e-5, rtol=1e-5)
 
 
-def test_fused_silu_gate_matches_reference():
-    from Models.fused import SiluGate
+def test_silu_gate():
     rng = np.random.default_rng(5)
-    gate, up, weight = (jt.array((3 * rng.standard_normal((2, 7, 13))).astype(np.float32)) for _ in range(3))
-    fused = SiluGate.apply(gate, up)
-    plain = nn.silu(gate) * up
-    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-6, atol=1e-6)
-    for got, want in zip(jt.grad((fused * weight).sum(), [gate, up]), jt.grad((plain * weight).sum(), [gate, up])):
-        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    assert_same(silu_gate, [normal(rng, (2, 7, 13), 3.0), normal(rng, (2, 7, 13), 3.0)], [0, 1], atol=1e-6)
 
 
-def test_fused_rms_norm_matches_reference():
-    from Models.fused import FrozenRMSNorm
+def test_rms_norm():
     rng = np.random.default_rng(6)
-    x, weight_out = (jt.array(rng.standard_normal((3, 5, 16)).astype(np.float32)) for _ in range(2))
-    scale = jt.array((1 + 0.1 * rng.standard_normal(16)).astype(np.float32))
-    fused = FrozenRMSNorm.apply(x, scale, 1e-5)
-    plain = x * jt.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5) * scale
-    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-6, atol=1e-6)
-    got, = jt.grad((fused * weight_out).sum(), [x])
-    want, = jt.grad((plain * weight_out).sum(), [x])
-    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    scale = jt.array((1 + 0.1 * rng.standard_normal(16)).astype(np.float32)).stop_grad()
+    assert_same(rms_norm, [normal(rng, (3, 5, 16)), scale, 1e-5], [0], atol=1e-6)
+    assert not rms_norm.when(normal(rng, (3, 5, 16)), jt.ones(16), 1e-5), "a trainable norm weight needs the plain path"
 
 
-def test_fused_add_weighted_matches_reference():
-    from Models.fused import AddWeighted
+def test_add_weighted():
     rng = np.random.default_rng(7)
-    base, delta, weight_out = (jt.array(rng.standard_normal((2, 5, 12)).astype(np.float32)) for _ in range(3))
     router_weight = jt.array(rng.random((2, 5)).astype(np.float32))
-    fused = AddWeighted.apply(base, delta, router_weight, 0.5)
-    plain = base + delta * 0.5 * router_weight.unsqueeze(-1)
-    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-6, atol=1e-6)
-    inputs = [base, delta, router_weight]
-    for got, want in zip(jt.grad((fused * weight_out).sum(), inputs), jt.grad((plain * weight_out).sum(), inputs)):
-        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    assert_same(add_weighted, [normal(rng, (2, 5, 12)), normal(rng, (2, 5, 12)), router_weight, 0.5], [0, 1, 2],
+                atol=1e-6)
+
+
+def bf16_weight(rng, shape):
+    return normal(rng, shape, 0.1).bfloat16().stop_grad()
+
+
+# 3 rows: the panel path of decoding (N=150 is two full 64-row panels and a partial one);
+# 2 x 40 = 80 rows: the whole-matrix path of training and prefill.
+@pytest.mark.parametrize("shape", [(3, 96), (2, 40, 96)])
+def test_bf16_linear(shape):
+    rng = np.random.default_rng(8)
+    x, weight = normal(rng, shape), bf16_weight(rng, (150, 96))
+    assert base_linear.when(x, weight) and not base_linear.when(x, weight.float32())
+    # fp32 products of the stored bf16 weights: as close as two fp32 summation orders
+    assert_same(base_linear, [x, weight], [0], atol=2e-5, rtol=1e-5)
+    widened = x.numpy().reshape(-1, 96).astype(np.float64) @ weight.float32().numpy().astype(np.float64).T
+    np.testing.assert_allclose(base_linear.fused(x, weight).numpy().reshape(widened.shape), widened, atol=2e-5)
+
+
+@pytest.mark.skipif(not cpu_has_bf16_units(), reason="this CPU has no bf16 units (avx512_bf16 / amx_bf16)")
+def test_bf16_linear_on_bf16_units():
+    """oneDNN's gemm_bf16bf16f32 rounds the input to bf16 (as torch's autocast does): bf16-level agreement."""
+    rng = np.random.default_rng(9)
+    x, weight = normal(rng, (80, 96)), bf16_weight(rng, (150, 96))
+    fused, plain = BF16Linear(units=True)(x, weight), base_linear.plain(x, weight)
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=2e-2, atol=2e-2)
+    out_weight = normal(rng, (80, 150))
+    got, = jt.grad((fused * out_weight).sum(), [x])
+    want, = jt.grad((plain * out_weight).sum(), [x])
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,154 @@
+"""The frozen base's precision: its projections as BaseLinear, bf16 storage, the bf16 matmul.
+
+`--precision bf16` stores the frozen base's matrices (projections, embedding,
+output) in bf16; adapters, routers, Gamma, norms, softmax, loss and the optimizer
+stay fp32. A bf16 projection runs `base_linear`, fp32 in and out:
+- a CPU with bf16 units (avx512_bf16 or amx_bf16 in /proc/cpuinfo): oneDNN's
+  gemm_bf16bf16f32, the input rounded to bf16 and the products summed in fp32
+  (what torch's CPU autocast does);
+- any other CPU with oneDNN: the weights widened to fp32 (exact: bf16 is the top
+  half of an fp32) a panel at a time and multiplied by oneDNN's sgemm, so the
+  result is the fp32 product of the stored weights; decoding reads half the bytes;
+- plain Jittor (a GPU, or no oneDNN): on a GPU Jittor's own half-precision matmul,
+  on a CPU the weights widened to fp32.
+"""
+import functools
+
+import Utils.jittor_env  # noqa: F401
+import jittor as jt
+from jittor import nn
+
+from .kernels import SGEMM_DECLARATION, Kernel
+from .ModelArgs import PRECISIONS
+
+BF16_HEADER = SGEMM_DECLARATION + """
+#include <cstring>
+#include <vector>
+#include <algorithm>
+extern "C" int dnnl_gemm_bf16bf16f32(char transa, char transb, int64_t M, int64_t N, int64_t K, float alpha,
+    const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
+static inline float widen(uint16_t b) { uint32_t u = uint32_t(b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint16_t narrow(float f) {  // round to nearest, ties to even (inputs are finite activations)
+    uint32_t u; std::memcpy(&u, &f, 4); return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+"""
+
+# y [M,N] = x [M,K] w[N,K]^T. Few rows (decoding): each thread widens 64 weight rows into an
+# L2-sized panel and multiplies it, so the weights cross memory once, in bf16. Many rows
+# (training, prefill): widening the whole matrix is cheap next to the product; one threaded sgemm.
+BF16_FORWARD = """
+const uint16_t *w = (const uint16_t *)in1_p; const float *x = in0_p; float *y = out0_p;
+bool done = false;
+if (units) {
+    std::vector<uint16_t> xb(M * K);
+    #pragma omp parallel for
+    for (int64_t i = 0; i < M * K; i++) xb[i] = narrow(x[i]);
+    done = dnnl_gemm_bf16bf16f32('N', 'T', M, N, K, 1.f, xb.data(), K, w, K, 0.f, y, N) == 0;
+}
+if (!done && M >= 64) {
+    std::vector<float> wf(N * K);
+    #pragma omp parallel for
+    for (int64_t i = 0; i < N * K; i++) wf[i] = widen(w[i]);
+    dnnl_sgemm('N', 'T', M, N, K, 1.f, x, K, wf.data(), K, 0.f, y, N);
+} else if (!done) {
+    const int64_t NB = 64;
+    #pragma omp parallel
+    {
+        std::vector<float> panel(NB * K);
+        #pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += NB) {
+            const int64_t nb = std::min(NB, N - n0);
+            for (int64_t i = 0; i < nb * K; i++) panel[i] = widen(w[n0 * K + i]);
+            dnnl_sgemm('N', 'T', M, nb, K, 1.f, x, K, panel.data(), K, 0.f, y + n0, N);
+        }
+    }
+}
+"""
+
+# dx [M,K] = dy [M,N] w [N,K]; the weights are frozen, so no weight gradient.
+BF16_BACKWARD = """
+const uint16_t *w = (const uint16_t *)in1_p; const float *dy = in0_p; float *dx = out0_p;
+bool done = false;
+if (units) {
+    std::vector<uint16_t> db(M * N);
+    #pragma omp parallel for
+    for (int64_t i = 0; i < M * N; i++) db[i] = narrow(dy[i]);
+    done = dnnl_gemm_bf16bf16f32('N', 'N', M, K, N, 1.f, db.data(), N, w, K, 0.f, dx, K) == 0;
+}
+if (!done) {
+    std::vector<float> wf(N * K);
+    #pragma omp parallel for
+    for (int64_t i = 0; i < N * K; i++) wf[i] = widen(w[i]);
+    dnnl_sgemm('N', 'N', M, K, N, 1.f, dy, N, wf.data(), K, 0.f, dx, K);
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_bf16_units() -> bool:
+    """avx512_bf16 or amx_bf16 in this CPU's flags (Linux); False where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class BF16Linear(jt.Function):
+    """x [M,K] fp32 @ w [N,K]^T bf16 -> [M,N] fp32, gradient to x only. units=None asks the CPU."""
+
+    def __init__(self, units=None):
+        self.units = cpu_has_bf16_units() if units is None else units
+
+    def execute(self, x, weight):
+        (M, K), N = x.shape, weight.shape[0]
+        self.sizes = f"const int64_t M = {M}, N = {N}, K = {K}; const bool units = {str(self.units).lower()};\n"
+        self.weight = weight
+        return jt.code((M, N), "float32", [x, weight], cpu_header=BF16_HEADER, cpu_src=self.sizes + BF16_FORWARD)
+
+    def grad(self, grad_out):
+        M, K = grad_out.shape[0], self.weight.shape[1]
+        dx = jt.code((M, K), "float32", [grad_out, self.weight], cpu_header=BF16_HEADER,
+                     cpu_src=self.sizes + BF16_BACKWARD)
+        return dx, None
+
+
+def fused_base_linear(x: jt.Var, weight: jt.Var) -> jt.Var:
+    rows = x.shape[:-1]
+    out = BF16Linear.apply(x.float32().reshape(-1, x.shape[-1]), weight)
+    return out.reshape(*rows, weight.shape[0])
+
+
+def plain_base_linear(x: jt.Var, weight: jt.Var) -> jt.Var:
+    if weight.dtype == "float32":
+        return nn.matmul_transpose(x, weight)
+    if jt.flags.use_cuda:  # the GPU's half-precision matmul
+        return nn.matmul_transpose(x.cast(weight.dtype), weight).float32()
+    return nn.matmul_transpose(x.float32(), weight.float32())  # Jittor's CPU bf16 matmul is slow: widen
+
+
+# x [..., K] fp32 @ weight [N,K]^T -> [..., N] fp32; the fused kernel serves bf16 weights
+base_linear = Kernel(fused_base_linear, plain_base_linear, when=lambda x, weight: weight.dtype == "bfloat16")
+
+
+class BaseLinear(nn.Module):
+    """A frozen base projection without bias (Meta's wq, w1, output, ...): `weight` [out,in], fp32 or bf16."""
+
+    def __init__(self, in_features: int, out_features: int):
+        self.weight = nn.Linear(in_features, out_features, bias=False).weight
+
+    def execute(self, x: jt.Var) -> jt.Var:
+        # x [..., in] -> [..., out] fp32
+        return base_linear(x, self.weight)
+
+
+def set_base_precision(model, precision: str):
+    """Store the frozen base's matrices in bf16 (or back in fp32); 1-D norm weights stay fp32."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+    dtype = "bfloat16" if precision == "bf16" else "float32"
+    for param in model.base_parameters().values():
+        if len(param.shape) == 2 and param.dtype != dtype:
+            param.assign(param.cast(dtype).stop_grad())
+    model.freeze_base()
