@@ -1,6 +1,6 @@
 """Generation through the KV cache, Infer.py end to end, the weight pickles and the plots.
 
-A tiny random base (write_random_base) with random adapter weights, so that the
+A tiny random base (conftest's tiny_base) with random adapter weights, so that the
 experts and the router really change the outputs.
 """
 import json
@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import randomize_adapters
 import jittor as jt
 from matplotlib import image as mpimg
 
@@ -32,15 +33,9 @@ TEXTS = ["Tom had 3 apples.", "Mary had 12 marbles and lost 5 of them. How many 
 GEN = 12
 
 
-def randomize_adapter(model, seed=0, scale=0.1):
-    rng = np.random.default_rng(seed)
-    for p in model.adapter_parameters().values():
-        p.assign(jt.array((scale * rng.standard_normal(p.shape)).astype(np.float32)))
-
-
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return write_random_base(str(tmp_path_factory.mktemp("tiny_base")), dim=64, n_layers=2)
+def base_dir(tiny_base):
+    return tiny_base
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +48,7 @@ def models(base_dir):
     built = {}
     for i, (name, moa) in enumerate(MOA.items()):
         model = build_model(base_dir, max_seq_len=64, max_batch_size=4, **moa)
-        randomize_adapter(model, seed=i)
+        randomize_adapters(model, seed=i, scale=0.1)
         model.eval()
         built[name] = model
     return built
@@ -165,7 +160,7 @@ def run_dir(tmp_path_factory, base_dir):
     """A training run as Math.py leaves it: adapter/, args.json, log.txt."""
     run = str(tmp_path_factory.mktemp("output") / "run1")
     model = build_model(base_dir, max_seq_len=64, max_batch_size=4, **MOA["sparse"])
-    randomize_adapter(model, seed=7)
+    randomize_adapters(model, seed=7, scale=0.1)
     save_adapter(model, os.path.join(run, "adapter"))
     write_json(os.path.join(run, "args.json"), {"llama_path": base_dir})
     with open(os.path.join(run, "log.txt"), "w") as f:

@@ -1,5 +1,4 @@
 """Utils/misc.py: distributed setup, print gating, atomic saves, meters, early stopping."""
-import builtins
 import math
 import os
 import pickle
@@ -9,12 +8,6 @@ import pytest
 
 from Utils import misc
 from Utils.misc import EarlyStopper, MetricLogger, SmoothedValue, save_on_master
-
-
-@pytest.fixture
-def restore_print():
-    yield
-    builtins.print = misc._builtin_print
 
 
 def test_init_distributed_single_process(restore_print):

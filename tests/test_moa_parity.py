@@ -1,17 +1,16 @@
-"""MoA against the authors' PyTorch outputs (../shared/golden/{sparse,soft}_s0.npz)."""
+"""MoA against the authors' PyTorch outputs (tests/golden/{sparse,soft}_s0.npz)."""
 import numpy as np
 import pytest
 
-from golden import golden_params, load_golden, max_abs
+from conftest import golden_params, kv_logits, load_golden, max_abs
 import jittor as jt
 from Models.checkpoints import assign_strict, export_authors_adapter, import_authors_adapter, load_adapter
 from Models.LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from Models.torch_io import save_pth
-from test_base import kv_logits
 
 
 def golden_model(variant: str, **overrides):
-    data, meta, args = load_golden(variant)
+    data, meta, args = load_golden(f"{variant}_s0")
     if overrides:
         args = type(args)(**{**args.to_dict(), **overrides})
     model = LLaMA_adapter(args)

@@ -1,6 +1,5 @@
 """Math.py + engine_finetune.py on a tiny random base (dim 64, 2 layers): schedule, learning,
 resume, early stopping, logs, freezing, bad input, SIGTERM. Runs Math.main in-process where it can."""
-import builtins
 import json
 import math
 import os
@@ -13,49 +12,32 @@ import time
 import jittor as jt
 import numpy as np
 import pytest
-from conftest import REPO, shared_path
+from conftest import DATA, REPO, TINY_FLAGS, write_synthetic_splits
 
 import engine_finetune
 import Math
-from Data.synthetic import make_splits
 from engine_finetune import lr_at
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
-from Models.tiny_base import write_random_base
 from Models.torch_io import load_pth
-from Utils import misc
 
 PYTHON = sys.executable
-# Prompts of the tiny BPE run 127-164 tokens, so 256 keeps every answer.
-TINY = ["--max_seq_len", "256", "--batch_size", "4", "--lora_rank", "4", "--p_adapter_size", "8", "--swi_x", "2",
-        "--warmup_epochs", "0", "--log_interval", "1", "--eval_interval", "0", "--lr", "1e-2"]
+pytestmark = pytest.mark.usefixtures("restore_print")  # Math.main gates print by rank
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return str(write_random_base(str(tmp_path_factory.mktemp("base")), dim=64, n_layers=2))
+def base(tiny_base):
+    return tiny_base
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("data")
-    paths = {}
-    for name, split in zip(("train", "val"), make_splits(48, 8, 0, seed=1)):
-        paths[name] = str(folder / f"{name}.json")
-        with open(paths[name], "w") as f:
-            json.dump(split, f)
-    return paths
-
-
-@pytest.fixture(autouse=True)
-def restore_print():
-    yield
-    builtins.print = misc._builtin_print  # Math.main gates print by rank
+    return write_synthetic_splits(tmp_path_factory.mktemp("data"), 48, 8, seed=1)
 
 
 def train(base, data, out, *extra):
     argv = ["--llama_path", base, "--data_path", data["train"], "--val_data_path", data["val"],
-            "--output_dir", str(out), *TINY, *extra]
+            "--output_dir", str(out), *TINY_FLAGS, *extra]
     return Math.main([str(a) for a in argv])
 
 
@@ -123,9 +105,9 @@ def test_loss_decreases_on_synthetic(base, data, tmp_path):
 
 @pytest.mark.filterwarnings("ignore:.*no output token left")  # a few math_14k prompts exceed 384 tokens
 def test_loss_decreases_on_math14k(base, tmp_path):
-    path = str(shared_path("data", "math", "math_14k_validation.json"))
+    path = str(DATA / "math" / "math_14k_validation.json")
     argv = ["--llama_path", base, "--data_path", path, "--val_fraction", "0.1", "--output_dir", str(tmp_path),
-            *TINY, "--max_seq_len", "384", "--max_steps", "12", "--batch_size", "8", "--lr", "3e-2"]
+            *TINY_FLAGS, "--max_seq_len", "384", "--max_steps", "12", "--batch_size", "8", "--lr", "3e-2"]
     assert Math.main(argv) == 0
     losses = [r["train_loss"] for r in log_records(tmp_path)]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.8, losses
@@ -252,7 +234,7 @@ def test_bad_input(base, data, tmp_path, capsys):
     for extra, message in cases:
         out = tmp_path / "out"
         argv = ["--llama_path", base, "--data_path", data["train"], "--val_data_path", data["val"],
-                "--output_dir", str(out), *TINY, *extra]
+                "--output_dir", str(out), *TINY_FLAGS, *extra]
         assert Math.main(argv) == 2, extra
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (extra, err)
@@ -306,7 +288,7 @@ def test_non_finite_loss_keeps_last_checkpoint(base, data, tmp_path, monkeypatch
 def test_sigterm_leaves_a_loadable_checkpoint(base, data, tmp_path):
     out = tmp_path / "run"
     argv = [PYTHON, str(REPO / "Math.py"), "--llama_path", base, "--data_path", data["train"],
-            "--val_data_path", data["val"], "--output_dir", str(out), *TINY, "--epochs", "50"]
+            "--val_data_path", data["val"], "--output_dir", str(out), *TINY_FLAGS, "--epochs", "50"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
