@@ -31,6 +31,7 @@ MOA = {"sparse": dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2
 TEXTS = ["Tom had 3 apples.", "Mary had 12 marbles and lost 5 of them. How many are left?", "Hi",
          "Sam picked 4 books and Leo picked 7 books. They shared them equally."]
 GEN = 12
+pytestmark = pytest.mark.slow  # generation and Infer.py runs on a tiny base
 
 
 @pytest.fixture(scope="module")
@@ -320,6 +321,7 @@ def test_bad_input_from_the_command_line(tmp_path, run_dir):
     assert "no such test file" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs OpenMPI's mpirun")
 def test_mpirun_two_ranks_equal_one(tmp_path, run_dir, crafted_dirs):
     """Rank r takes examples r::2; rank 0 merges them back into input order: the same files as one process."""

@@ -15,7 +15,8 @@ import Math
 from Models.torch_io import load_pth
 
 MPIRUN = shutil.which("mpirun")
-pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data parallel)")
+pytestmark = [pytest.mark.mpi, pytest.mark.slow,
+              pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data parallel)")]
 TINY = [*TINY_FLAGS, "--eval_interval", "2"]
 
 

@@ -96,6 +96,7 @@ def test_adamw_counts_updates_not_backward_calls():
     assert optimizer.updates == 3
 
 
+@pytest.mark.slow
 def test_loss_decreases_on_synthetic(base, data, tmp_path):
     assert train(base, data, tmp_path, "--max_steps", 12, "--batch_size", 8, "--epochs", 2) == 0
     losses = [r["train_loss"] for r in log_records(tmp_path)]
@@ -104,6 +105,7 @@ def test_loss_decreases_on_synthetic(base, data, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:.*no output token left")  # a few math_14k prompts exceed 384 tokens
+@pytest.mark.slow
 def test_loss_decreases_on_math14k(base, tmp_path):
     path = str(DATA / "math" / "math_14k_validation.json")
     argv = ["--llama_path", base, "--data_path", path, "--val_fraction", "0.1", "--output_dir", str(tmp_path),
@@ -113,6 +115,7 @@ def test_loss_decreases_on_math14k(base, tmp_path):
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.8, losses
 
 
+@pytest.mark.slow
 def test_resume_equals_straight_run(base, data, tmp_path):
     extra = ["--accum_iter", "2", "--eval_interval", "2", "--early_stop_patience", "5"]
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -132,6 +135,7 @@ def test_resume_equals_straight_run(base, data, tmp_path):
     assert all(abs(x["val_loss"] - y["val_loss"]) <= 1e-6 for x, y in zip(va, vb))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(base, data, tmp_path):
     """Exact token-weighted reduction: 2 x 4 rows accumulated == one batch of 8 rows."""
     assert train(base, data, tmp_path / "big", "--max_steps", 3, "--batch_size", 8) == 0
@@ -139,6 +143,7 @@ def test_gradient_accumulation_matches_one_big_batch(base, data, tmp_path):
     assert max_diff(adapter(tmp_path / "big" / "adapter"), adapter(tmp_path / "acc" / "adapter")) <= 1e-5
 
 
+@pytest.mark.slow
 def test_early_stopping_keeps_the_best(base, data, tmp_path, monkeypatch):
     scripted = iter([5.0, 4.0, 4.5, 4.6, 4.7, 4.8])
     monkeypatch.setattr(engine_finetune, "evaluate", lambda model, dataset: next(scripted))
@@ -170,6 +175,7 @@ def read_tensorboard_tags(folder):
     return tags
 
 
+@pytest.mark.slow
 def test_logs_tensorboard_and_run_files(base, data, tmp_path):
     assert train(base, data, tmp_path, "--max_steps", 3, "--eval_interval", 2, "--log_interval", 2) == 0
     with open(tmp_path / "log.txt") as f:
@@ -184,6 +190,7 @@ def test_logs_tensorboard_and_run_files(base, data, tmp_path):
         assert json.load(f)["variant"] == "sparse"
 
 
+@pytest.mark.slow
 def test_only_adapters_change(base, data, tmp_path, monkeypatch):
     captured = {}
     prepare = Math.prepare
@@ -204,6 +211,7 @@ def test_only_adapters_change(base, data, tmp_path, monkeypatch):
         assert p.numpy().tobytes() == before[name].tobytes(), name
 
 
+@pytest.mark.slow
 def test_init_adapter(base, data, tmp_path, capsys):
     assert train(base, data, tmp_path / "a", "--max_steps", 2) == 0
     # lr 1e-30 leaves every weight where it started: the init adapter itself
@@ -255,6 +263,7 @@ def test_batch_size_and_world_size():
     assert ok.lr == pytest.approx(ok.blr * 8 / 256) and ok.lora_layers == "0-2"
 
 
+@pytest.mark.slow
 def test_resume_with_another_configuration(base, data, tmp_path, capsys):
     assert train(base, data, tmp_path, "--max_steps", 2) == 0
     ckpt = tmp_path / "checkpoint-latest.pth"
@@ -267,6 +276,7 @@ def test_resume_with_another_configuration(base, data, tmp_path, capsys):
     assert load_pth(ckpt)["global_step"] == 2
 
 
+@pytest.mark.slow
 def test_non_finite_loss_keeps_last_checkpoint(base, data, tmp_path, monkeypatch, capsys):
     real = engine_finetune.all_reduce_sum
     calls = {"n": 0}
@@ -285,6 +295,7 @@ def test_non_finite_loss_keeps_last_checkpoint(base, data, tmp_path, monkeypatch
     assert not (tmp_path / "adapter").exists()
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_a_loadable_checkpoint(base, data, tmp_path):
     out = tmp_path / "run"
     argv = [PYTHON, str(REPO / "Math.py"), "--llama_path", base, "--data_path", data["train"],
