@@ -1,26 +1,131 @@
+"""What several test files share: Jittor's environment, the files the tests read, tiny bases and
+training flags, and helpers for the golden outputs. Test files never import from one another.
+
+Everything the suite reads ships in tests/: the authors' golden outputs (tests/golden/, see its
+README) and a few examples of each math data set (tests/data/). Only Meta's LLaMA-3
+tokenizer.model is not ours to ship: the tests that need it read ../shared/llama3 (or
+$MOA_SHARED/llama3) and skip when it is absent.
+
+Markers (pytest.ini): `slow` for tests that train or run whole programs, `mpi` for those that
+start mpirun; `bash test.sh -m "not slow"` is the quick run.
+"""
+import json
 import os
 import signal
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import Utils.jittor_env  # noqa: E402,F401  (must precede any jittor import)
-import jittor  # noqa: E402,F401
+import jittor as jt  # noqa: E402
+
+from Data.synthetic import make_splits  # noqa: E402
+from Models.authors_options import args_from_authors  # noqa: E402
+from Models.checkpoints import assign_strict  # noqa: E402
+from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
+from Models.tiny_base import write_random_base  # noqa: E402
 
 # Jittor's SIGCHLD handler quick-exits this whole process (status 1, no report) when any
 # child dies by a signal; the tests spawn Math.py, Infer.py and mpirun, so a crashing child
 # must fail its own test with its return code and output instead.
 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
+GOLDEN = REPO / "tests" / "golden"
+DATA = REPO / "tests" / "data"
 SHARED = Path(os.environ.get("MOA_SHARED", REPO.parent / "shared"))
+
+# Math.py flags of a tiny, fast run on the tiny base; tests append their own (the last one wins).
+# Prompts of the tiny BPE run 127-164 tokens, so 256 keeps every answer.
+TINY_FLAGS = ["--max_seq_len", "256", "--batch_size", "4", "--lora_rank", "4", "--p_adapter_size", "8",
+              "--swi_x", "2", "--warmup_epochs", "0", "--log_interval", "1", "--eval_interval", "0",
+              "--lr", "1e-2"]
 
 
 def shared_path(*parts):
-    """A path under ../shared, or skip the test with the reason when it is absent."""
+    """A path under ../shared (only Meta's tokenizer.model is read there), or skip the test."""
     path = SHARED.joinpath(*parts)
     if not path.exists():
         pytest.skip(f"needs {path} (the read-only ../shared folder beside the clone), which is absent")
     return path
+
+
+# ---- fixtures
+
+@pytest.fixture(scope="session")
+def tiny_meta():
+    """The authors' tiny base in Meta's format: params.json, consolidated.00.pth (bf16), base_logits.npz."""
+    return GOLDEN / "tiny_meta"
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    """A random tiny base with its own BPE tokenizer (seeded: the same files every run); read-only."""
+    return write_random_base(str(tmp_path_factory.mktemp("tiny_base")), dim=64, n_layers=2)
+
+
+# ---- helpers
+
+def write_synthetic_splits(folder, n_train, n_val, seed) -> dict:
+    """train.json and val.json of the synthetic math set in `folder`: {"train": path, "val": path}."""
+    paths = {}
+    for name, split in zip(("train", "val"), make_splits(n_train, n_val, 0, seed=seed)):
+        paths[name] = str(Path(folder) / f"{name}.json")
+        with open(paths[name], "w") as f:
+            json.dump(split, f)
+    return paths
+
+
+def randomize_adapters(model, seed, scale):
+    """Every adapter parameter drawn from scale * N(0, 1), so experts and router really act."""
+    rng = np.random.default_rng(seed)
+    for var in model.adapter_parameters().values():
+        var.assign(jt.array((scale * rng.standard_normal(var.shape)).astype(np.float32)))
+
+
+def kv_logits(llama, tokens: np.ndarray, prefill: int) -> np.ndarray:
+    """Prefill, then one token at a time; row j = last-position logits of step j."""
+    llama.reset_cache()
+    rows = [llama(jt.array(tokens[:, :prefill]), start_pos=0)[:, -1].numpy()]
+    for pos in range(prefill, tokens.shape[1]):
+        rows.append(llama(jt.array(tokens[:, pos:pos + 1]), start_pos=pos)[:, -1].numpy())
+    return np.stack(rows, 1)
+
+
+# sparse_s0, soft_s0 (one expert per type) and soft_e2_s3 (two experts per type)
+GOLDEN_FILES = ("sparse_s0", "soft_s0", "soft_e2_s3")
+
+
+def load_golden(stem: str):
+    """(npz, meta dict, ModelArgs in fp32) of tests/golden/<stem>.npz, e.g. "sparse_s0" or "soft_e2_s3"."""
+    data = np.load(GOLDEN / f"{stem}.npz", allow_pickle=False)
+    meta = json.loads(str(data["meta"]))
+    return data, meta, args_from_authors(meta["model_args"], meta["variant"], precision="fp32")  # parity in fp32
+
+
+def golden_model(stem: str, **overrides):
+    """(model with the golden file's parameters, npz, meta); `overrides` change ModelArgs fields."""
+    data, meta, args = load_golden(stem)
+    if overrides:
+        args = type(args)(**{**args.to_dict(), **overrides})
+    model = LLaMA_adapter(args)
+    assign_strict(dict(model.named_parameters()), golden_params(data), f"{stem}.npz", "golden")
+    return model, data, meta
+
+
+def golden_forward(model, data, records=None):
+    """(loss, logits) on the golden batch, the loss masked where the authors' ignore_index=0 drops it."""
+    tokens = jt.array(data["tokens"].astype(np.int32))
+    mask = jt.array((data["labels"] != 0).astype(np.float32))
+    return model(tokens, mask, records=records)
+
+
+def golden_params(data) -> dict:
+    return {k[len("param/"):]: data[k] for k in data.files if k.startswith("param/")}
+
+
+def max_abs(a, b) -> float:
+    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())

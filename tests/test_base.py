@@ -5,8 +5,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import shared_path
-from golden import max_abs
+from conftest import kv_logits, max_abs
 import jittor as jt
 from Models.meta_checkpoint import build_model, load_base
 from Models.LLaMA_Adapter import LLaMA_adapter
@@ -15,20 +14,6 @@ from Models.torch_io import CheckpointError, load_pth, save_pth
 from Models.utils import rope_frequencies
 
 RUNTIME = dict(max_seq_len=32, max_batch_size=4, precision="fp32")  # parity is checked in fp32
-
-
-def kv_logits(llama, tokens: np.ndarray, prefill: int) -> np.ndarray:
-    """Prefill, then one token at a time; row j = last-position logits of step j."""
-    llama.reset_cache()
-    rows = [llama(jt.array(tokens[:, :prefill]), start_pos=0)[:, -1].numpy()]
-    for pos in range(prefill, tokens.shape[1]):
-        rows.append(llama(jt.array(tokens[:, pos:pos + 1]), start_pos=pos)[:, -1].numpy())
-    return np.stack(rows, 1)
-
-
-@pytest.fixture(scope="module")
-def tiny_meta():
-    return shared_path("golden", "tiny_meta")
 
 
 def test_base_logits_match_authors(tiny_meta):

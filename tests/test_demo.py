@@ -11,9 +11,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 HELD_OUT = 100
+pytestmark = pytest.mark.slow
 
 
 def run(*argv):

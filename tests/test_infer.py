@@ -1,6 +1,6 @@
 """Generation through the KV cache, Infer.py end to end, the weight pickles and the plots.
 
-A tiny random base (write_random_base) with random adapter weights, so that the
+A tiny random base (conftest's tiny_base) with random adapter weights, so that the
 experts and the router really change the outputs.
 """
 import json
@@ -13,11 +13,11 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import DATA, randomize_adapters
 import jittor as jt
 from matplotlib import image as mpimg
 
 import Infer
-from conftest import shared_path
 from Data.prompts import format_prompt
 from Models.Tokenizer import Tokenizer
 from Data.synthetic import make_splits
@@ -34,17 +34,12 @@ MOA = {"sparse": dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2
 TEXTS = ["Tom had 3 apples.", "Mary had 12 marbles and lost 5 of them. How many are left?", "Hi",
          "Sam picked 4 books and Leo picked 7 books. They shared them equally."]
 GEN = 12
-
-
-def randomize_adapter(model, seed=0, scale=0.1):
-    rng = np.random.default_rng(seed)
-    for p in model.adapter_parameters().values():
-        p.assign(jt.array((scale * rng.standard_normal(p.shape)).astype(np.float32)))
+pytestmark = pytest.mark.slow  # generation and Infer.py runs on a tiny base
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return write_random_base(str(tmp_path_factory.mktemp("tiny_base")), dim=64, n_layers=2)
+def base_dir(tiny_base):
+    return tiny_base
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +53,7 @@ def models(base_dir):
     for i, (name, moa) in enumerate(MOA.items()):
         args = ModelArgs.from_params_json(base_dir, max_seq_len=64, max_batch_size=4, **moa)
         model = build_model(base_dir, args)
-        randomize_adapter(model, seed=i)
+        randomize_adapters(model, seed=i, scale=0.1)
         model.eval()
         built[name] = model
     return built
@@ -186,7 +181,7 @@ def run_dir(tmp_path_factory, base_dir):
     # max_seq_len bounds the generation budget (the authors' rule): room for the ~150-token prompts
     args = ModelArgs.from_params_json(base_dir, max_seq_len=256, max_batch_size=4, **MOA["sparse"])
     model = build_model(base_dir, args)
-    randomize_adapter(model, seed=7)
+    randomize_adapters(model, seed=7, scale=0.1)
     save_adapter(model, os.path.join(run, "adapter"))
     write_json(os.path.join(run, "args.json"), {"llama_path": base_dir})
     write_json(os.path.join(run, "data", "test.json"), make_splits(20, 0, 12, seed=5)[2])
@@ -359,6 +354,7 @@ def test_bad_input_from_the_command_line(tmp_path, run_dir):
     assert "no such test file" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs OpenMPI's mpirun")
 def test_mpirun_two_ranks_equal_one(tmp_path, run_dir, crafted_dirs):
     """Rank r takes examples r::2; rank 0 merges them back into input order: the same files as one process."""
@@ -381,12 +377,12 @@ COMMONSENSE = ("boolq", "piqa", "social_i_qa", "winogrande", "ARC-Challenge", "A
 
 
 def test_infer_commonsense_tiny_run(base_dir, tmp_path):
-    """The tiny base over ../shared/data/commonsense: accuracy per set by its own rule, and the average."""
-    root = str(shared_path("data", "commonsense"))
+    """The tiny base over the commonsense sets: accuracy per set by its own rule, and the average."""
+    root = str(DATA / "commonsense")
     summary = Infer.main(["--no_adapter", "--llama_path", base_dir, "--data_path", root, "--max_examples", "2",
                           "--max_gen_len", "3", "--batch_size", "2", "--output_dir", str(tmp_path)])
     sets = summary["datasets"]
-    assert sorted(sets) == sorted(COMMONSENSE)  # HellaSwag's test set is not in ../shared
+    assert sorted(sets) == sorted(COMMONSENSE)  # HellaSwag's test set is not available
     assert all(s["total"] == 2 and s["rule"] == name and 0 <= s["accuracy"] <= 1 for name, s in sets.items())
     assert summary["average"] == pytest.approx(np.mean([s["accuracy"] for s in sets.values()]))
     with open(tmp_path / "scores.json") as f:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from conftest import randomize_adapters
 import jittor as jt
 from Models.checkpoints import CheckpointError, load_adapter, save_adapter
 from Models.LLaMA_Adapter import LLaMA_adapter, is_adapter_param
@@ -22,12 +23,6 @@ def tokens_and_mask(seed=0, B=2, T=10):
 def copy_base(src: LLaMA_adapter, dst: LLaMA_adapter):
     for name, var in dst.base_parameters().items():
         var.assign(src.base_parameters()[name].clone())
-
-
-def randomize_adapters(model: LLaMA_adapter, seed=1, scale=0.3):
-    rng = np.random.default_rng(seed)
-    for var in model.adapter_parameters().values():
-        var.assign(jt.array((scale * rng.standard_normal(var.shape)).astype(np.float32)))
 
 
 CONFIGS = [dict(variant=v, n_kv_heads=kv, lora_targets=t, swi_x=s, expert_num=e, hydra_moe=h, p_adapter_hydra=h,
@@ -57,7 +52,7 @@ def test_configurations(config):
         assert (record["threshold"] is None) == (config["variant"] == "soft")
     # zero-initialised experts: the adapted model is the base model
     np.testing.assert_allclose(logits.numpy(), base.llama(tokens).numpy(), atol=1e-5, rtol=0)
-    randomize_adapters(model)
+    randomize_adapters(model, seed=1, scale=0.3)
     _, moved = model(tokens, mask)
     assert np.isfinite(moved.numpy()).all() and np.abs(moved.numpy() - logits.numpy()).max() > 1e-3
 
@@ -89,7 +84,7 @@ def test_optimizer_step_changes_only_adapters(variant):
 def test_adapter_save_load_bit_exact(tmp_path):
     args = ModelArgs(**{**BASE, **ALL_ON, "variant": "soft", "prompt_layers": "0-2", "prompt_len": 3})
     model = LLaMA_adapter(args)
-    randomize_adapters(model)
+    randomize_adapters(model, seed=1, scale=0.3)
     save_adapter(model, str(tmp_path))
     stored = load_pth(tmp_path / "adapter.pth")
     assert sorted(stored) == sorted(model.adapter_parameters()) and all(is_adapter_param(n) for n in stored)

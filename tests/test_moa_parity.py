@@ -1,40 +1,23 @@
-"""MoA against the authors' PyTorch outputs (../shared/golden/{sparse_s0,soft_s0,soft_e2_s3}.npz)."""
+"""MoA against the authors' PyTorch outputs (tests/golden/{sparse_s0,soft_s0,soft_e2_s3}.npz)."""
 import json
 
 import numpy as np
 import pytest
 
-from golden import GOLDEN_FILES, golden_params, load_golden, max_abs
+from conftest import GOLDEN_FILES, golden_forward, golden_model, golden_params, kv_logits, load_golden, max_abs
 import jittor as jt
 from Models.authors_options import AUTHORS_PARAMS
-from Models.checkpoints import (assign_strict, export_authors_adapter, import_authors_adapter,
+from Models.checkpoints import (export_authors_adapter, import_authors_adapter,
                                 load_adapter, save_adapter)
 from Models.LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from Models.torch_io import load_pth
-from test_base import kv_logits
-
-
-def golden_model(name: str, **overrides):
-    data, meta, args = load_golden(name)
-    if overrides:
-        args = type(args)(**{**args.to_dict(), **overrides})
-    model = LLaMA_adapter(args)
-    params = golden_params(data)
-    assign_strict(dict(model.named_parameters()), params, f"{name}.npz", "golden")
-    return model, data, meta
-
-
-def forward(model, data, records=None):
-    tokens = jt.array(data["tokens"].astype(np.int32))
-    mask = jt.array((data["labels"] != 0).astype(np.float32))  # the authors' ignore_index=0 positions
-    return model(tokens, mask, records=records)
 
 
 @pytest.mark.parametrize("name", GOLDEN_FILES)
 def test_golden_forward_loss_router(name):
     model, data, meta = golden_model(name)
     records = []
-    loss, logits = forward(model, data, records)
+    loss, logits = golden_forward(model, data, records)
     assert max_abs(logits.numpy(), data["logits"]) <= 1e-4
     assert abs(float(loss.item()) - float(data["loss"])) <= 1e-5
     for layer, record in enumerate(records):
@@ -49,7 +32,7 @@ def test_golden_forward_loss_router(name):
 @pytest.mark.parametrize("name", GOLDEN_FILES)
 def test_golden_gradients(name):
     model, data, meta = golden_model(name)
-    loss, _ = forward(model, data)
+    loss, _ = golden_forward(model, data)
     adapter = model.adapter_parameters()
     assert sorted(adapter) == sorted(meta["trainable"])
     grads = dict(zip(adapter, jt.grad(loss, list(adapter.values()))))
@@ -71,7 +54,7 @@ def test_golden_kv_cache(name):
 
 def test_learning_gamma_gets_gradient():
     model, data, _ = golden_model("sparse_s0", gamma_grad="ste")
-    loss, logits = forward(model, data)
+    loss, logits = golden_forward(model, data)
     assert max_abs(logits.numpy(), data["logits"]) <= 1e-4  # same forward as the authors'
     names = [n for n in model.adapter_parameters() if "adapter_threshold_fn" in n]
     grads = jt.grad(loss, [model.adapter_parameters()[n] for n in names])

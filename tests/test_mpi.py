@@ -9,29 +9,20 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, TINY_FLAGS, write_synthetic_splits
 
 import Math
-from Data.synthetic import make_splits
-from Models.tiny_base import write_random_base
 from Models.torch_io import load_pth
 
 MPIRUN = shutil.which("mpirun")
-pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data parallel)")
-TINY = ["--max_seq_len", "256", "--batch_size", "4", "--lora_rank", "4", "--p_adapter_size", "8", "--swi_x", "2",
-        "--warmup_epochs", "0", "--log_interval", "1", "--eval_interval", "2", "--lr", "1e-2"]
+pytestmark = [pytest.mark.mpi, pytest.mark.slow,
+              pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data parallel)")]
+TINY = [*TINY_FLAGS, "--eval_interval", "2"]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("mpi")
-    base = write_random_base(str(folder / "base"), dim=64, n_layers=2)
-    paths = {"base": base}
-    for name, split in zip(("train", "val"), make_splits(48, 10, 0, seed=2)):
-        paths[name] = str(folder / f"{name}.json")
-        with open(paths[name], "w") as f:
-            json.dump(split, f)
-    return paths
+def setup(tmp_path_factory, tiny_base):
+    return {"base": tiny_base, **write_synthetic_splits(tmp_path_factory.mktemp("mpi"), 48, 10, seed=2)}
 
 
 def argv(setup, out, *extra):

@@ -4,8 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from golden import load_golden
-from test_moa_parity import forward, golden_model
+from conftest import golden_forward, golden_model, load_golden
 from Models.meta_checkpoint import build_model
 from Models.generate import generate
 from Models.ModelArgs import ModelArgs
@@ -25,7 +24,7 @@ def test_golden_loss_in_bf16_within_one_percent(variant):
     assert kinds["llama.tok_embeddings.weight"] == "bfloat16" and kinds["llama.output.weight"] == "bfloat16"
     assert kinds["llama.layers.0.attention_norm.weight"] == "float32"
     assert all(dtype == "float32" for name, dtype in kinds.items() if name in model.adapter_parameters())
-    loss, logits = forward(model, data)
+    loss, logits = golden_forward(model, data)
     assert logits.dtype == "float32"
     fp32_loss = float(data["loss"])
     assert abs(float(loss.item()) - fp32_loss) <= 0.01 * abs(fp32_loss)

@@ -9,7 +9,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from conftest import shared_path
+from conftest import GOLDEN
 from Models.torch_io import (CheckpointError, PlainNamespace, bf16_bits_to_float32, float32_to_bf16_bits,
                              load_pth, save_pth)
 
@@ -72,8 +72,8 @@ for _i in range(2):
         f"layers.{_i}.attention_norm.weight": (64,), f"layers.{_i}.ffn_norm.weight": (64,)})
 
 
-def test_golden_meta_checkpoint_loads_as_bf16_valued_float32():
-    state = load_pth(shared_path("golden", "tiny_meta", "consolidated.00.pth"))
+def test_golden_meta_checkpoint_loads_as_bf16_valued_float32(tiny_meta):
+    state = load_pth(tiny_meta / "consolidated.00.pth")
     assert len(state) == 21
     assert {name: value.shape for name, value in state.items()} == GOLDEN_SHAPES
     for name, value in state.items():
@@ -82,9 +82,9 @@ def test_golden_meta_checkpoint_loads_as_bf16_valued_float32():
         assert np.all(np.isfinite(value)) and np.any(value != 0), name
 
 
-def test_golden_values_are_the_float32_base_weights_rounded_to_bf16():
-    state = load_pth(shared_path("golden", "tiny_meta", "consolidated.00.pth"))
-    with np.load(shared_path("golden", "sparse_s0.npz"), allow_pickle=False) as ref:
+def test_golden_values_are_the_float32_base_weights_rounded_to_bf16(tiny_meta):
+    state = load_pth(tiny_meta / "consolidated.00.pth")
+    with np.load(GOLDEN / "sparse_s0.npz", allow_pickle=False) as ref:
         for name, value in state.items():
             expected = bf16_bits_to_float32(float32_to_bf16_bits(ref[f"param/llama.{name}"]))
             np.testing.assert_array_equal(value, expected, err_msg=name)

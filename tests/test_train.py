@@ -12,42 +12,31 @@ import time
 import jittor as jt
 import numpy as np
 import pytest
-from conftest import REPO, shared_path
+from conftest import DATA, REPO, TINY_FLAGS, write_synthetic_splits
 
 import engine_finetune
 import Math
-from Data.synthetic import make_splits
 from engine_finetune import lr_at
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
-from Models.tiny_base import write_random_base
 from Models.torch_io import load_pth
 
 PYTHON = sys.executable
-# Prompts of the tiny BPE run 127-164 tokens, so 256 keeps every answer.
-TINY = ["--max_seq_len", "256", "--batch_size", "4", "--lora_rank", "4", "--p_adapter_size", "8", "--swi_x", "2",
-        "--warmup_epochs", "0", "--log_interval", "1", "--eval_interval", "0", "--lr", "1e-2"]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return str(write_random_base(str(tmp_path_factory.mktemp("base")), dim=64, n_layers=2))
+def base(tiny_base):
+    return tiny_base
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("data")
-    paths = {}
-    for name, split in zip(("train", "val"), make_splits(48, 8, 0, seed=1)):
-        paths[name] = str(folder / f"{name}.json")
-        with open(paths[name], "w") as f:
-            json.dump(split, f)
-    return paths
+    return write_synthetic_splits(tmp_path_factory.mktemp("data"), 48, 8, seed=1)
 
 
 def train(base, data, out, *extra):
     argv = ["--llama_path", base, "--data_path", data["train"], "--val_data_path", data["val"],
-            "--output_dir", str(out), *TINY, *extra]
+            "--output_dir", str(out), *TINY_FLAGS, *extra]
     return Math.main([str(a) for a in argv])
 
 
@@ -106,6 +95,7 @@ def test_adamw_counts_updates_not_backward_calls():
     assert optimizer.updates == 3
 
 
+@pytest.mark.slow
 def test_loss_decreases_on_synthetic(base, data, tmp_path):
     assert train(base, data, tmp_path, "--max_steps", 12, "--batch_size", 8, "--epochs", 2) == 0
     losses = [r["train_loss"] for r in log_records(tmp_path)]
@@ -114,15 +104,17 @@ def test_loss_decreases_on_synthetic(base, data, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:.*no output token left")  # a few math_14k prompts exceed 384 tokens
+@pytest.mark.slow
 def test_loss_decreases_on_math14k(base, tmp_path):
-    path = str(shared_path("data", "math", "math_14k_validation.json"))
+    path = str(DATA / "math" / "math_14k_validation.json")
     argv = ["--llama_path", base, "--data_path", path, "--val_fraction", "0.1", "--output_dir", str(tmp_path),
-            *TINY, "--max_seq_len", "384", "--max_steps", "12", "--batch_size", "8", "--lr", "3e-2"]
+            *TINY_FLAGS, "--max_seq_len", "384", "--max_steps", "12", "--batch_size", "8", "--lr", "3e-2"]
     assert Math.main(argv) == 0
     losses = [r["train_loss"] for r in log_records(tmp_path)]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.8, losses
 
 
+@pytest.mark.slow
 def test_resume_equals_straight_run(base, data, tmp_path):
     extra = ["--accum_iter", "2", "--eval_interval", "2", "--early_stop_patience", "5"]
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -142,6 +134,7 @@ def test_resume_equals_straight_run(base, data, tmp_path):
     assert all(abs(x["val_loss"] - y["val_loss"]) <= 1e-6 for x, y in zip(va, vb))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(base, data, tmp_path):
     """Exact token-weighted reduction: 2 x 4 rows accumulated == one batch of 8 rows."""
     assert train(base, data, tmp_path / "big", "--max_steps", 3, "--batch_size", 8) == 0
@@ -149,6 +142,7 @@ def test_gradient_accumulation_matches_one_big_batch(base, data, tmp_path):
     assert max_diff(adapter(tmp_path / "big" / "adapter"), adapter(tmp_path / "acc" / "adapter")) <= 1e-5
 
 
+@pytest.mark.slow
 def test_early_stopping_keeps_the_best(base, data, tmp_path, monkeypatch):
     scripted = iter([5.0, 4.0, 4.5, 4.6, 4.7, 4.8])
     monkeypatch.setattr(engine_finetune, "evaluate", lambda model, dataset: next(scripted))
@@ -180,6 +174,7 @@ def read_tensorboard_tags(folder):
     return tags
 
 
+@pytest.mark.slow
 def test_logs_tensorboard_and_run_files(base, data, tmp_path):
     assert train(base, data, tmp_path, "--max_steps", 3, "--eval_interval", 2, "--log_interval", 2) == 0
     with open(tmp_path / "log.txt") as f:
@@ -195,6 +190,7 @@ def test_logs_tensorboard_and_run_files(base, data, tmp_path):
         assert json.load(f)["variant"] == "sparse"
 
 
+@pytest.mark.slow
 def test_only_adapters_change(base, data, tmp_path, monkeypatch):
     captured = {}
     prepare = Math.prepare
@@ -215,6 +211,7 @@ def test_only_adapters_change(base, data, tmp_path, monkeypatch):
         assert p.numpy().tobytes() == before[name].tobytes(), name
 
 
+@pytest.mark.slow
 def test_init_adapter(base, data, tmp_path, capsys):
     assert train(base, data, tmp_path / "a", "--max_steps", 2) == 0
     # lr 1e-30 leaves every weight where it started: the init adapter itself
@@ -245,7 +242,7 @@ def test_bad_input(base, data, tmp_path, capsys):
     for extra, message in cases:
         out = tmp_path / "out"
         argv = ["--llama_path", base, "--data_path", data["train"], "--val_data_path", data["val"],
-                "--output_dir", str(out), *TINY, *extra]
+                "--output_dir", str(out), *TINY_FLAGS, *extra]
         assert Math.main(argv) == 2, extra
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (extra, err)
@@ -265,6 +262,7 @@ def test_batch_size_and_world_size():
     assert cfg.lr == pytest.approx(cfg.blr * 8 / 256) and model_settings["lora_layers"] == "all"
 
 
+@pytest.mark.slow
 def test_resume_with_another_configuration(base, data, tmp_path, capsys):
     assert train(base, data, tmp_path, "--max_steps", 2) == 0
     ckpt = tmp_path / "checkpoint-latest.pth"
@@ -277,6 +275,7 @@ def test_resume_with_another_configuration(base, data, tmp_path, capsys):
     assert load_pth(ckpt)["global_step"] == 2
 
 
+@pytest.mark.slow
 def test_non_finite_loss_keeps_last_checkpoint(base, data, tmp_path, monkeypatch, capsys):
     real = engine_finetune.all_reduce_sum
     calls = {"n": 0}
@@ -295,10 +294,11 @@ def test_non_finite_loss_keeps_last_checkpoint(base, data, tmp_path, monkeypatch
     assert not (tmp_path / "adapter").exists()
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_a_loadable_checkpoint(base, data, tmp_path):
     out = tmp_path / "run"
     argv = [PYTHON, str(REPO / "Math.py"), "--llama_path", base, "--data_path", data["train"],
-            "--val_data_path", data["val"], "--output_dir", str(out), *TINY, "--epochs", "50"]
+            "--val_data_path", data["val"], "--output_dir", str(out), *TINY_FLAGS, "--epochs", "50"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
