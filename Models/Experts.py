@@ -13,19 +13,20 @@ import jittor as jt
 from jittor import init, nn
 
 from .fused import add_weighted
+from .kernels import Linear
 
 
-def zero_linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=bias)
+def zero_linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
+    layer = Linear(in_features, out_features, bias=bias)
     layer.weight = jt.zeros((out_features, in_features), "float32")
     if bias:
         layer.bias = jt.zeros((out_features,), "float32")
     return layer
 
 
-def xavier_linear(in_features: int, out_features: int, gain: float) -> nn.Linear:
+def xavier_linear(in_features: int, out_features: int, gain: float) -> Linear:
     """Xavier-uniform weight and zero bias: the parallel adapter starts as (almost) nothing."""
-    layer = nn.Linear(in_features, out_features, bias=True)
+    layer = Linear(in_features, out_features, bias=True)
     bound = gain * math.sqrt(6.0 / (in_features + out_features))
     layer.weight = init.uniform((out_features, in_features), "float32", -bound, bound)
     layer.bias = jt.zeros((out_features,), "float32")
@@ -53,12 +54,12 @@ class MOELoraLayer(nn.Module):
         self.scaling = alpha / rank
         self.expert_num = expert_num
         if expert_num == 1:
-            self.lora_A = nn.Linear(in_features, rank, bias=False)
+            self.lora_A = Linear(in_features, rank, bias=False)
             self.lora_B = zero_linear(rank, out_features)
         else:
-            self.lora_router = nn.Linear(in_features, expert_num, bias=False)
+            self.lora_router = Linear(in_features, expert_num, bias=False)
             n_a = 1 if hydra else expert_num
-            self.lora_A = nn.ModuleList([nn.Linear(in_features, rank, bias=False) for _ in range(n_a)])
+            self.lora_A = nn.ModuleList([Linear(in_features, rank, bias=False) for _ in range(n_a)])
             self.lora_B = nn.ModuleList([zero_linear(rank, out_features) for _ in range(expert_num)])
 
     def unweighted(self, x: jt.Var) -> jt.Var:
@@ -83,7 +84,7 @@ class PAdapterLayer(nn.Module):
             self.down_proj = xavier_linear(dim, size, gain=1e-4)
             self.up_proj = xavier_linear(size, dim, gain=1e-4)
         else:
-            self.adapter_router = nn.Linear(dim, expert_num, bias=True)
+            self.adapter_router = Linear(dim, expert_num, bias=True)
             self.adapter_router.bias = jt.zeros((expert_num,), "float32")
             n_down = 1 if hydra else expert_num
             self.down_proj = nn.ModuleList([xavier_linear(dim, size, 1e-4) for _ in range(n_down)])
