@@ -13,19 +13,20 @@ import jittor as jt
 from jittor import init, nn
 
 from .fused import add_weighted
+from .kernels import Linear
 
 
-def zero_linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=bias)
+def zero_linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
+    layer = Linear(in_features, out_features, bias=bias)
     layer.weight = jt.zeros((out_features, in_features), "float32")
     if bias:
         layer.bias = jt.zeros((out_features,), "float32")
     return layer
 
 
-def xavier_linear(in_features: int, out_features: int, gain: float) -> nn.Linear:
+def xavier_linear(in_features: int, out_features: int, gain: float) -> Linear:
     """Xavier-uniform weight and zero bias: the parallel adapter starts as (almost) nothing."""
-    layer = nn.Linear(in_features, out_features, bias=True)
+    layer = Linear(in_features, out_features, bias=True)
     bound = gain * math.sqrt(6.0 / (in_features + out_features))
     layer.weight = init.uniform((out_features, in_features), "float32", -bound, bound)
     layer.bias = jt.zeros((out_features,), "float32")
@@ -55,14 +56,14 @@ class MOELoraLayer(nn.Module):
         self.scaling = alpha / rank
         self.expert_num, self.hydra = expert_num, hydra
         if expert_num == 1:
-            self.lora_A = nn.Linear(in_features, rank, bias=False)
+            self.lora_A = Linear(in_features, rank, bias=False)
             self.lora_B = zero_linear(rank, out_features)
             return
-        self.router = nn.Linear(in_features, expert_num, bias=False)
+        self.router = Linear(in_features, expert_num, bias=False)
         if hydra:
-            self.lora_A = nn.Linear(in_features, rank, bias=False)
+            self.lora_A = Linear(in_features, rank, bias=False)
         else:
-            self.lora_A_l = nn.ModuleList([nn.Linear(in_features, rank, bias=False) for _ in range(expert_num)])
+            self.lora_A_l = nn.ModuleList([Linear(in_features, rank, bias=False) for _ in range(expert_num)])
         self.lora_B_l = nn.ModuleList([zero_linear(rank, out_features) for _ in range(expert_num)])
 
     def unweighted(self, x: jt.Var) -> jt.Var:
@@ -99,7 +100,7 @@ class PAdapterLayer(nn.Module):
             self.down_proj = xavier_linear(dim, size, gain=1e-4)
             self.up_proj = xavier_linear(size, dim, gain=1e-4)
             return
-        self.router = nn.Linear(dim, expert_num, bias=True)
+        self.router = Linear(dim, expert_num, bias=True)
         if hydra:
             self.down_proj = xavier_linear(dim, size, gain=1e-4)
         else:

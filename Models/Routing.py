@@ -3,9 +3,11 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
+from .kernels import Linear, linear
 
-def biased_linear(in_features: int, out_features: int) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=True)
+
+def biased_linear(in_features: int, out_features: int) -> Linear:
+    layer = Linear(in_features, out_features, bias=True)
     layer.bias = jt.zeros((out_features,), "float32")
     return layer
 
@@ -58,11 +60,11 @@ class Gamma(nn.Module):
         self.max_threshold = max_threshold
         self.const = const
         if not const:
-            linear = nn.Linear(dim, 1, bias=True)
-            self.weight, self.bias = linear.weight, linear.bias
+            layer = Linear(dim, 1, bias=True)
+            self.weight, self.bias = layer.weight, layer.bias
 
     def execute(self, x: jt.Var) -> jt.Var:
         # x [B,T,D] -> gamma [B,T,1]
         if self.const:
             return jt.full((x.shape[0], x.shape[1], 1), self.max_threshold, "float32")
-        return self.max_threshold * jt.sigmoid(nn.matmul_transpose(x, self.weight) + self.bias)
+        return self.max_threshold * jt.sigmoid(linear(x, self.weight, self.bias))

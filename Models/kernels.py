@@ -45,6 +45,77 @@ class Kernel:
         return self.plain(*args)
 
 
+# y [M,N] = x [M,K] w [N,K]^T (+ b [N]); the backward gives dx, and dw, db when the weight trains.
+LINEAR_FORWARD = """
+dnnl_sgemm('N', 'T', M, N, K, 1.f, in0_p, K, in1_p, K, 0.f, out0_p, N);
+"""
+ADD_BIAS = """
+#pragma omp parallel for
+for (int64_t m = 0; m < M; m++) for (int64_t n = 0; n < N; n++) out0_p[m * N + n] += in2_p[n];
+"""
+
+LINEAR_INPUT_GRAD = """
+dnnl_sgemm('N', 'N', M, K, N, 1.f, in0_p, N, in2_p, K, 0.f, out0_p, K);
+"""
+LINEAR_WEIGHT_GRAD = """
+dnnl_sgemm('T', 'N', N, K, M, 1.f, in0_p, N, in1_p, K, 0.f, out1_p, K);
+for (int64_t n = 0; n < N; n++) out2_p[n] = 0.f;
+for (int64_t m = 0; m < M; m++) for (int64_t n = 0; n < N; n++) out2_p[n] += in0_p[m * N + n];
+"""
+
+
+class FusedLinear(jt.Function):
+    """x [M,K] @ w [N,K]^T + b [N] as one oneDNN sgemm op: Jittor's own nn.Linear builds a
+    broadcast-multiply-sum in Python (reshapes, broadcasts, a flag scope) at every call,
+    which dominated a decode step."""
+
+    def execute(self, x, weight, bias=None):
+        (M, K), N = x.shape, weight.shape[0]
+        self.trains = weight.requires_grad or (bias is not None and bias.requires_grad)  # frozen: dx only
+        self.sizes = f"const int64_t M = {M}, N = {N}, K = {K};\n"
+        self.saved = (x, weight, bias)
+        if bias is None:
+            return jt.code((M, N), "float32", [x, weight], cpu_header=SGEMM_DECLARATION,
+                           cpu_src=self.sizes + LINEAR_FORWARD)
+        return jt.code((M, N), "float32", [x, weight, bias], cpu_header=SGEMM_DECLARATION,
+                       cpu_src=self.sizes + LINEAR_FORWARD + ADD_BIAS)
+
+    def grad(self, grad_out):
+        x, weight, bias = self.saved
+        (M, K), N = x.shape, weight.shape[0]
+        if not self.trains:  # a frozen weight: no [N,K] gradient buffer at all
+            dx = jt.code((M, K), "float32", [grad_out, x, weight], cpu_header=SGEMM_DECLARATION,
+                         cpu_src=self.sizes + LINEAR_INPUT_GRAD)
+            return (dx, None, None) if bias is not None else (dx, None)
+        dx, dw, db = jt.code([(M, K), (N, K), (N,)], ["float32"] * 3, [grad_out, x, weight],
+                             cpu_header=SGEMM_DECLARATION, cpu_src=self.sizes + LINEAR_INPUT_GRAD + LINEAR_WEIGHT_GRAD)
+        return (dx, dw, db) if bias is not None else (dx, dw)
+
+
+def fused_linear(x: jt.Var, weight: jt.Var, bias=None) -> jt.Var:
+    rows = x.shape[:-1]
+    flat = x.float32().reshape(-1, x.shape[-1])
+    out = FusedLinear.apply(flat, weight) if bias is None else FusedLinear.apply(flat, weight, bias)
+    return out.reshape(*rows, weight.shape[0])
+
+
+def plain_linear(x: jt.Var, weight: jt.Var, bias=None) -> jt.Var:
+    out = nn.matmul_transpose(x, weight)
+    return out if bias is None else out + bias
+
+
+# x [..., K] @ weight [N,K]^T (+ bias [N]) -> [..., N], all fp32
+linear = Kernel(fused_linear, plain_linear, when=lambda x, weight, bias=None: weight.dtype == "float32")
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same init, same `weight`/`bias` names) through the `linear` kernel."""
+
+    def execute(self, x: jt.Var) -> jt.Var:
+        # x [..., in] -> [..., out]
+        return linear(x, self.weight, self.bias)
+
+
 ATTENTION_HEADER = SGEMM_DECLARATION + "#include <cmath>\n#include <algorithm>\n#include <vector>\n"
 
 # Key spans: query t sees keys [0, span[t]) (beyond, the additive mask is -inf), and a

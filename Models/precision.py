@@ -18,7 +18,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .kernels import SGEMM_DECLARATION, Kernel
+from .kernels import SGEMM_DECLARATION, Kernel, linear
 from .ModelArgs import PRECISIONS
 
 BF16_HEADER = SGEMM_DECLARATION + """
@@ -122,7 +122,7 @@ def fused_base_linear(x: jt.Var, weight: jt.Var) -> jt.Var:
 
 def plain_base_linear(x: jt.Var, weight: jt.Var) -> jt.Var:
     if weight.dtype == "float32":
-        return nn.matmul_transpose(x, weight)
+        return linear(x, weight)  # the fp32 kernel pair
     if jt.flags.use_cuda:  # the GPU's half-precision matmul
         return nn.matmul_transpose(x.cast(weight.dtype), weight).float32()
     return nn.matmul_transpose(x.float32(), weight.float32())  # Jittor's CPU bf16 matmul is slow: widen

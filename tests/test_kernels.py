@@ -5,7 +5,7 @@ import pytest
 import jittor as jt
 from Models.Block import attention_mask
 from Models.fused import add_weighted, rms_norm, rope, silu_gate, token_nll
-from Models.kernels import attention, fused_kernels_on
+from Models.kernels import attention, fused_kernels_on, linear
 from Models.precision import BF16Linear, base_linear, cpu_has_bf16_units
 from Models.utils import rope_tables
 
@@ -65,6 +65,15 @@ def test_add_weighted():
     router_weight = jt.array(rng.random((2, 5)).astype(np.float32))
     assert_same(add_weighted, [normal(rng, (2, 5, 12)), normal(rng, (2, 5, 12)), router_weight, 0.5], [0, 1, 2],
                 atol=1e-6)
+
+
+@pytest.mark.parametrize("shape, bias, trains", [((2, 5, 12), True, True), ((7, 12), False, True),
+                                                 ((2, 3, 12), False, False)])
+def test_linear(shape, bias, trains):
+    rng = np.random.default_rng(10)
+    weight = normal(rng, (9, 12))
+    inputs = [normal(rng, shape), weight if trains else weight.stop_grad()] + ([normal(rng, (9,))] if bias else [])
+    assert_same(linear, inputs, range(len(inputs)) if trains else [0], atol=1e-5, rtol=1e-5)
 
 
 def bf16_weight(rng, shape):
