@@ -19,6 +19,7 @@ both adapter layouts; `export_authors_adapter` writes theirs, `import_authors_ad
 turns theirs (or their checkpoint-N.pth) into ours.
 """
 import glob
+import hashlib
 import json
 import os
 import random
@@ -30,6 +31,7 @@ import jittor as jt
 
 from .LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from .ModelArgs import META_FIELDS, ModelArgs
+from .Tokenizer import Tokenizer
 from .torch_io import CheckpointError, PlainNamespace, load_pth, save_pth
 from Utils.misc import is_main_process, write_json
 
@@ -99,6 +101,18 @@ def load_base(model: LLaMA_adapter, ckpt_dir: str):
     model.freeze_base()
 
 
+def open_tokenizer(llama_dir: str, vocab_size: int) -> Tokenizer:
+    """The directory's tokenizer.model, refused when its ids (special tokens included) reach past the
+    embedding table of params.json's vocab_size: those ids would read outside the table."""
+    path = os.path.join(llama_dir, "tokenizer.model")
+    tokenizer = Tokenizer(path)
+    if tokenizer.n_words > vocab_size:
+        raise CheckpointError(f"{path} has {tokenizer.n_words} token ids (special tokens included), more than "
+                              f"the vocab_size {vocab_size} of {os.path.join(llama_dir, 'params.json')}: "
+                              "tokenizer and model do not belong together")
+    return tokenizer
+
+
 def build_model(llama_dir: str, args: ModelArgs) -> LLaMA_adapter:
     """The model `args` describes, its frozen base read from a Meta checkpoint directory."""
     model = LLaMA_adapter(args)
@@ -158,14 +172,22 @@ def save_checkpoint(state: dict, out_dir: str, name: str = "latest", with_adapte
         write_adapter(state["adapter"], state["model_args"], os.path.join(out_dir, f"adapter-{name}"))
 
 
-def resume_signature(llama_path: str, data_path, val_data_path, train, max_seq_len: int) -> dict:
-    """What a resumed run must share with its checkpoint besides the model's settings."""
+def content_hash(examples) -> str:
+    """sha256 of the examples as canonical JSON: the same data gives the same hash wherever it lives."""
+    return hashlib.sha256(json.dumps(examples, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def resume_signature(llama_path: str, data_path, val_data_path, train, max_seq_len: int, examples) -> dict:
+    """What a resumed run must share with its checkpoint besides the model's settings; `examples` the
+    (train, val or None) lists it trains and validates on, compared by content."""
     keys = ("val_fraction", "batch_size", "accum_iter", "epochs", "warmup_epochs", "lr", "min_lr",
             "weight_decay", "clip_grad", "seed")
     return {**{k: getattr(train, k) for k in keys}, "max_seq_len": max_seq_len,
             "llama_path": os.path.abspath(llama_path),
             "data": os.path.abspath(data_path) if data_path else "synthetic",
-            "val_data": os.path.abspath(val_data_path) if val_data_path else None}
+            "val_data": os.path.abspath(val_data_path) if val_data_path else None,
+            "train_sha256": content_hash(examples[0]),
+            "val_sha256": content_hash(examples[1]) if examples[1] is not None else None}
 
 
 def restore_checkpoint(path: str, model, optimizer, stopper, signature: dict) -> dict:
