@@ -182,7 +182,7 @@ def example(question, answer):
 def run_dir(tmp_path_factory, base_dir):
     """A training run as Math.py leaves it: adapter/, args.json, log.txt."""
     run = str(tmp_path_factory.mktemp("output") / "run1")
-    args = ModelArgs.from_params_json(base_dir, max_seq_len=64, max_batch_size=4, **MOA["sparse"])
+    args = ModelArgs.from_params_json(base_dir, max_seq_len=256, max_batch_size=4, **MOA["sparse"])
     model = build_model(base_dir, args)
     randomize_adapter(model, seed=7)
     save_adapter(model, os.path.join(run, "adapter"))
@@ -237,7 +237,7 @@ def test_infer_scores_per_dataset_and_average(monkeypatch, tok, run_dir, crafted
     assert scores["datasets"]["AQuA"]["accuracy"] == pytest.approx(0.5)
     assert scores["datasets"]["AQuA"]["rule"] == "AQuA"
     assert scores["average"] == pytest.approx(0.625)
-    assert scores["budget_seq_len"] == 64  # the adapter's max_seq_len, as the authors' inference reads it
+    assert scores["budget_seq_len"] == 256  # the adapter's max_seq_len, as the authors' inference reads it
     for name, rows in CRAFTED.items():
         with open(os.path.join(out, f"{name}_predictions.jsonl")) as f:
             lines = [json.loads(line) for line in f]
