@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO
 
 import Math
+from Data.prompts import format_prompt
 from Data.synthetic import make_splits
 from Models.generate import check_kv_cache_memory, kv_cache_bytes
 from Models.ModelArgs import ModelArgs
@@ -235,6 +236,18 @@ def test_bad_input_table(base, data, tmp_path, capsys):
         assert not out.exists()  # nothing written before the input is known to be good
 
 
+def test_cut_examples_are_counted(base, data, tmp_path, capsys):
+    tok = Tokenizer(os.path.join(base, "tokenizer.model"))
+    with open(data["train"]) as f:
+        rows = json.load(f)
+    lengths = [len(tok.encode(format_prompt(r), bos=True, eos=False)) + len(tok.encode(r["output"], bos=False, eos=True))
+               for r in rows]
+    longer = sum(n > 180 for n in lengths)
+    assert 0 < longer < len(rows)  # the data straddles the limit, so the count means something
+    assert train(base, data, str(tmp_path / "run"), "--max_steps", 1, "--max_seq_len", 180) == 0
+    assert f"training: {longer} of {len(rows)} examples are longer than --max_seq_len 180" in capsys.readouterr().out
+
+
 def test_resume_refuses_changed_data_at_the_same_path(base, data, tmp_path, capsys):
     own = {k: str(tmp_path / f"{k}.json") for k in data}
     for k in data:
@@ -273,13 +286,13 @@ def test_full_disk_is_one_line_and_keeps_what_was_written(base, data, tmp_path, 
 
 def test_kv_cache_memory_check():
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97)
-    assert kv_cache_bytes(args, 8, 1000) == 8 * 2 * 2 * 2 * 16 * 1000 * 4 == 8_192_000
-    check_kv_cache_memory(args, 8, 1000, available=8_192_000)  # fits exactly
-    with pytest.raises(ValueError, match=r"needs 0\.01 GiB, more than the 0\.01 GiB available.*--batch_size"):
-        check_kv_cache_memory(args, 8, 1000, available=8_191_999)
-    # LLaMA-3-8B's shape: 32 layers, 8 kv heads of 128; batch 8 x 8192 tokens is 32 GiB in fp32
+    assert kv_cache_bytes(args, 8, 100_000) == 8 * 2 * 2 * 2 * 16 * 100_000 * 4 == 409_600_000
+    check_kv_cache_memory(args, 8, 100_000, available=409_600_000)  # fits exactly
+    with pytest.raises(ValueError, match=r"needs 0\.38 GiB, more than the 0\.38 GiB available.*--batch_size"):
+        check_kv_cache_memory(args, 8, 100_000, available=409_599_999)
+    # LLaMA-3-8B's shape: 32 layers, 8 kv heads of 128; batch 8 x 8192 tokens is 16 GiB in fp32
     big = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256)
-    assert kv_cache_bytes(big, 8, 8192) == 32 * 2**30
+    assert kv_cache_bytes(big, 8, 8192) == 16 * 2**30
 
 
 def test_stale_temp_files_of_dead_writers_only():
