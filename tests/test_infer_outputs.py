@@ -2,8 +2,12 @@
 import errno
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
+from conftest import REPO
 
 import Infer
 from Data.synthetic import make_splits
@@ -133,3 +137,28 @@ def test_help_says_what_the_moa_flags_do():
     text = Infer.get_args_parser().format_help()
     assert "a flag that differs from them is refused" in " ".join(text.split())
     assert "override" not in text
+
+
+def test_sigint_stops_between_batches_and_writes_nothing(base, tmp_path):
+    data = tmp_path / "synthetic" / "test.json"
+    data.parent.mkdir()
+    data.write_text(json.dumps(make_splits(4, 0, 60, seed=3)[2]))
+    out = tmp_path / "eval"
+    proc = subprocess.Popen([sys.executable, str(REPO / "Infer.py"), "--no_adapter", "--llama_path", base,
+                             "--data_path", str(data), "--output_dir", str(out), "--max_gen_len", "40",
+                             "--batch_size", "1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        seen = []
+        for line in proc.stdout:  # the model is loaded and generation starts: SIGINT lands between batches
+            seen.append(line)
+            if line.startswith("[infer]"):
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    output = "".join(seen) + rest
+    assert proc.returncode == 130, output
+    assert "stopped by SIGINT" in output and "Traceback" not in output and "quick exit" not in output
+    assert not out.exists() and not [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)]
