@@ -25,7 +25,6 @@ if __name__ == "__main__":
     Utils.jittor_env.block_stop_signals()
 
 import argparse
-import fnmatch
 import glob
 import json
 import os
@@ -45,7 +44,7 @@ from Models.checkpoints import (ADAPTER_WEIGHTS, adapter_config_path, build_mode
 from Models.generate import check_kv_cache_memory, generate
 from Models.tiny_base import ensure_default_base
 from Models.torch_io import CheckpointError
-from Utils import misc, run_dir
+from Utils import misc, output_dirs
 from Utils.jittor_env import StopFlag
 from Utils.misc import print_main
 from Utils.settings import GenerationArgs, add_arguments, given
@@ -53,8 +52,6 @@ from Utils.settings import GenerationArgs, add_arguments, given
 SPLIT_NAMES = ("test", "val", "validation", "train")
 # One data set of the run: examples[first:first + count] of the joined list, scored by `rule`.
 TestSet = namedtuple("TestSet", "name path rule first count")
-# What an evaluation folder holds; anything else in --output_dir means it is not one.
-RESULT_FILES = ("*_predictions.jsonl", "scores.json", "type_weight.pkl", "token_weight.pkl", "*.png")
 
 
 class Stopped(Exception):
@@ -281,22 +278,6 @@ def score_and_write(test_sets, examples, results, output_dir, meta):
     return summary
 
 
-def weight_pickles(test_sets, tok, results, model):
-    """The two --save_weights dicts (structure: Utils/plots.py)."""
-    base = {"variant": model.args.variant, "layer_types": [list(layer.type_names) for layer in model.llama.layers]}
-    type_data = {"kind": "type_weight", **base, "examples": []}
-    token_data = {"kind": "token_weight", **base, "examples": []}
-    for name, _, _, first, count in test_sets:
-        for i in range(first, first + count):
-            r = results[i]
-            common = {"dataset": name, "index": i - first, "token_ids": r["token_ids"],
-                      "tokens": [tok.decode([t]) for t in r["token_ids"]], "n_prompt": r["n_prompt"],
-                      "generation": r["generation"]}
-            type_data["examples"].append({**common, "weights": [layer["type_weight"] for layer in r["records"]]})
-            token_data["examples"].append({**common, "weights": [layer["token_weight"] for layer in r["records"]]})
-    return type_data, token_data
-
-
 def check_args(args):
     for flag in ("batch_size", "max_examples", "plot_examples"):
         value = getattr(args, flag)
@@ -308,19 +289,6 @@ def generation_settings(args, run_args) -> GenerationArgs:
     """The flags given, else what the run's args.json recorded (its recipe's), else the defaults."""
     recorded = {k: run_args[k] for k in ("max_gen_len", "temperature", "top_p") if k in run_args}
     return GenerationArgs(**{**recorded, **given(args, GenerationArgs)})
-
-
-def check_output_dir(output_dir):
-    """Refuse a file, a path under a file, or a folder holding anything but an evaluation's results
-    (the run's own folder, say): Infer.py replaces the folder as a whole."""
-    run_dir.check_output_dir(output_dir)
-    if os.path.isdir(output_dir):
-        foreign = sorted(n for n in os.listdir(output_dir) if not n.startswith((misc.TMP_PREFIX, ".part"))
-                         and not any(fnmatch.fnmatch(n, pattern) for pattern in RESULT_FILES))
-        if foreign:
-            raise ValueError(f"--output_dir {output_dir} holds {', '.join(foreign[:3])}"
-                             f"{' ...' if len(foreign) > 3 else ''}, which are not an evaluation's results; "
-                             "Infer.py replaces its output folder as a whole, so choose another --output_dir")
 
 
 def model_context(args, config) -> int:
@@ -340,17 +308,6 @@ def check_prompt_lengths(prompts, test_sets, context):
                          "all): raise --max_seq_len or leave them out")
 
 
-def publish(staging, output_dir):
-    """Swap the finished staging folder in for the earlier results, whole."""
-    old = None
-    if os.path.isdir(output_dir):
-        old = os.path.join(os.path.dirname(output_dir), misc.temp_name("old-" + os.path.basename(output_dir)))
-        os.rename(output_dir, old)
-    os.rename(staging, output_dir)
-    if old is not None:
-        shutil.rmtree(old)
-
-
 def run(args, stop=None):
     check_args(args)
     misc.init_distributed_mode(args)
@@ -359,7 +316,7 @@ def run(args, stop=None):
     output_dir = os.path.abspath(args.output_dir or (
         os.path.join(run_dir_path, "eval_base" if args.no_adapter else "eval") if run_dir_path
         else os.path.join(args.output_root, "eval_base")))
-    check_output_dir(output_dir)
+    output_dirs.check_eval_dir(output_dir)
     gen = generation_settings(args, run_args)
     sources = data_files(args.data_path) if args.data_path else default_test_set(run_dir_path)
     examples, test_sets = load_test_sets(sources, args.max_examples)
@@ -374,12 +331,11 @@ def run(args, stop=None):
     model = load_model(args, adapter, llama_path, max_seq_len)
     print_main(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
                f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len} (context {context})")
-
     # the authors give each example min(max_gen_len, max_seq_len - prompt length), max_seq_len from the adapter
     budget_seq_len = given(args, ModelArgs).get("max_seq_len") or (config.get("max_seq_len") if config else None)
     # every rank writes into rank 0's staging folder: its pid names it
     pid0 = int(misc.all_reduce_sum([float(os.getpid()) if rank == 0 else 0.0])[0])
-    staging = os.path.join(os.path.dirname(output_dir), f"{misc.TMP_PREFIX}{pid0}.{os.path.basename(output_dir)}")
+    staging = output_dirs.staging_dir(output_dir, pid0)
     if rank == 0:
         misc.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
     os.makedirs(staging, exist_ok=True)
@@ -393,7 +349,7 @@ def run(args, stop=None):
                                 {"adapter": adapter, "llama_path": llama_path, **vars(gen),
                                  "budget_seq_len": budget_seq_len, "max_seq_len": max_seq_len,
                                  "seed": args.seed, "world_size": world})
-        publish(staging, output_dir)
+        output_dirs.swap_in(staging, output_dir)
     finally:
         if rank == 0 and os.path.isdir(staging):
             shutil.rmtree(staging, ignore_errors=True)
@@ -410,7 +366,7 @@ def write_results(args, folder, test_sets, examples, results, tok, model, run_di
     from Utils import plots  # matplotlib only on rank 0
     type_data = token_data = None
     if args.save_weights:
-        type_data, token_data = weight_pickles(test_sets, tok, results, model)
+        type_data, token_data = plots.weight_pickles(test_sets, tok, results, model)
         misc.save_on_master(type_data, os.path.join(folder, "type_weight.pkl"))
         misc.save_on_master(token_data, os.path.join(folder, "token_weight.pkl"))
     pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)))

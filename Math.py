@@ -6,7 +6,7 @@
 
 --batch_size is the GLOBAL batch of one micro-step (split over the ranks), so a
 run means the same on 1 or N ranks; the authors' --batch_size was per GPU.
-An output folder belongs to one run (Utils/run_dir.py): a new run into another run's folder
+An output folder belongs to one run (Utils/output_dirs.py): a new run into another run's folder
 needs --resume auto or --overwrite, and two live runs into one folder are refused.
 Exit codes: 0 done, 2 bad input (one line on stderr), 3 non-finite loss, 4 a file could not be
 written (disk full, permissions), 130 stopped by SIGINT (Ctrl-C), 143 stopped by SIGTERM; both
@@ -35,7 +35,7 @@ from Models.checkpoints import (build_model, load_adapter, open_tokenizer, resto
                                  save_adapter)
 from Models.ModelArgs import ModelArgs
 from Models.tiny_base import ensure_default_base
-from Utils import misc, run_dir
+from Utils import misc, output_dirs
 from Utils.misc import EarlyStopper, all_reduce_sum, print_main
 from Utils.jittor_env import StopFlag
 from Utils.settings import (GenerationArgs, TrainArgs, add_arguments, given, recipe_values, recipes_help,
@@ -200,16 +200,16 @@ def run_flags(args) -> dict:
 
 
 def claim_output_dir(args, run_id):
-    """Rank 0 locks and checks the folder (Utils/run_dir.py); every rank learns whether it may go on."""
+    """Rank 0 locks and checks the folder (Utils/output_dirs.py); every rank learns whether it may go on."""
     refusal, claim = None, None
     if misc.is_main_process():
-        claim = run_dir.RunDir(args.output_dir, run_id)
+        claim = output_dirs.RunDir(args.output_dir, run_id)
         try:
             removed = claim.claim(args.resume, args.overwrite,
                                   keep=(args.data_path, args.val_data_path, args.init_adapter, args.resume))
             if removed:
                 print_main(f"removed {len(removed)} temp file(s) of interrupted writes: " + ", ".join(removed))
-        except run_dir.RunDirError as e:
+        except output_dirs.RunDirError as e:
             refusal = str(e)
     if all_reduce_sum([float(refusal is not None)])[0] > 0:
         fail(refusal or "rank 0 refused --output_dir")
@@ -234,12 +234,12 @@ def finetune(args, stop):
     if args.overwrite and args.resume:
         fail("--overwrite replaces the folder's run and --resume continues it: give one of them")
     try:
-        run_dir.check_output_dir(args.output_dir)
-        run_dir.check_owner(args.output_dir, args.resume, args.overwrite)  # early; again under the lock
+        output_dirs.check_output_dir(args.output_dir)
+        output_dirs.check_owner(args.output_dir, args.resume, args.overwrite)  # early; again under the lock
         prepared = prepare(args)
     except (ValueError, OSError) as e:
         raise UserError(str(e)) from None
-    run_id = run_dir.new_run_id()
+    run_id = output_dirs.new_run_id()
     claim = claim_output_dir(args, run_id)
     try:
         return train_and_save(args, stop, run_id, *prepared)

@@ -21,7 +21,7 @@ from Models.ModelArgs import ModelArgs
 from Models.Tokenizer import Tokenizer
 from Models.tiny_base import write_random_base
 from Models.torch_io import load_pth
-from Utils import misc, run_dir
+from Utils import misc, output_dirs
 
 PYTHON = sys.executable
 TINY = ["--max_seq_len", "256", "--batch_size", "4", "--lora_rank", "4", "--p_adapter_size", "8", "--swi_x", "2",
@@ -63,7 +63,7 @@ def snapshot(folder):
     found = {}
     for root, _, files in os.walk(folder):
         for name in files:
-            if name != run_dir.LOCK_NAME:
+            if name != output_dirs.LOCK_NAME:
                 path = os.path.join(root, name)
                 with open(path, "rb") as f:
                     found[os.path.relpath(path, folder)] = f.read()
@@ -105,7 +105,7 @@ def test_a_live_run_holds_its_folder(base, data, tmp_path, capsys):
     out = str(tmp_path / "run")
     holder = subprocess.Popen([PYTHON, "-c", textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO)!r})
-        from Utils.run_dir import RunDir
+        from Utils.output_dirs import RunDir
         RunDir({out!r}, "holder-1").claim(None, False)
         print("locked", flush=True)
         sys.stdin.read()
@@ -114,7 +114,7 @@ def test_a_live_run_holds_its_folder(base, data, tmp_path, capsys):
         assert holder.stdout.readline().strip() == "locked"
         assert train(base, data, out, "--max_steps", 1) == 2
         one_error_line(capsys.readouterr().err, "is in use by another run", f"{holder.pid} holder-1")
-        assert sorted(os.listdir(out)) == [run_dir.LOCK_NAME]  # the refused run wrote nothing
+        assert sorted(os.listdir(out)) == [output_dirs.LOCK_NAME]  # the refused run wrote nothing
     finally:
         holder.kill()  # SIGKILL: no clean-up of its own
         holder.wait()

@@ -1,4 +1,6 @@
-"""A training output folder belongs to one run of Math.py.
+"""Who may write an output folder, and how.
+
+Training (Math.py): a folder belongs to one run.
 
 A run owns its folder through an exclusive flock on <output_dir>/.lock, held by rank 0 for the
 life of the process: the kernel drops it when the process ends however it ends (kill -9
@@ -6,14 +8,19 @@ included), so a dead run never leaves the folder stuck, and a second live run in
 folder is refused. flock is per host; ranks and runs on other hosts sharing a network folder are
 not covered. A new run into a folder holding another run's files is refused unless it continues
 that run (--resume) or replaces it (--overwrite).
+
+Evaluation (Infer.py): a folder holds one evaluation's complete results. They are written into a
+staging folder beside it, which replaces it as a whole once everything is scored; a folder holding
+anything else is refused.
 """
 import fcntl
+import fnmatch
 import os
 import shutil
 import time
 import uuid
 
-from Utils.misc import remove_stale_temp
+from Utils.misc import TMP_PREFIX, remove_stale_temp, temp_name
 
 LOCK_NAME = ".lock"
 # What Math.py writes into its output folder; any of them means a run has used the folder.
@@ -21,8 +28,12 @@ RUN_FILES = ("args.json", "log.txt", "checkpoint-latest.pth", "checkpoint-best.p
              "tensorboard", "data")
 
 
+# What an evaluation folder holds; anything else in it means it is not one.
+RESULT_FILES = ("*_predictions.jsonl", "scores.json", "type_weight.pkl", "token_weight.pkl", "*.png")
+
+
 class RunDirError(ValueError):
-    """The output folder cannot be used: a file, another run's, or in use."""
+    """The output folder cannot be used: a file, another run's, in use, or not an evaluation's."""
 
 
 def new_run_id() -> str:
@@ -100,3 +111,34 @@ class RunDir:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock
             self._fd = None
+
+
+# ---- evaluation folders ------------------------------------------------------------------
+
+def check_eval_dir(path: str):
+    """Refuse a file, a path under a file, or a folder holding anything but an evaluation's results
+    (the run's own folder, say)."""
+    check_output_dir(path)
+    if os.path.isdir(path):
+        foreign = sorted(n for n in os.listdir(path) if not n.startswith((TMP_PREFIX, ".part"))
+                         and not any(fnmatch.fnmatch(n, pattern) for pattern in RESULT_FILES))
+        if foreign:
+            raise RunDirError(f"--output_dir {path} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}"
+                              ", which are not an evaluation's results; Infer.py replaces its output folder as a "
+                              "whole, so choose another --output_dir")
+
+
+def staging_dir(path: str, pid: int) -> str:
+    """The folder beside `path` that process `pid` fills before it replaces `path`."""
+    return os.path.join(os.path.dirname(path), f"{TMP_PREFIX}{pid}.{os.path.basename(path)}")
+
+
+def swap_in(staging: str, path: str):
+    """Replace `path` by the finished staging folder, whole."""
+    old = None
+    if os.path.isdir(path):
+        old = os.path.join(os.path.dirname(path), temp_name("old-" + os.path.basename(path)))
+        os.rename(path, old)
+    os.rename(staging, path)
+    if old is not None:
+        shutil.rmtree(old)
