@@ -67,8 +67,8 @@ def get_args_parser():
     a("--resume", default=None, help="checkpoint to continue from, or 'auto' = <output_dir>/checkpoint-latest.pth "
       "when it exists (else a fresh run that may use a folder holding another run's files)")
     a("--overwrite", action="store_true", help="replace the run whose files --output_dir holds: deletes its "
-      "args.json, log.txt, checkpoints, adapter dirs, tensorboard/ and data/ first (without it such a folder "
-      "is refused)")
+      "args.json, log.txt, checkpoints, adapter dirs, tensorboard/, data/, eval/ and eval_base/ first "
+      "(without it such a folder is refused)")
     a("--init_adapter", default=None, help="start from this adapter (our dir/adapter.pth or the authors' "
       "adapter.pth) with a fresh optimizer")
     a("--amp", action="store_true", help="GPU only: fp16 frozen base + Jittor AMP level 4 (adapters and "

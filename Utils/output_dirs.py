@@ -23,9 +23,10 @@ import uuid
 from Utils.misc import TMP_PREFIX, remove_stale_temp, temp_name
 
 LOCK_NAME = ".lock"
-# What Math.py writes into its output folder; any of them means a run has used the folder.
+# What Math.py writes into its output folder (and Infer.py's default evaluations of its adapter); any
+# of them means a run has used the folder, and --overwrite removes them all, so none outlives its run.
 RUN_FILES = ("args.json", "log.txt", "checkpoint-latest.pth", "checkpoint-best.pth", "adapter", "adapter-best",
-             "tensorboard", "data")
+             "tensorboard", "data", "eval", "eval_base")
 
 
 # What an evaluation folder holds; anything else in it means it is not one.

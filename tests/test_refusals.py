@@ -94,7 +94,11 @@ def test_a_new_run_never_replaces_another_runs_files(base, data, tmp_path, capsy
     assert ids[0] in first_id and len(set(ids)) == 2  # every line says which run wrote it
     assert json.load(open(os.path.join(out, "args.json")))["run_id"] == ids[-1]
 
+    os.makedirs(os.path.join(out, "eval"))
+    with open(os.path.join(out, "eval", "scores.json"), "w") as f:
+        f.write("{}")  # an evaluation of the adapter about to be replaced
     assert train(base, data, out, "--max_steps", 1, "--overwrite") == 0  # replacing it must be asked for
+    assert not os.path.exists(os.path.join(out, "eval"))
     ids = {r["run"] for r in log_lines(out)}
     assert len(ids) == 1 and not ids & first_id  # nothing of the earlier runs is left to mix in
     assert load_pth(os.path.join(out, "checkpoint-latest.pth"))["global_step"] == 1
