@@ -13,35 +13,51 @@ Greedy results do not depend on the batch size, the batching or the number of ra
 Writes into --output_dir: <dataset>_predictions.jsonl per data set, scores.json
 (accuracy per data set and their average) and, with --save_weights,
 type_weight.pkl, token_weight.pkl and heatmaps (structure: Utils/plots.py).
+The results of one evaluation, never a mix: everything is written into a staging folder
+beside --output_dir and replaces it as a whole once every data set is scored. A folder
+holding anything else than these results is refused (it is not an evaluation folder).
+Exit codes: 0 done, 2 bad input (one line on stderr), 4 a file could not be written (disk
+full, permissions), 130 / 143 stopped by SIGINT / SIGTERM (nothing written).
 """
+import Utils.jittor_env  # must precede numpy and jittor (see block_stop_signals)
+
+if __name__ == "__main__":
+    Utils.jittor_env.block_stop_signals()
+
 import argparse
 import glob
 import json
 import os
 import pickle
+import shutil
 import sys
 from collections import namedtuple
 
 from tqdm import tqdm
 
-import Utils.jittor_env  # noqa: F401  (must precede any jittor import)
 from Data.dataset import load_examples
 from Data.prompts import format_prompt
 from Data.scoring import extract_answer, is_correct, scoring_rule
 from Models.ModelArgs import META_FIELDS, ModelArgs
 from Models.Tokenizer import Tokenizer
 from Models.checkpoints import ADAPTER_WEIGHTS, adapter_config_path, load_adapter, read_adapter_config
-from Models.meta_checkpoint import build_model
-from Models.generate import generate
+from Models.meta_checkpoint import build_model, open_tokenizer
+from Models.generate import check_kv_cache_memory, generate
 from Models.tiny_base import ensure_default_base
 from Models.torch_io import CheckpointError
-from Utils import misc
+from Utils import misc, output_dirs
+from Utils.jittor_env import StopFlag
 from Utils.misc import print_main
 from Utils.settings import GenerationArgs, add_arguments, given
 
 SPLIT_NAMES = ("test", "val", "validation", "train")
 # One data set of the run: examples[first:first + count] of the joined list, scored by `rule`.
 TestSet = namedtuple("TestSet", "name path rule first count")
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM arrived during generation."""
+
 def get_args_parser():
     p = argparse.ArgumentParser(description="Generate answers with a MoA adapter, score them, dump router weights.")
     p.add_argument("--adapter_path", default=None,
@@ -66,11 +82,12 @@ def get_args_parser():
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
     add_arguments(p.add_argument_group("decoding (default: the run's recipe in its args.json, else as shown)"),
                   GenerationArgs)
-    model = p.add_argument_group(
-        "model settings: an adapter's adapter_params.json (ours or the authors') gives them, and a flag that "
-        "disagrees with it is refused; an adapter.pth without that json needs the ones it was trained with. "
-        "--precision may differ from training")
-    add_arguments(model, ModelArgs, optional=True, exclude=("max_seq_len",))  # sized to the prompts + generation
+    moa = p.add_argument_group("MoA settings: an adapter.pth without adapter_params.json beside it needs the "
+                               "ones it was trained with; beside an adapter_params.json (ours or the authors') "
+                               "its settings are used and a flag that differs from them is refused. "
+                               "--max_seq_len bounds prompt + generation (default: the adapter's max_seq_len, "
+                               "else 2048); longer prompts are refused. --precision may differ from training")
+    add_arguments(moa, ModelArgs, optional=True)
     return p
 
 
@@ -193,13 +210,16 @@ def load_model(args, adapter, llama_path, max_seq_len):
 
 # ---- running ------------------------------------------------------------------------
 
-def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len=None):
+def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len=None, stop=None):
     """Generate for the examples `indices` (longest-first batches); {index: result}.
-    budget_seq_len: the authors' per-example budget (Models.generate.generate)."""
+    budget_seq_len: the authors' per-example budget (Models.generate.generate); `stop`, a StopFlag
+    polled between batches."""
     order = sorted(indices, key=lambda i: -len(prompts[i]))
     results = {}
     bar = tqdm(total=len(order), desc="generate", disable=rank != 0, dynamic_ncols=True)
     for start in range(0, len(order), args.batch_size):
+        if stop is not None and stop.poll():
+            raise Stopped(stop.name)
         batch = order[start:start + args.batch_size]
         records = [] if args.save_weights else None
         outputs = generate(model, tok, [prompts[i] for i in batch], gen.max_gen_len, gen.temperature,
@@ -259,22 +279,6 @@ def score_and_write(test_sets, examples, results, output_dir, meta):
     return summary
 
 
-def weight_pickles(test_sets, tok, results, model):
-    """The two --save_weights dicts (structure: Utils/plots.py)."""
-    base = {"variant": model.args.variant, "layer_types": [list(layer.type_names) for layer in model.llama.layers]}
-    type_data = {"kind": "type_weight", **base, "examples": []}
-    token_data = {"kind": "token_weight", **base, "examples": []}
-    for name, _, _, first, count in test_sets:
-        for i in range(first, first + count):
-            r = results[i]
-            common = {"dataset": name, "index": i - first, "token_ids": r["token_ids"],
-                      "tokens": [tok.decode([t]) for t in r["token_ids"]], "n_prompt": r["n_prompt"],
-                      "generation": r["generation"]}
-            type_data["examples"].append({**common, "weights": [layer["type_weight"] for layer in r["records"]]})
-            token_data["examples"].append({**common, "weights": [layer["token_weight"] for layer in r["records"]]})
-    return type_data, token_data
-
-
 def check_args(args):
     for flag in ("batch_size", "max_examples", "plot_examples"):
         value = getattr(args, flag)
@@ -288,59 +292,109 @@ def generation_settings(args, run_args) -> GenerationArgs:
     return GenerationArgs(**{**recorded, **given(args, GenerationArgs)})
 
 
-def run(args):
+def model_context(args, config) -> int:
+    """The tokens a prompt and its generation may take: --max_seq_len, else the adapter's (what it was
+    trained with), else ModelArgs' default. LLaMA-3's params.json states no limit of its own."""
+    given_len = given(args, ModelArgs).get("max_seq_len")
+    return given_len or (config or {}).get("max_seq_len") or ModelArgs.__dataclass_fields__["max_seq_len"].default
+
+
+def check_prompt_lengths(prompts, test_sets, context):
+    """Refuse prompts that leave no room to generate within the context, naming the first of them."""
+    too_long = [(ts, i) for ts in test_sets for i in range(ts.first, ts.first + ts.count) if len(prompts[i]) >= context]
+    if too_long:
+        ts, i = too_long[0]
+        raise ValueError(f"{ts.path}: example {i - ts.first} of data set '{ts.name}' has a prompt of {len(prompts[i])} "
+                         f"tokens, no room to generate within max_seq_len {context} ({len(too_long)} prompt(s) in "
+                         "all): raise --max_seq_len or leave them out")
+
+
+def run(args, stop=None):
     check_args(args)
     misc.init_distributed_mode(args)
     rank, world = misc.get_rank(), misc.get_world_size()
-    adapter, run_dir, run_args, llama_path = resolve_run(args)
-    output_dir = args.output_dir or (os.path.join(run_dir, "eval_base" if args.no_adapter else "eval") if run_dir
-                                     else os.path.join(args.output_root, "eval_base"))
+    adapter, run_dir_path, run_args, llama_path = resolve_run(args)
+    output_dir = os.path.abspath(args.output_dir or (
+        os.path.join(run_dir_path, "eval_base" if args.no_adapter else "eval") if run_dir_path
+        else os.path.join(args.output_root, "eval_base")))
+    output_dirs.check_eval_dir(output_dir)
     gen = generation_settings(args, run_args)
-    sources = data_files(args.data_path) if args.data_path else default_test_set(run_dir)
+    sources = data_files(args.data_path) if args.data_path else default_test_set(run_dir_path)
     examples, test_sets = load_test_sets(sources, args.max_examples)
-    os.makedirs(output_dir, exist_ok=True)
-    tok = Tokenizer(os.path.join(llama_path, "tokenizer.model"))
+    params = ModelArgs.from_params_json(llama_path)
+    tok = open_tokenizer(llama_path, params.vocab_size)
     prompts = [tok.encode(format_prompt(ex), bos=True, eos=False) for ex in examples]
-
-    max_seq_len = max(map(len, prompts)) + gen.max_gen_len
+    config = read_adapter_config(adapter) if adapter else None
+    context = model_context(args, config)
+    check_prompt_lengths(prompts, test_sets, context)
+    max_seq_len = min(context, max(map(len, prompts)) + gen.max_gen_len)
+    check_kv_cache_memory(params, args.batch_size, max_seq_len)
     model = load_model(args, adapter, llama_path, max_seq_len)
     print_main(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
-          f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len}")
-
+               f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len} (context {context})")
     # the authors give each example min(max_gen_len, max_seq_len - prompt length), max_seq_len from the adapter
-    config = read_adapter_config(adapter) if adapter else None
-    budget_seq_len = config.get("max_seq_len") if config else None
-    local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, gen, rank, budget_seq_len)
-    results = gather_results(local, output_dir, rank, world)
-    if rank != 0:
-        return None
-    meta = {"adapter": adapter, "llama_path": llama_path, **vars(gen), "budget_seq_len": budget_seq_len,
-            "seed": args.seed, "world_size": world}
-    summary = score_and_write(test_sets, examples, results, output_dir, meta)
+    budget_seq_len = given(args, ModelArgs).get("max_seq_len") or (config.get("max_seq_len") if config else None)
+    # every rank writes into rank 0's staging folder: its pid names it
+    pid0 = int(misc.all_reduce_sum([float(os.getpid()) if rank == 0 else 0.0])[0])
+    staging = output_dirs.staging_dir(output_dir, pid0)
+    if rank == 0:
+        misc.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
+    os.makedirs(staging, exist_ok=True)
+    try:
+        local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, gen, rank,
+                               budget_seq_len, stop)
+        results = gather_results(local, staging, rank, world)
+        if rank != 0:
+            return None
+        summary = write_results(args, staging, test_sets, examples, results, tok, model, run_dir_path,
+                                {"adapter": adapter, "llama_path": llama_path, **vars(gen),
+                                 "budget_seq_len": budget_seq_len, "max_seq_len": max_seq_len,
+                                 "seed": args.seed, "world_size": world})
+        output_dirs.swap_in(staging, output_dir)
+    finally:
+        if rank == 0 and os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)
     for name, s in summary["datasets"].items():
         print_main(f"  {name:<12} {100 * s['accuracy']:6.2f}%  ({s['correct']}/{s['total']})")
     print_main(f"  {'average':<12} {100 * summary['average']:6.2f}%   -> {output_dir}/scores.json")
-    log_path = os.path.join(run_dir, "log.txt") if run_dir else None
+    return summary
+
+
+def write_results(args, folder, test_sets, examples, results, tok, model, run_dir_path, meta):
+    """Predictions, scores, weight pickles and plots into `folder` (rank 0); returns the scores."""
+    summary = score_and_write(test_sets, examples, results, folder, meta)
+    log_path = os.path.join(run_dir_path, "log.txt") if run_dir_path else None
     from Utils import plots  # matplotlib only on rank 0
     type_data = token_data = None
     if args.save_weights:
-        type_data, token_data = weight_pickles(test_sets, tok, results, model)
-        misc.save_on_master(type_data, os.path.join(output_dir, "type_weight.pkl"))
-        misc.save_on_master(token_data, os.path.join(output_dir, "token_weight.pkl"))
-    pngs = plots.plot_all(output_dir, type_data, token_data, log_path, tuple(range(args.plot_examples)))
+        type_data, token_data = plots.weight_pickles(test_sets, tok, results, model)
+        misc.save_on_master(type_data, os.path.join(folder, "type_weight.pkl"))
+        misc.save_on_master(token_data, os.path.join(folder, "token_weight.pkl"))
+    pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)))
     if pngs:
-        print_main("[infer] plots: " + ", ".join(sorted(pngs.values())))
+        print_main("[infer] plots: " + ", ".join(sorted(os.path.basename(p) for p in pngs.values())))
     return summary
 
 
 def main(argv=None):
+    if os.environ.get("DISABLE_MULTIPROCESSING") == "1":  # set by block_stop_signals: the pool, not the threads
+        import jittor as jt
+        jt.flags.use_parallel_op_compiler = 16
     args = get_args_parser().parse_args(argv)
     try:
-        return run(args)
+        return run(args, StopFlag())
+    except Stopped as e:
+        if misc.get_rank() == 0:
+            sys.stderr.write(f"error: stopped by {e} before every example was generated; nothing was written\n")
+        sys.exit(130 if str(e) == "SIGINT" else 143)
     except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
         if misc.get_rank() == 0:
             sys.stderr.write(f"error: {e}\n")
         sys.exit(2)
+    except OSError as e:  # the inputs were read before; a write failed
+        if misc.get_rank() == 0:
+            sys.stderr.write(f"error: cannot write {e.filename}: {e.strerror or e}\n")
+        sys.exit(4)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,16 @@
 
 --batch_size is the GLOBAL batch of one micro-step (split over the ranks), so a
 run means the same on 1 or N ranks; the authors' --batch_size was per GPU.
-Exit codes: 0 done, 2 bad input, 3 non-finite loss, 143 stopped by SIGTERM.
+An output folder belongs to one run (Utils/output_dirs.py): a new run into another run's folder
+needs --resume auto or --overwrite, and two live runs into one folder are refused.
+Exit codes: 0 done, 2 bad input (one line on stderr), 3 non-finite loss, 4 a file could not be
+written (disk full, permissions), 130 stopped by SIGINT (Ctrl-C), 143 stopped by SIGTERM; both
+stops save checkpoint-latest.pth at the next step boundary first.
 """
-import Utils.jittor_env  # must precede numpy and jittor (see block_sigterm)
+import Utils.jittor_env  # must precede numpy and jittor (see block_stop_signals)
 
 if __name__ == "__main__":
-    Utils.jittor_env.block_sigterm()
+    Utils.jittor_env.block_stop_signals()
 
 import argparse
 import json
@@ -26,14 +30,14 @@ import jittor as jt
 
 from Data.dataset import FinetuneDataset, load_examples, split_validation
 from Data.synthetic import make_splits
-from engine_finetune import NonFiniteLoss, Progress, RunContext, StopFlag, build_optimizer, train
+from engine_finetune import NonFiniteLoss, Progress, RunContext, build_optimizer, train
 from Models.checkpoints import load_adapter, restore_checkpoint, resume_signature, save_adapter
-from Models.meta_checkpoint import build_model
+from Models.meta_checkpoint import build_model, open_tokenizer
 from Models.ModelArgs import ModelArgs
 from Models.tiny_base import ensure_default_base
-from Models.Tokenizer import Tokenizer
-from Utils import misc
+from Utils import misc, output_dirs
 from Utils.misc import EarlyStopper, all_reduce_sum, print_main
+from Utils.jittor_env import StopFlag
 from Utils.settings import (GenerationArgs, TrainArgs, add_arguments, given, recipe_values, recipes_help,
                             setting_fields)
 
@@ -61,7 +65,10 @@ def get_args_parser():
     a("--output_dir", default="./output/math", help="checkpoints, adapter/, log.txt, tensorboard/, args.json "
       "(default: ./output/math)")
     a("--resume", default=None, help="checkpoint to continue from, or 'auto' = <output_dir>/checkpoint-latest.pth "
-      "when it exists")
+      "when it exists (else a fresh run that may use a folder holding another run's files)")
+    a("--overwrite", action="store_true", help="replace the run whose files --output_dir holds: deletes its "
+      "args.json, log.txt, checkpoints, adapter dirs, tensorboard/, data/, eval/ and eval_base/ first "
+      "(without it such a folder is refused)")
     a("--init_adapter", default=None, help="start from this adapter (our dir/adapter.pth or the authors' "
       "adapter.pth) with a fresh optimizer")
     a("--amp", action="store_true", help="GPU only: fp16 frozen base + Jittor AMP level 4 (adapters and "
@@ -129,13 +136,14 @@ def prepare(args):
     model_args = ModelArgs.from_params_json(args.llama_path, **model_settings,
                                             max_batch_size=cfg.batch_size // args.world_size)
     examples = load_data(args, cfg)
-    tokenizer = Tokenizer(os.path.join(args.llama_path, "tokenizer.model"))
+    tokenizer = open_tokenizer(args.llama_path, model_args.vocab_size)
     train_ds = FinetuneDataset(examples[0], tokenizer, model_args.max_seq_len, cfg.batch_size, shuffle=True,
                                drop_last=True, seed=cfg.seed, keep_numpy_array=True)
     val_ds = None
     if examples[1] is not None:
         val_ds = FinetuneDataset(examples[1], tokenizer, model_args.max_seq_len, cfg.batch_size, shuffle=False,
                                  drop_last=False, keep_numpy_array=True)
+    check_lengths(args, train_ds, val_ds, model_args.max_seq_len)
     if len(train_ds) < cfg.accum_iter:
         fail(f"{len(train_ds)} batches per epoch cannot fill one optimizer step of --accum_iter {cfg.accum_iter}")
 
@@ -155,7 +163,8 @@ def prepare(args):
 
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     stopper = EarlyStopper(cfg.early_stop_patience)
-    signature = resume_signature(args.llama_path, args.data_path, args.val_data_path, cfg, model_args.max_seq_len)
+    signature = resume_signature(args.llama_path, args.data_path, args.val_data_path, cfg, model_args.max_seq_len,
+                                 examples)
     progress = Progress()
     resume_path = find_resume(args) if args.resume else None
     if args.resume == "auto" and resume_path is None:
@@ -172,9 +181,39 @@ def prepare(args):
     return model, optimizer, stopper, (train_ds, val_ds), examples, cfg, progress, settings, signature
 
 
+def check_lengths(args, train_ds, val_ds, max_seq_len):
+    """Say how many examples --max_seq_len cuts; refuse a validation set with no target token left, whose
+    loss would read 0.0 and 'improve' forever."""
+    for what, ds in (("training", train_ds), ("validation", val_ds)):
+        if ds is not None and ds.n_cut:
+            print_main(f"{what}: {ds.n_cut} of {ds.total_len} examples are longer than --max_seq_len {max_seq_len} "
+                       "tokens and are cut (their input first, then the answer's end)")
+    if val_ds is not None and val_ds.n_targets == 0:
+        source = args.val_data_path or (f"--val_fraction of {args.data_path}" if args.data_path else "synthetic")
+        fail(f"validation set ({source}): no example keeps a target token within --max_seq_len {max_seq_len} "
+             "(every prompt fills it): raise --max_seq_len")
+
+
 def run_flags(args) -> dict:
     return {k: getattr(args, k) for k in ("llama_path", "data_path", "val_data_path", "output_dir", "resume",
-                                          "init_adapter", "amp", "device", "world_size")}
+                                          "overwrite", "init_adapter", "amp", "device", "world_size")}
+
+
+def claim_output_dir(args, run_id):
+    """Rank 0 locks and checks the folder (Utils/output_dirs.py); every rank learns whether it may go on."""
+    refusal, claim = None, None
+    if misc.is_main_process():
+        claim = output_dirs.RunDir(args.output_dir, run_id)
+        try:
+            removed = claim.claim(args.resume, args.overwrite,
+                                  keep=(args.data_path, args.val_data_path, args.init_adapter, args.resume))
+            if removed:
+                print_main(f"removed {len(removed)} temp file(s) of interrupted writes: " + ", ".join(removed))
+        except output_dirs.RunDirError as e:
+            refusal = str(e)
+    if all_reduce_sum([float(refusal is not None)])[0] > 0:
+        fail(refusal or "rank 0 refused --output_dir")
+    return claim
 
 
 def write_run_files(output_dir, data_path, settings, examples):
@@ -191,11 +230,28 @@ def write_run_files(output_dir, data_path, settings, examples):
     misc.write_json(settings, os.path.join(output_dir, "args.json"))
 
 
-def finetune(args, sigterm):
+def finetune(args, stop):
+    if args.overwrite and args.resume:
+        fail("--overwrite replaces the folder's run and --resume continues it: give one of them")
     try:
-        model, optimizer, stopper, (train_ds, val_ds), examples, cfg, start, settings, signature = prepare(args)
+        output_dirs.check_output_dir(args.output_dir)
+        output_dirs.check_owner(args.output_dir, args.resume, args.overwrite)  # early; again under the lock
+        prepared = prepare(args)
     except (ValueError, OSError) as e:
         raise UserError(str(e)) from None
+    run_id = output_dirs.new_run_id()
+    claim = claim_output_dir(args, run_id)
+    try:
+        return train_and_save(args, stop, run_id, *prepared)
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def train_and_save(args, stop, run_id, model, optimizer, stopper, datasets, examples, cfg, start, settings,
+                   signature):
+    train_ds, val_ds = datasets
+    settings = {**settings, "run_id": run_id}
     print_main(json.dumps(settings, indent=2))
     steps_per_epoch = len(train_ds) // cfg.accum_iter
     if start.next_batch >= steps_per_epoch * cfg.accum_iter:
@@ -210,8 +266,8 @@ def finetune(args, sigterm):
     if args.amp and not jt.flags.use_cuda:
         print_main("--amp ignored: no GPU in use, training in fp32")
     ctx = RunContext(output_dir=args.output_dir, world_size=args.world_size, steps_per_epoch=steps_per_epoch,
-                     val_dataset=val_ds, stopper=stopper, log_writer=log_writer, sigterm=sigterm,
-                     amp_level=amp_level, settings=settings, signature=signature)
+                     val_dataset=val_ds, stopper=stopper, log_writer=log_writer, stop=stop,
+                     amp_level=amp_level, settings=settings, signature=signature, run_id=run_id)
     print_main(f"{len(train_ds)} batches of {cfg.batch_size} per epoch, {steps_per_epoch} optimizer steps per "
                f"epoch, {cfg.epochs * steps_per_epoch} in all, lr {cfg.lr:.3g}, {args.world_size} rank(s)")
     end = train(model, train_ds, optimizer, cfg, ctx, start)
@@ -221,11 +277,11 @@ def finetune(args, sigterm):
         steps = end.global_step - start.global_step
         print_main(f"trained {steps} steps in {end.train_seconds:.1f} s: {steps / end.train_seconds:.2f} steps/s, "
                    f"{end.input_tokens / end.train_seconds:.0f} tokens/s (padded inputs, all ranks)")
-    if end.stop_reason == "sigterm":
+    if end.stop_reason == "signal":
         all_reduce_sum([0.0])
-        print_main(f"stopped by SIGTERM at step {end.global_step}; checkpoint-latest.pth is saved, "
+        print_main(f"stopped by {stop.name} at step {end.global_step}; checkpoint-latest.pth is saved, "
                    f"continue with --resume auto")
-        return 143
+        return 130 if stop.name == "SIGINT" else 143
     save_adapter(model, os.path.join(args.output_dir, "adapter"))
     all_reduce_sum([0.0])  # barrier: no rank exits (and makes mpirun kill the rest) while rank 0 still writes
     best = f", best val_loss {stopper.best:.4f} in adapter-best/" if math.isfinite(stopper.best) else ""
@@ -235,7 +291,7 @@ def finetune(args, sigterm):
 
 
 def main(argv=None):
-    if os.environ.get("DISABLE_MULTIPROCESSING") == "1":  # set by block_sigterm: the pool, not the threads
+    if os.environ.get("DISABLE_MULTIPROCESSING") == "1":  # set by block_stop_signals: the pool, not the threads
         jt.flags.use_parallel_op_compiler = 16  # Jittor's default, which that switch also turned off
     args = get_args_parser().parse_args(argv)
     misc.init_distributed_mode(args)
@@ -247,6 +303,9 @@ def main(argv=None):
     except NonFiniteLoss as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except OSError as e:  # inputs were read in prepare(); what fails now is a write
+        print(f"error: cannot write {e.filename or args.output_dir}: {e.strerror or e}", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":

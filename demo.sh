@@ -11,7 +11,9 @@ cd "$HERE"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # mpirun reads these itself
 start=$(date +%s)
 "$PY" -c "from Models.tiny_base import ensure_default_base; ensure_default_base()"
-mpirun -np 2 --oversubscribe "$PY" Math.py --output_dir "$RUN" "$@"
+# The demo's folder is the demo's own: a rerun replaces the earlier demo run, unless it continues it.
+case " $* " in *" --resume"*) OWN=() ;; *) OWN=(--overwrite) ;; esac
+mpirun -np 2 --oversubscribe "$PY" Math.py --output_dir "$RUN" "${OWN[@]}" "$@"
 trained=$(date +%s)
 "$PY" Infer.py --adapter_path "$RUN/adapter" --no_adapter --output_dir "$RUN/eval_base"
 "$PY" Infer.py --adapter_path "$RUN/adapter" --save_weights --output_dir "$RUN/eval"

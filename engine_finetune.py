@@ -15,7 +15,6 @@ import itertools
 import json
 import math
 import os
-import signal
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -152,10 +151,11 @@ class RunContext:
     val_dataset: Any
     stopper: Any  # Utils.misc.EarlyStopper (keeps its own counters)
     log_writer: Any  # tensorboardX SummaryWriter on rank 0, None elsewhere
-    sigterm: Any  # StopFlag
+    stop: Any  # Utils.jittor_env.StopFlag
     amp_level: int
     settings: dict  # the run's resolved settings, saved into every checkpoint
     signature: dict  # what a resume must match (Models.checkpoints.resume_signature)
+    run_id: str = ""  # on every log line: which run wrote it
 
 
 @dataclass
@@ -164,7 +164,7 @@ class Progress:
     epoch: int = 0
     next_batch: int = 0  # the global batch the next optimizer step starts from
     global_step: int = 0
-    stop_reason: Optional[str] = None  # 'max_steps', 'sigterm' or 'early_stop'
+    stop_reason: Optional[str] = None  # 'max_steps', 'signal' or 'early_stop'
     input_tokens: int = 0  # padded inputs over all ranks, for tokens/s
     train_seconds: float = 0.0
 
@@ -173,28 +173,10 @@ class Progress:
 
 
 def log_line(ctx, record):
-    """One JSON line in <output_dir>/log.txt (rank 0)."""
+    """One JSON line in <output_dir>/log.txt (rank 0), tagged with the run's id."""
     if is_main_process():
         with open(os.path.join(ctx.output_dir, "log.txt"), "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-class StopFlag:
-    """SIGTERM, polled between optimizer steps; the loop then saves and leaves.
-
-    Math.py blocks SIGTERM in every thread (Utils.jittor_env.block_sigterm), so it
-    waits as pending until polled here and never interrupts Jittor. Where SIGTERM is
-    not blocked (Math.main called in-process) it keeps its default action.
-    """
-
-    def __init__(self):
-        self.requested = False
-
-    def poll(self) -> bool:
-        if not self.requested and signal.SIGTERM in signal.sigpending():
-            signal.sigtimedwait([signal.SIGTERM], 0)  # consume it
-            self.requested = True
-        return self.requested
+            f.write(json.dumps({"run": ctx.run_id, **record}) + "\n")
 
 
 def save(ctx, model, optimizer, progress, best=False):
@@ -268,7 +250,7 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
             local_targets += count
             input_tokens += tokens.size
         nll_sum, targets, input_tokens, stop_votes = all_reduce_sum(
-            [local_nll, local_targets, input_tokens, float(ctx.sigterm.poll())])
+            [local_nll, local_targets, input_tokens, float(ctx.stop.poll())])
         train_loss = float(nll_sum / max(targets, 1.0))
         if not math.isfinite(train_loss):
             raise NonFiniteLoss(f"training loss is {train_loss} at step {progress.global_step + 1} (epoch {epoch}); "
@@ -295,7 +277,7 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         if saved:
             validate_and_save(ctx, model, optimizer, progress)
         if stop_votes > 0:  # summed over ranks, so every rank stops at the same step
-            progress.stop_reason = "sigterm"
+            progress.stop_reason = "signal"
         elif cfg.max_steps and progress.global_step >= cfg.max_steps and progress.stop_reason is None:
             progress.stop_reason = "max_steps"
         if progress.stop_reason is not None:

@@ -95,10 +95,16 @@ def bucket_for(length, buckets):
 
 def encode_example(tokenizer, example, max_seq_len):
     """(tokens int32 [n], loss_mask float32 [n]) for one example, n <= max_seq_len."""
+    return encode_and_cut(tokenizer, example, max_seq_len)[:2]
+
+
+def encode_and_cut(tokenizer, example, max_seq_len):
+    """encode_example's (tokens, loss_mask) and whether the example had to be cut to fit."""
     example = dict(example)
     prompt_ids = tokenizer.encode(format_prompt(example), bos=True, eos=False)
     output_ids = tokenizer.encode(example["output"], bos=False, eos=True)
     excess = len(prompt_ids) + len(output_ids) - max_seq_len
+    cut = excess > 0
     if excess > 0 and example.get("input"):
         input_ids = tokenizer.encode(example["input"], bos=False, eos=False)
         keep = len(input_ids)
@@ -111,7 +117,7 @@ def encode_example(tokenizer, example, max_seq_len):
             excess = len(prompt_ids) + len(output_ids) - max_seq_len
     tokens = (prompt_ids + output_ids)[:max_seq_len]
     mask = ([0.0] * len(prompt_ids) + [1.0] * len(output_ids))[:max_seq_len]
-    return np.asarray(tokens, dtype=np.int32), np.asarray(mask, dtype=np.float32)
+    return np.asarray(tokens, dtype=np.int32), np.asarray(mask, dtype=np.float32), cut
 
 
 def pad_to_bucket(rows, buckets):
@@ -158,7 +164,10 @@ class FinetuneDataset(Dataset):
             raise ValueError(f"largest bucket {self.buckets[-1]} is shorter than max_seq_len {max_seq_len}")
         self.seed, self.epoch, self.start_step = seed, 0, 0
 
-        self.encoded = [encode_example(tokenizer, ex, max_seq_len) for ex in examples]
+        encoded = [encode_and_cut(tokenizer, ex, max_seq_len) for ex in examples]
+        self.encoded = [(tokens, mask) for tokens, mask, _ in encoded]
+        self.n_cut = sum(cut for _, _, cut in encoded)  # examples longer than max_seq_len
+        self.n_targets = int(sum(mask[1:].sum() for _, mask in self.encoded))  # what the loss counts
         self.total_len = len(self.encoded)
         if self.total_len == 0 or (drop_last and self.total_len < batch_size):
             raise ValueError(f"{self.total_len} examples cannot fill one global batch of {batch_size}")

@@ -174,5 +174,5 @@ class ModelArgs:
             params["rope_theta"] = float(params["rope_theta"])
         try:
             return cls(**{**params, **overrides})
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{path}: {e}") from None
+        except (TypeError, ValueError) as e:  # a bad file is bad input, whichever check caught it
+            raise ValueError(f"{path}: {e}") from None

@@ -19,6 +19,7 @@ The two json files are told apart by our `variant` field. `load_adapter` reads
 both adapter layouts; `export_authors_adapter` writes theirs, `import_authors_adapter`
 turns theirs (or their checkpoint-N.pth) into ours.
 """
+import hashlib
 import json
 import os
 import random
@@ -110,14 +111,22 @@ def save_checkpoint(state: dict, out_dir: str, name: str = "latest", with_adapte
         write_adapter(state["adapter"], state["model_args"], os.path.join(out_dir, f"adapter-{name}"))
 
 
-def resume_signature(llama_path: str, data_path, val_data_path, train, max_seq_len: int) -> dict:
-    """What a resumed run must share with its checkpoint besides the model's settings."""
+def content_hash(examples) -> str:
+    """sha256 of the examples as canonical JSON: the same data gives the same hash wherever it lives."""
+    return hashlib.sha256(json.dumps(examples, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def resume_signature(llama_path: str, data_path, val_data_path, train, max_seq_len: int, examples) -> dict:
+    """What a resumed run must share with its checkpoint besides the model's settings; `examples` the
+    (train, val or None) lists it trains and validates on, compared by content."""
     keys = ("val_fraction", "batch_size", "accum_iter", "epochs", "warmup_epochs", "lr", "min_lr",
             "weight_decay", "clip_grad", "seed")
     return {**{k: getattr(train, k) for k in keys}, "max_seq_len": max_seq_len,
             "llama_path": os.path.abspath(llama_path),
             "data": os.path.abspath(data_path) if data_path else "synthetic",
-            "val_data": os.path.abspath(val_data_path) if val_data_path else None}
+            "val_data": os.path.abspath(val_data_path) if val_data_path else None,
+            "train_sha256": content_hash(examples[0]),
+            "val_sha256": content_hash(examples[1]) if examples[1] is not None else None}
 
 
 def restore_checkpoint(path: str, model, optimizer, stopper, signature: dict) -> dict:

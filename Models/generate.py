@@ -8,6 +8,8 @@ of the picked one. Each row thus sees exactly its own tokens at its own
 positions: a batch gives the same tokens as batch size 1 (greedy), and the
 router values recorded at a position are those computed when its token was fed.
 """
+import os
+
 import numpy as np
 
 import Utils.jittor_env  # noqa: F401
@@ -17,6 +19,36 @@ from jittor import nn
 from .utils import sample_top_p
 
 PAD_TOKEN = 0  # fed in padded slots that are never read (pad_id -1 is not a valid embedding row)
+
+
+def available_memory() -> int:
+    """Bytes the machine can still give (MemAvailable; free pages where /proc/meminfo is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
+    """The keys and values of every layer in fp32: batch * layers * 2 * kv_heads * head_dim * seq * 4."""
+    return batch_size * args.n_layers * 2 * args.n_kv_heads * args.head_dim * seq_len * 4
+
+
+def check_kv_cache_memory(args, batch_size: int, seq_len: int, available=None):
+    """Refuse a KV cache larger than the free memory (all ranks on this host together), before
+    it is allocated: past it, the allocation ends in a crash, not an error."""
+    ranks_here = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+    need = kv_cache_bytes(args, batch_size, seq_len) * ranks_here
+    available = available_memory() if available is None else available
+    if need > available:
+        raise ValueError(f"the KV cache for --batch_size {batch_size} x {seq_len} tokens ({args.n_layers} layers, "
+                         f"{args.n_kv_heads} kv heads of {args.head_dim}{f', {ranks_here} ranks' if ranks_here > 1 else ''}) "
+                         f"needs {need / 2**30:.2f} GiB, more than the {available / 2**30:.2f} GiB available: lower "
+                         "--batch_size, --max_gen_len or --max_seq_len")
 
 
 def prefill_length(shortest_prompt: int, step: int = 64) -> int:

@@ -11,6 +11,7 @@ import numpy as np
 from .checkpoints import IGNORED_META_KEYS, assign_strict
 from .LLaMA_Adapter import LLaMA_adapter
 from .ModelArgs import ModelArgs
+from .Tokenizer import Tokenizer
 from .torch_io import CheckpointError, load_pth
 
 
@@ -54,6 +55,18 @@ def load_base(model: LLaMA_adapter, ckpt_dir: str):
     source = paths[0] if len(paths) == 1 else f"{ckpt_dir} ({len(paths)} shards)"
     assign_strict(base, join_shards(shards, {k: v.shape for k, v in base.items()}, source), source, "base")
     model.freeze_base()
+
+
+def open_tokenizer(llama_dir: str, vocab_size: int) -> Tokenizer:
+    """The directory's tokenizer.model, refused when its ids (special tokens included) reach past the
+    embedding table of params.json's vocab_size: those ids would read outside the table."""
+    path = os.path.join(llama_dir, "tokenizer.model")
+    tokenizer = Tokenizer(path)
+    if tokenizer.n_words > vocab_size:
+        raise CheckpointError(f"{path} has {tokenizer.n_words} token ids (special tokens included), more than "
+                              f"the vocab_size {vocab_size} of {os.path.join(llama_dir, 'params.json')}: "
+                              "tokenizer and model do not belong together")
+    return tokenizer
 
 
 def build_model(llama_dir: str, args: ModelArgs) -> LLaMA_adapter:

@@ -43,17 +43,50 @@ def ensure_onednn():
     return True
 
 
-def block_sigterm():
-    """Make SIGTERM a pending flag that only engine_finetune.StopFlag polls, in a training process.
+# The signals a process stops on at its next safe point: Ctrl-C and kill (TERM) alike.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def block_stop_signals():
+    """Make SIGINT and SIGTERM pending flags that only the process's own poll reads
+    (StopFlag below), in a training or inference process.
 
     Call before numpy, OpenMP or Jittor start a thread: each inherits the block, so no
     handler ever interrupts Jittor (a Python handler corrupted its heap in about 1 run in
-    15). Jittor's forked compiler pool is switched off: it would inherit the block too,
-    hang the exit, and under mpirun die by SIGKILL, which Jittor's SIGCHLD handler turns
-    into the exit of the rank (Math.main turns the threaded op compiler back on).
+    15, and Jittor's own SIGINT handler quick-exits with status 1, mid-write). Jittor's
+    forked compiler pool is switched off: it would inherit the block too, hang the exit,
+    and under mpirun die by SIGKILL, which Jittor's SIGCHLD handler turns into the exit of
+    the rank (the entry points turn the threaded op compiler back on).
     """
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     os.environ["DISABLE_MULTIPROCESSING"] = "1"
+
+
+class StopFlag:
+    """SIGINT or SIGTERM, polled at safe points (between optimizer steps, between generated batches).
+
+    The entry points block both in every thread (Utils.jittor_env.block_stop_signals), so
+    they wait as pending until polled here and never interrupt Jittor. Where they are not
+    blocked (Math.main called in-process) they keep their default actions.
+    """
+
+    def __init__(self):
+        self.signal = None  # the first stop signal received
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal else "SIGTERM"
+
+    def poll(self) -> bool:
+        if self.signal is None:
+            pending = signal.sigpending() & set(STOP_SIGNALS)
+            if pending:
+                self.signal = signal.sigtimedwait(pending, 0).si_signo  # consume it
+        return self.requested
 
 
 def prepare():

@@ -10,6 +10,8 @@ import json
 import math
 import os
 import pickle
+import re
+import shutil
 import time
 from collections import defaultdict, deque
 
@@ -20,6 +22,7 @@ import jittor as jt
 
 # Temp files of interrupted writes start with this, beside the file they were to replace.
 TMP_PREFIX = ".tmp"
+_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(\d+)\.")  # .tmp<pid>.<name>: the writer's pid
 _is_master = True
 
 
@@ -66,12 +69,17 @@ def is_main_process():
     return get_rank() == 0
 
 
+def temp_name(name):
+    """The name this process gives the temp file or folder that becomes `name`."""
+    return f"{TMP_PREFIX}{os.getpid()}.{name}"
+
+
 def atomic_write(path, write):
     """Write `path` through `write(tmp_path)` into a temp file beside it, synced, then renamed over
     `path`: a reader, a crash or a kill -9 never leaves half a file under the real name."""
     folder, name = os.path.split(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp_path = os.path.join(folder, f"{TMP_PREFIX}{os.getpid()}.{name}")
+    tmp_path = os.path.join(folder, temp_name(name))
     try:
         write(tmp_path)
         fd = os.open(tmp_path, os.O_RDONLY)
@@ -80,10 +88,45 @@ def atomic_write(path, write):
         finally:
             os.close(fd)
         os.replace(tmp_path, path)
+    except OSError as e:  # name the file meant, not its temp (e.g. ENOSPC while writing)
+        raise OSError(e.errno, e.strerror or str(e), path) from None
     finally:
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
     return path
+
+
+def _pid_alive(pid):
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def remove_stale_temp(folder, recursive=True):
+    """Remove the temp files (and staging folders) of interrupted writes in `folder` (and below):
+    those named `.tmp<pid>.*` whose writing process is gone (a live one, e.g. an Infer.py run writing
+    beside a training run, keeps its own). Returns the removed paths."""
+    removed = []
+    if not os.path.isdir(folder):
+        return removed
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            match = _TMP_NAME.match(name)
+            if match and not _pid_alive(int(match.group(1))):
+                path = os.path.join(root, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.remove(path)
+                removed.append(path)
+        dirs[:] = [d for d in dirs if not _TMP_NAME.match(d)] if recursive else []
+    return removed
 
 
 def write_json(obj, path):

@@ -44,6 +44,22 @@ from Utils.misc import atomic_write  # noqa: E402
 TYPE_ORDER = ("Q", "K", "V", "PROMPT", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN", "PADAPTER")
 
 
+def weight_pickles(test_sets, tok, results, model):
+    """The two --save_weights dicts (the structure above) from Infer.py's results."""
+    base = {"variant": model.args.variant, "layer_types": [list(layer.type_names) for layer in model.llama.layers]}
+    type_data = {"kind": "type_weight", **base, "examples": []}
+    token_data = {"kind": "token_weight", **base, "examples": []}
+    for name, _, _, first, count in test_sets:
+        for i in range(first, first + count):
+            r = results[i]
+            common = {"dataset": name, "index": i - first, "token_ids": r["token_ids"],
+                      "tokens": [tok.decode([t]) for t in r["token_ids"]], "n_prompt": r["n_prompt"],
+                      "generation": r["generation"]}
+            type_data["examples"].append({**common, "weights": [layer["type_weight"] for layer in r["records"]]})
+            token_data["examples"].append({**common, "weights": [layer["token_weight"] for layer in r["records"]]})
+    return type_data, token_data
+
+
 def load_pickle(path):
     import pickle
     with open(path, "rb") as f:

@@ -88,7 +88,7 @@ def test_params_json_wrong_type(meta_copy):
     params = json.loads((meta_copy / "params.json").read_text())
     params["n_heads"] = "four"
     (meta_copy / "params.json").write_text(json.dumps(params))
-    with pytest.raises(TypeError, match=r"params.json.*n_heads"):
+    with pytest.raises(ValueError, match=r"params.json.*n_heads"):
         build_model(str(meta_copy), ModelArgs.from_params_json(str(meta_copy), **RUNTIME))
 
 
