@@ -20,27 +20,23 @@ import jittor as jt  # noqa: E402
 
 from Models.generate import generate  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
-from Models.ModelArgs import PRECISION_HELP, PRECISIONS, ModelArgs  # noqa: E402
+from Models.ModelArgs import ModelArgs  # noqa: E402
 from Models.precision import base_linear  # noqa: E402
+from Utils.settings import add_arguments, given, recipe_values  # noqa: E402
 
 CONFIGS = {
     "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=64),
     "medium": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=8192, multiple_of=128),
 }
-MOA = dict(lora_layers="0-{L}", lora_rank=8, lora_alpha=8, lora_targets="Q,K,V,O,FFN_UP,FFN_DOWN",
-           p_adapter_layers="0-{L}", p_adapter_size=16, swi_x=4)
 TRAIN_BATCH, TRAIN_SEQ = 8, 256
 GEMM_SIZE = 1024  # the bf16 roofline's n^3 product; bench/torch_gemm.py times torch on the same size
 DECODE_BATCH, PROMPT_LEN, NEW_TOKENS = 4, 32, 64
 
 
-def model_args(config: str, variant: str, precision: str = "bf16") -> ModelArgs:
-    base = CONFIGS[config]
-    moa = {k: v.format(L=base["n_layers"]) if isinstance(v, str) else v for k, v in MOA.items()}
-    if variant == "soft":
-        moa.update(prompt_layers=f"0-{base['n_layers']}", prompt_len=10)
-    return ModelArgs(**base, **moa, variant=variant, max_seq_len=TRAIN_SEQ, max_batch_size=TRAIN_BATCH,
-                     precision=precision)
+def model_args(config: str, settings: dict) -> ModelArgs:
+    """A random model of `config`'s shape with the bench recipe's experts, overridden by `settings`."""
+    values = {**recipe_values("bench", settings.get("variant")), **settings}
+    return ModelArgs(**CONFIGS[config], **values, max_seq_len=TRAIN_SEQ, max_batch_size=TRAIN_BATCH)
 
 
 def train_flops_per_token(model: LLaMA_adapter, seq: int) -> float:
@@ -116,13 +112,13 @@ def time_decoding(model: LLaMA_adapter):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", choices=["sparse", "soft"], default="sparse", help="MoA variant")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="model size")
     parser.add_argument("--no_decode", action="store_true", help="skip the decoding benchmark")
-    parser.add_argument("--precision", choices=PRECISIONS, default="bf16", help=PRECISION_HELP)
+    add_arguments(parser.add_argument_group("model and experts (default: the bench recipe)"), ModelArgs,
+                  recipe_values("bench"), exclude=("max_seq_len",))
     opts = parser.parse_args()
     jt.set_global_seed(0)
-    model = LLaMA_adapter(model_args(opts.config, opts.variant, opts.precision))
+    model = LLaMA_adapter(model_args(opts.config, given(opts, ModelArgs)))
     first_step_s, train_s = time_training(model)
     train_tok_s = TRAIN_BATCH * TRAIN_SEQ / train_s
     decode_tok_s = 0.0 if opts.no_decode else time_decoding(model)
@@ -131,7 +127,7 @@ def main():
     mfu = train_flops_per_token(model, TRAIN_SEQ) * train_tok_s / 1e9 / roofline
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     onednn = os.environ.get("use_mkl", "1") == "1"
-    print(f"variant={opts.variant} config={opts.config} precision={opts.precision} onednn={int(onednn)} train_ms={train_s * 1e3:.1f} "
+    print(f"variant={model.args.variant} config={opts.config} precision={model.args.precision} onednn={int(onednn)} train_ms={train_s * 1e3:.1f} "
           f"train_tok_s={train_tok_s:.0f} decode_tok_s={decode_tok_s:.0f} peak_rss_mb={peak_rss_mb:.0f} "
           f"mfu={mfu:.3f} sgemm_gflops={roofline:.0f} bf16_matmul_gflops={bf16_gflops:.1f} gemm_n={GEMM_SIZE} "
           f"first_step_s={first_step_s:.2f} warm_step_s={train_s:.3f}")
