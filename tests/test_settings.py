@@ -44,6 +44,7 @@ def test_paper_recipes():
             assert (values["batch_size"] * values["accum_iter"], values["epochs"], values["warmup_epochs"]) == (32, 2, 1)
             assert (values["clip_grad"], values["val_fraction"], values["weight_decay"]) == (0.0, 0.0, 0.02)
             assert (values["temperature"], values["top_p"]) == (0.1, 0.75)
+            assert values["precision"] == "bf16"  # the authors' bf16=True; an 8B base needs it on 24 GB
         assert sparse["variant"] == "sparse" and sparse["max_threshold"] == 0.5 and "prompt_layers" not in sparse
         assert soft["variant"] == "soft" and (soft["prompt_layers"], soft["prompt_len"]) == ("all", 10)
     assert recipe_values("math")["max_seq_len"] == 300 and recipe_values("math")["max_gen_len"] == 200
@@ -68,6 +69,7 @@ def resolved(argv, world_size=1, n_layers=4):
 
 def test_precedence_defaults_recipe_flags():
     model, train, generation = resolved([])  # the demo recipe
+    assert "precision" not in model and ModelArgs.__dataclass_fields__["precision"].default == "fp32"
     assert (model["lora_rank"], model["lora_alpha"], train.blr, train.clip_grad) == (16, 16.0, 4e-2, 1.0)
     model, train, generation = resolved(["--recipe", "math", "--variant", "soft", "--lora_rank", "4"])
     assert (model["lora_rank"], model["lora_alpha"], model["prompt_layers"], train.blr) == (4, 8.0, "all", 6e-3)
