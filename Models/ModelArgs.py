@@ -1,9 +1,9 @@
 """The one configuration dataclass: Meta's params.json plus the PEFT/MoA fields."""
-import json
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
+from Utils.misc import read_json_object
 from Utils.settings import setting
 
 LORA_TARGETS = ("Q", "K", "V", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN")
@@ -161,13 +161,7 @@ class ModelArgs:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: no params.json (a Meta checkpoint directory holds params.json, "
                                     "consolidated.NN.pth and tokenizer.model)")
-        try:
-            with open(path) as f:
-                params = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(params, dict):
-            raise ValueError(f"{path}: expected a JSON object of model parameters")
+        params = read_json_object(path, "model parameters")
         unknown = sorted(set(params) - set(META_FIELDS))
         if unknown:
             raise ValueError(f"{path}: unknown field(s) {unknown}; Meta's params.json has {list(META_FIELDS)}")

@@ -33,7 +33,7 @@ from .LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from .authors_options import authors_params, fields_from_authors
 from .ModelArgs import ModelArgs
 from .torch_io import CheckpointError, PlainNamespace, load_pth, save_pth
-from Utils.misc import is_main_process, write_json
+from Utils.misc import is_main_process, read_json_object, write_json
 
 ADAPTER_WEIGHTS = "adapter.pth"
 ADAPTER_PARAMS = "adapter_params.json"
@@ -185,12 +185,9 @@ def read_adapter_config(path: str):
     if not os.path.isfile(config_path):
         return None
     try:
-        with open(config_path) as f:
-            config = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_path}: expected a JSON object of adapter settings")
+        config = read_json_object(config_path, "adapter settings")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     return config if "variant" in config else fields_from_authors(config, config_path)
 
 

@@ -137,6 +137,18 @@ def write_json(obj, path):
     return atomic_write(path, write)
 
 
+def read_json_object(path, what: str) -> dict:
+    """A JSON file holding one object; malformed JSON or another value is a ValueError naming the file."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object of {what}")
+    return value
+
+
 def save_on_master(payload, path):
     """On rank 0, write `path` atomically (see atomic_write); returns path, or None on other ranks.
 

@@ -7,10 +7,11 @@ of one class into argparse flags; `resolve` builds the instance from, in rising 
 dataclass defaults, a recipe, and the flags actually given on the command line.
 """
 import argparse
-import json
 import os
 import typing
 from dataclasses import MISSING, dataclass, field, fields
+
+from Utils.misc import read_json_object
 
 
 def setting(default, help, choices=None):
@@ -155,13 +156,7 @@ def recipe_values(recipe: str, variant: str = None) -> dict:
         return {**values, "variant": variant, **entry.get(variant, {})}
     if not recipe.endswith(".json") or not os.path.isfile(recipe):
         raise ValueError(f"--recipe {recipe!r}: not one of {sorted(RECIPES)} nor a JSON file of settings")
-    try:
-        with open(recipe) as f:
-            values = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{recipe}: not valid JSON ({e})") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{recipe}: expected a JSON object of settings")
+    values = read_json_object(recipe, "settings")
     return {**values, **({"variant": variant} if variant else {})}
 
 
