@@ -108,18 +108,17 @@ def read_json(path):
 
 def resolve_run(args):
     """(adapter path or None, run dir or None, run's args.json dict, llama_path)."""
-    adapter = None if args.no_adapter else args.adapter_path or newest_adapter(args.output_root)
+    newest = newest_adapter(args.output_root)
+    adapter = None if args.no_adapter else args.adapter_path or newest
     if not args.no_adapter and adapter is None:
         raise FileNotFoundError(f"no adapter under {args.output_root}/*/adapter: train one with Math.py, "
                                 "pass --adapter_path, or use --no_adapter")
-    if adapter is not None and not os.path.exists(adapter):
-        raise FileNotFoundError(f"{adapter}: no such adapter file or directory")
-    if adapter is not None:
-        folder = adapter if os.path.isdir(adapter) else os.path.dirname(adapter)
-        run_dir = os.path.dirname(os.path.abspath(folder))
-    else:
-        newest = newest_adapter(args.output_root)
-        run_dir = os.path.dirname(newest) if newest and not args.llama_path else None
+    # the run whose test split, base and decoding apply: the adapter's, also when --no_adapter scores its base
+    located = args.adapter_path or (None if args.no_adapter and args.llama_path else newest)
+    if located is not None and not os.path.exists(located):
+        raise FileNotFoundError(f"{located}: no such adapter file or directory")
+    folder = None if located is None else located if os.path.isdir(located) else os.path.dirname(located)
+    run_dir = os.path.dirname(os.path.abspath(folder)) if folder else None
     run_args_path = os.path.join(run_dir, "args.json") if run_dir else None
     run_args = read_json(run_args_path) if run_args_path and os.path.isfile(run_args_path) else {}
     llama_path = args.llama_path or run_args.get("llama_path") or ensure_default_base()

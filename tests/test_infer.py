@@ -321,6 +321,15 @@ def test_missing_recorded_test_split_is_an_error(run_dir, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "eval" / "scores.json")
 
 
+def test_base_alone_is_scored_on_the_runs_test_split(monkeypatch, tok, run_dir, tmp_path):
+    """--no_adapter --adapter_path RUN/adapter (as demo.sh scores the base): the run's recorded split."""
+    monkeypatch.setattr(Infer, "generate", lambda model, tokenizer, prompts, *a, **k: [[] for _ in prompts])
+    summary = Infer.main(["--no_adapter", "--adapter_path", os.path.join(run_dir, "adapter"), "--max_examples", "3",
+                          "--output_dir", str(tmp_path / "eval_base")])
+    assert summary["adapter"] is None and summary["datasets"]["synthetic"]["total"] == 3
+    assert summary["datasets"]["synthetic"]["path"] == os.path.join(run_dir, "data", "test.json")
+
+
 def expect_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         Infer.main(argv)
