@@ -1,42 +1,35 @@
-"""The demo end to end on the shipped tiny base: MoA must beat the base alone clearly.
+"""Command 1 end to end, as a user runs it: `bash demo.sh` (2 MPI ranks, the shipped tiny base,
+the demo recipe, the run's 300 held-out problems). MoA must beat the base alone clearly.
 
-The slowest test (about 3.5 minutes on 2 cores): the demo's own schedule (20,000
-problems, 1,250 steps) in one process instead of two, then base and MoA scored on
-100 held-out problems. Shorter schedules were not robust: the adapters learn to
-copy the question's numbers only after ~700 steps at full learning rate (measured:
-600 steps 5%, 1,000 steps 39%, 1,250 steps 99%).
+The slowest test (a few minutes on 2 cores). It runs the demo itself rather than a shorter
+or single-process variant: the adapters learn to copy the question's numbers in a sudden
+transition late in the schedule, and runs that differ only in floating-point summation order
+(one process instead of two ranks, other data) have ended far apart, so only the demo's own
+run says what the README claims.
 """
 import json
 import os
+import shutil
 import subprocess
-import sys
 
 import pytest
 
 from conftest import REPO
 
-HELD_OUT = 100
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mpi,
+              pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not found (setup.sh installs it)")]
 
 
-def run(*argv):
-    proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-
-
-def test_moa_beats_the_base_alone(tmp_path):
-    from Data.synthetic import make_splits
-    train, val, test = make_splits(20000, 50, HELD_OUT, seed=11)
-    for name, split in (("train", train), ("val", val), ("test", test)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(split))
-    run("Math.py", "--output_dir", str(tmp_path), "--eval_interval", "0",
-        "--data_path", str(tmp_path / "train.json"), "--val_data_path", str(tmp_path / "val.json"))
-    scores = {}
-    for name, extra in (("base", ["--no_adapter"]), ("moa", [])):
-        out = tmp_path / f"eval_{name}"
-        run("Infer.py", "--adapter_path", str(tmp_path / "adapter"), "--data_path", str(tmp_path / "test.json"),
-            "--max_gen_len", "96", "--output_dir", str(out), *extra)
-        scores[name] = json.loads((out / "scores.json").read_text())["average"]
-    assert scores["base"] <= 0.15, scores
-    assert scores["moa"] >= scores["base"] + 0.30, scores
+def test_demo_moa_beats_the_base_alone(tmp_path):
+    run = tmp_path / "math"
+    proc = subprocess.run(["bash", str(REPO / "demo.sh")], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "MOA_RUN_DIR": str(run)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    base = json.loads((run / "eval_base" / "scores.json").read_text())
+    moa = json.loads((run / "eval" / "scores.json").read_text())
+    assert base["datasets"]["synthetic"]["total"] == moa["datasets"]["synthetic"]["total"] == 300
+    assert base["average"] <= 0.15, (base["average"], moa["average"])
+    assert moa["average"] >= base["average"] + 0.30, (base["average"], moa["average"])
+    assert "accuracy on the held-out synthetic test set" in proc.stdout
+    for name in ("type_weight.pkl", "token_weight.pkl", "type_weight.png", "router_stats.png"):
+        assert (run / "eval" / name).is_file(), name
