@@ -31,6 +31,15 @@ static inline float widen(uint16_t b) { uint32_t u = uint32_t(b) << 16; float f;
 static inline uint16_t narrow(float f) {  // round to nearest, ties to even (inputs are finite activations)
     uint32_t u; std::memcpy(&u, &f, 4); return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+// C [M,N] = A [M,K] (fp32, rounded to bf16 here, row stride lda) times op(B) (bf16) with fp32 sums, on
+// the CPU's bf16 units; false where this oneDNN cannot (it answers "unimplemented" without them).
+static bool gemm_bf16_units(char transb, int64_t M, int64_t N, int64_t K, const float *a, int64_t lda,
+                            const uint16_t *b, int64_t ldb, float *c, int64_t ldc) {
+    std::vector<uint16_t> ab(M * lda);
+    #pragma omp parallel for
+    for (int64_t i = 0; i < M * lda; i++) ab[i] = narrow(a[i]);
+    return dnnl_gemm_bf16bf16f32('N', transb, M, N, K, 1.f, ab.data(), lda, b, ldb, 0.f, c, ldc) == 0;
+}
 """
 
 # y [M,N] = x [M,K] w[N,K]^T. Few rows (decoding): each thread widens 64 weight rows into an
@@ -38,13 +47,7 @@ static inline uint16_t narrow(float f) {  // round to nearest, ties to even (inp
 # (training, prefill): widening the whole matrix is cheap next to the product; one threaded sgemm.
 BF16_FORWARD = """
 const uint16_t *w = (const uint16_t *)in1_p; const float *x = in0_p; float *y = out0_p;
-bool done = false;
-if (units) {
-    std::vector<uint16_t> xb(M * K);
-    #pragma omp parallel for
-    for (int64_t i = 0; i < M * K; i++) xb[i] = narrow(x[i]);
-    done = dnnl_gemm_bf16bf16f32('N', 'T', M, N, K, 1.f, xb.data(), K, w, K, 0.f, y, N) == 0;
-}
+const bool done = units && gemm_bf16_units('T', M, N, K, x, K, w, K, y, N);
 if (!done && M >= 64) {
     std::vector<float> wf(N * K);
     #pragma omp parallel for
@@ -68,13 +71,7 @@ if (!done && M >= 64) {
 # dx [M,K] = dy [M,N] w [N,K]; the weights are frozen, so no weight gradient.
 BF16_BACKWARD = """
 const uint16_t *w = (const uint16_t *)in1_p; const float *dy = in0_p; float *dx = out0_p;
-bool done = false;
-if (units) {
-    std::vector<uint16_t> db(M * N);
-    #pragma omp parallel for
-    for (int64_t i = 0; i < M * N; i++) db[i] = narrow(dy[i]);
-    done = dnnl_gemm_bf16bf16f32('N', 'N', M, K, N, 1.f, db.data(), N, w, K, 0.f, dx, K) == 0;
-}
+const bool done = units && gemm_bf16_units('N', M, K, N, dy, N, w, K, dx, K);
 if (!done) {
     std::vector<float> wf(N * K);
     #pragma omp parallel for
