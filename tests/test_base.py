@@ -11,7 +11,8 @@ import jittor as jt
 from Models.meta_checkpoint import build_model, load_base
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs, parse_layer_span
-from Models.torch_io import CheckpointError, load_pth, save_pth
+from Models.torch_io import CheckpointError, load_pth
+from Models.torch_write import save_pth
 from Models.utils import rope_frequencies
 
 RUNTIME = dict(max_seq_len=32, max_batch_size=4, precision="fp32")  # parity is checked in fp32
