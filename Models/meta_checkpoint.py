@@ -26,7 +26,7 @@ READ_HEADER = "#include <unistd.h>\n#include <cstdint>\n"
 READ_SOURCE = """
 const int fd = (int)data["fd"];
 const int64_t offset = (int64_t)data["offset"], nbytes = (int64_t)data["nbytes"];
-char *dst = (char *)out0_p;
+char *dst = (char *)out0_p + (int64_t)data["skip"];
 int64_t done = 0;
 while (done < nbytes) {
     ssize_t got = pread(fd, dst + done, nbytes - done, offset + done);
@@ -35,17 +35,28 @@ while (done < nbytes) {
 }
 if (done != nbytes) LOGf << "read" << done << "of" << nbytes << "bytes";
 """
+# bf16 read into the back half of an fp32 output, widened front to back in place: element i is
+# written to bytes [4i, 4i+4), below every bf16 element j > i still to read at 2n + 2j.
+WIDEN_SOURCE = """
+const int64_t n = nbytes / 2;
+const uint16_t *bits = (const uint16_t *)((char *)out0_p + 2 * n);
+uint32_t *words = (uint32_t *)out0_p;
+for (int64_t i = 0; i < n; i++) words[i] = uint32_t(bits[i]) << 16;
+"""
 # bf16 bits that came through numpy as uint16 -> a bfloat16 Var, same bytes
 REINTERPRET_SOURCE = "std::memcpy(out0_p, in0_p, in0->size);"
 
 
-def tensor_var(tensor: StoredTensor, fd: int) -> jt.Var:
-    """One stored tensor as a Var of its own dtype, read when the Var is executed."""
+def tensor_var(tensor: StoredTensor, fd: int, dtype: str) -> jt.Var:
+    """One stored tensor as a Var of `dtype`, read when the Var is executed. bf16 widens to fp32
+    inside the read, so the fp32 base needs no bf16 copy beside it."""
     where = tensor.file_range()
     if where is not None:
         offset, nbytes = where
-        return jt.code(tensor.shape, tensor.dtype, [], cpu_header=READ_HEADER, cpu_src=READ_SOURCE,
-                       data={"fd": fd, "offset": offset, "nbytes": nbytes})
+        widen = tensor.dtype == "bfloat16" and dtype == "float32"
+        return jt.code(tensor.shape, dtype if widen else tensor.dtype, [], cpu_header=READ_HEADER,
+                       cpu_src=READ_SOURCE + (WIDEN_SOURCE if widen else ""),
+                       data={"fd": fd, "offset": offset, "nbytes": nbytes, "skip": nbytes if widen else 0})
     array = jt.array(tensor.numpy())  # non-contiguous or big-endian: rare, through numpy
     if tensor.dtype != "bfloat16":
         return array
@@ -113,7 +124,7 @@ def load_base(model: LLaMA_adapter, ckpt_dir: str):
         # initialisation of all parameters not yet replaced (a full fp32 model) at the first one.
         for name, var in base.items():
             parts, dim = plan[name]
-            values = [tensor_var(part, fds[part.storage.reader.path]) for part in parts]
+            values = [tensor_var(part, fds[part.storage.reader.path], var.dtype) for part in parts]
             value = values[0] if dim is None else jt.concat(values, dim)
             var.assign(value.cast(var.dtype) if value.dtype != var.dtype else value)
         try:
