@@ -131,7 +131,7 @@ def evaluate(model, dataset):
     model.eval()
     with jt.no_grad():
         for tokens, mask in dataset.batches(0):
-            loss, _ = model(jt.array(tokens), jt.array(mask))
+            loss, _ = model(jt.array(tokens), jt.array(mask), with_logits=False)
             n = float(mask[:, 1:].sum())
             nll_sum += loss.item() * n
             count += n
@@ -242,7 +242,7 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         for tokens, mask in itertools.islice(dataset.batches(epoch, batch_steps[0]), cfg.accum_iter):
             count = float(mask[:, 1:].sum())
             with jt.flag_scope(auto_mixed_precision_level=ctx.amp_level):
-                loss, _ = model(jt.array(tokens), jt.array(mask))
+                loss, _ = model(jt.array(tokens), jt.array(mask), with_logits=False)
                 # local share of sum(mask*nll)/N; backward's rank mean then gives the global gradient
                 optimizer.backward(loss * (count * world / max(n_targets, 1.0)))
             jt.sync([loss] + [g for pg in optimizer.param_groups for g in pg["grads"]])

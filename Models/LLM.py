@@ -74,8 +74,9 @@ class LLaMA(nn.Module):
         for layer in self.layers:
             layer.attention.reset_cache()
 
-    def execute(self, tokens: jt.Var, start_pos=None, records=None) -> jt.Var:
-        """tokens [B,T] -> logits [B,T,V].
+    def execute(self, tokens: jt.Var, start_pos=None, records=None, last=False) -> jt.Var:
+        """tokens [B,T] -> logits [B,T,V], or [B,1,V] of the last position only with last=True
+        (decoding needs no more, and [B,T,V] at LLaMA-3's vocabulary is large).
 
         start_pos None: the whole sequence, no cache (training, scoring).
         start_pos int: tokens sit at start_pos.. and go through the preallocated
@@ -83,6 +84,11 @@ class LLaMA(nn.Module):
         graph keeps one shape per T.
         records: a list that receives one {type_weight, threshold} dict per layer.
         """
+        h = self.hidden(tokens, start_pos, records)  # [B,T,D]
+        return self.output(h[:, -1:] if last else h)
+
+    def hidden(self, tokens: jt.Var, start_pos=None, records=None) -> jt.Var:
+        """tokens [B,T] -> the final normed hidden states [B,T,D], before the output matrix."""
         B, T = tokens.shape
         S = T if start_pos is None else self.args.max_seq_len
         first = 0 if start_pos is None else start_pos
@@ -96,4 +102,4 @@ class LLaMA(nn.Module):
         h = self.tok_embeddings(tokens).float32()  # [B,T,D]; the table may be stored in bf16
         for layer in self.layers:
             h = layer(h, cos, sin, mask, start_pos, records)
-        return self.output(self.norm(h))  # [B,T,V] fp32
+        return self.norm(h)  # [B,T,D] fp32

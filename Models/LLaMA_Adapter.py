@@ -12,7 +12,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .fused import token_nll
+from .fused import output_nll
 from .LLM import LLaMA
 from .ModelArgs import ModelArgs
 from .precision import set_base_precision
@@ -64,19 +64,20 @@ class LLaMA_adapter(nn.Module):
                 counts["base"] += size
         return dict(counts)
 
-    def execute(self, tokens: jt.Var, loss_mask: jt.Var, records=None):
+    def execute(self, tokens: jt.Var, loss_mask: jt.Var, records=None, with_logits=True):
         """Masked next-token loss.
 
         tokens [B,T]; loss_mask [B,T] float: loss_mask[:, t] weighs predicting
         tokens[:, t] from the prefix before it (column 0 is never used).
-        Returns (loss scalar, logits [B,T,V]).
+        Returns (loss scalar, logits [B,T,V]), or (loss, None) with with_logits=False:
+        the loss itself never holds [B,T,V] logits (output_nll works in row chunks).
         """
-        logits = self.llama(tokens, records=records)  # [B,T,V]
+        h = self.llama.hidden(tokens, records=records)  # [B,T,D]
         # Position t predicts tokens[:, t+1]; the last position gets a dummy target and
-        # weight 0, which spares copying logits[:, :-1] (a [B,T-1,V] slice) both ways.
+        # weight 0, which spares slicing h[:, :-1] (a [B,T-1,D] copy) both ways.
         B = tokens.shape[0]
         targets = jt.concat([tokens[:, 1:], jt.zeros((B, 1), tokens.dtype)], dim=1)  # [B,T]
         mask = jt.concat([loss_mask[:, 1:].float32(), jt.zeros((B, 1), "float32")], dim=1)
-        nll = token_nll(logits, targets)  # [B,T]
+        nll = output_nll(h, self.llama.output.weight, targets)  # [B,T]
         loss = (nll * mask).sum() / mask.sum().maximum(1.0)
-        return loss, logits
+        return loss, (self.llama.output(h) if with_logits else None)

@@ -32,7 +32,8 @@ import jittor as jt
 from .LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from .authors_options import authors_params, fields_from_authors
 from .ModelArgs import ModelArgs
-from .torch_io import CheckpointError, PlainNamespace, load_pth, save_pth
+from .torch_io import CheckpointError, PlainNamespace, load_pth
+from .torch_write import save_pth
 from Utils.misc import is_main_process, read_json_object, write_json
 
 ADAPTER_WEIGHTS = "adapter.pth"
@@ -40,21 +41,26 @@ ADAPTER_PARAMS = "adapter_params.json"
 IGNORED_META_KEYS = ("rope.freqs",)  # in Meta's files, recomputed here
 
 
-def assign_strict(params: dict, arrays: dict, source: str, what: str):
-    """Copy arrays into the Vars of `params`; a missing, unexpected or mis-shaped tensor is an error."""
-    missing = sorted(set(params) - set(arrays))
-    unexpected = sorted(set(arrays) - set(params) - set(IGNORED_META_KEYS))
+def check_strict(params: dict, shapes: dict, source: str, what: str):
+    """A missing, unexpected or mis-shaped tensor (name -> shape in `shapes`) is an error naming `source`."""
+    missing = sorted(set(params) - set(shapes))
+    unexpected = sorted(set(shapes) - set(params) - set(IGNORED_META_KEYS))
     problems = []
     if missing:
         problems.append(f"missing {what} tensor(s): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if unexpected:
         problems.append(f"unexpected tensor(s): {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-    misshaped = [f"'{name}' has shape {list(arrays[name].shape)}, the model expects {list(params[name].shape)}"
-                 for name in sorted(set(params) & set(arrays))
-                 if tuple(arrays[name].shape) != tuple(params[name].shape)]
+    misshaped = [f"'{name}' has shape {list(shapes[name])}, the model expects {list(params[name].shape)}"
+                 for name in sorted(set(params) & set(shapes))
+                 if tuple(shapes[name]) != tuple(params[name].shape)]
     problems += misshaped[:4] + ([f"... and {len(misshaped) - 4} more mis-shaped"] if len(misshaped) > 4 else [])
     if problems:
         raise CheckpointError(f"{source}: " + "; ".join(problems))
+
+
+def assign_strict(params: dict, arrays: dict, source: str, what: str):
+    """Copy numpy arrays into the Vars of `params` (small: adapters, golden files), checked as above."""
+    check_strict(params, {name: array.shape for name, array in arrays.items()}, source, what)
     for name, var in params.items():
         var.assign(jt.array(np.ascontiguousarray(arrays[name], dtype=np.float32)).cast(var.dtype))  # bf16 stays bf16
 

@@ -10,6 +10,7 @@ import jittor as jt
 from jittor import nn
 
 from .kernels import Kernel
+from .precision import base_linear, base_linear_input_grad
 
 ROTATE_PAIRS = """
 #pragma omp parallel for
@@ -115,6 +116,58 @@ def plain_token_nll(logits: jt.Var, targets: jt.Var) -> jt.Var:
 
 # -log softmax(logits)[target]: logits [B,T,V] fp32, targets [B,T] int -> [B,T]
 token_nll = Kernel(fused_token_nll, plain_token_nll)
+
+LOGIT_ROWS = 64  # rows of fp32 logits alive at once: 33 MB at LLaMA-3's vocabulary of 128256
+
+
+class ChunkedOutputNLL(jt.Function):
+    """nll [N] of h [N,D] through the frozen output matrix weight [V,D], LOGIT_ROWS rows at a time.
+    Each chunk runs before the next is built (sync), so [N,V] logits never exist; the backward
+    recomputes a chunk's logits instead of keeping them, and keeps only logsumexp [N]."""
+
+    def execute(self, h, weight, targets):
+        nlls, lses = [], []
+        for start in range(0, h.shape[0], LOGIT_ROWS):
+            logits = base_linear(h[start:start + LOGIT_ROWS], weight)  # [n,V]
+            sizes = f"const int64_t N = {logits.shape[0]}, V = {logits.shape[1]};\n"
+            nll, lse = jt.code([logits.shape[:1]] * 2, ["float32", "float32"],
+                               [logits, targets[start:start + LOGIT_ROWS]],
+                               cpu_header="#include <cmath>\n#include <algorithm>\n",
+                               cpu_src=sizes + CROSS_ENTROPY_FORWARD)
+            jt.sync([nll, lse])
+            nlls.append(nll)
+            lses.append(lse.detach())
+        self.saved = (h, weight, targets, lses)
+        return jt.concat(nlls)
+
+    def grad(self, grad_nll):
+        h, weight, targets, lses = self.saved
+        parts = []
+        for i, start in enumerate(range(0, h.shape[0], LOGIT_ROWS)):
+            rows = slice(start, start + LOGIT_ROWS)
+            logits = base_linear(h[rows], weight)  # [n,V]
+            sizes = f"const int64_t N = {logits.shape[0]}, V = {logits.shape[1]};\n"
+            grad_logits = jt.code(logits.shape, "float32", [logits, targets[rows], lses[i], grad_nll[rows]],
+                                  cpu_header="#include <cmath>\n", cpu_src=sizes + CROSS_ENTROPY_BACKWARD)
+            part = base_linear_input_grad(grad_logits, weight)  # [n,D]
+            part.sync()
+            parts.append(part)
+        return jt.concat(parts), None, None
+
+
+def fused_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var) -> jt.Var:
+    B, T, D = h.shape
+    nll = ChunkedOutputNLL.apply(h.reshape(B * T, D), weight.stop_grad(), targets.reshape(B * T).int32())
+    return nll.reshape(B, T)
+
+
+def plain_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var) -> jt.Var:
+    return plain_token_nll(base_linear(h, weight), targets)
+
+
+# -log softmax(h weight^T)[target] without [B,T,V] logits: h [B,T,D] fp32, weight [V,D] frozen,
+# targets [B,T] int -> [B,T]
+output_nll = Kernel(fused_output_nll, plain_output_nll)
 
 
 SWIGLU_FORWARD = """

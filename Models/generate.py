@@ -61,12 +61,12 @@ def prefill_length(shortest_prompt: int, step: int = 64) -> int:
 def prefill(model, tokens: np.ndarray, records=None) -> jt.Var:
     """Fresh cache, feed tokens [B,P] at positions 0..P-1; logits [B,V] that predict position P."""
     model.llama.reset_cache()
-    return model.llama(jt.array(tokens.astype(np.int32)), start_pos=0, records=records)[:, -1]
+    return model.llama(jt.array(tokens.astype(np.int32)), start_pos=0, records=records, last=True)[:, -1]
 
 
 def decode_step(model, tokens: np.ndarray, pos: int, records=None) -> jt.Var:
     """Feed one token per row [B] at position `pos`; logits [B,V] that predict pos + 1."""
-    return model.llama(jt.array(tokens.astype(np.int32)[:, None]), start_pos=pos, records=records)[:, -1]
+    return model.llama(jt.array(tokens.astype(np.int32)[:, None]), start_pos=pos, records=records, last=True)[:, -1]
 
 
 def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:

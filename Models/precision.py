@@ -18,11 +18,12 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .kernels import SGEMM_DECLARATION, Kernel, linear
+from .kernels import SGEMM_DECLARATION, Kernel, fused_kernels_on, linear
 from .ModelArgs import PRECISIONS
 
 BF16_HEADER = SGEMM_DECLARATION + """
 #include <cstring>
+static const int64_t PANEL = 1024;  // weight rows widened at once: 16 MB at K = 4096
 #include <vector>
 #include <algorithm>
 extern "C" int dnnl_gemm_bf16bf16f32(char transa, char transb, int64_t M, int64_t N, int64_t K, float alpha,
@@ -44,15 +45,19 @@ static bool gemm_bf16_units(char transb, int64_t M, int64_t N, int64_t K, const 
 
 # y [M,N] = x [M,K] w[N,K]^T. Few rows (decoding): each thread widens 64 weight rows into an
 # L2-sized panel and multiplies it, so the weights cross memory once, in bf16. Many rows
-# (training, prefill): widening the whole matrix is cheap next to the product; one threaded sgemm.
+# (training, prefill): widening is cheap next to the product; PANEL weight rows at a time, each
+# one threaded sgemm, so the fp32 copy stays small (the 8B output matrix widened whole is 2.1 GB).
 BF16_FORWARD = """
 const uint16_t *w = (const uint16_t *)in1_p; const float *x = in0_p; float *y = out0_p;
 const bool done = units && gemm_bf16_units('T', M, N, K, x, K, w, K, y, N);
 if (!done && M >= 64) {
-    std::vector<float> wf(N * K);
-    #pragma omp parallel for
-    for (int64_t i = 0; i < N * K; i++) wf[i] = widen(w[i]);
-    dnnl_sgemm('N', 'T', M, N, K, 1.f, x, K, wf.data(), K, 0.f, y, N);
+    std::vector<float> wf(std::min(N, PANEL) * K);
+    for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
+        const int64_t nb = std::min(PANEL, N - n0);
+        #pragma omp parallel for
+        for (int64_t i = 0; i < nb * K; i++) wf[i] = widen(w[n0 * K + i]);
+        dnnl_sgemm('N', 'T', M, nb, K, 1.f, x, K, wf.data(), K, 0.f, y + n0, N);
+    }
 } else if (!done) {
     const int64_t NB = 64;
     #pragma omp parallel
@@ -68,15 +73,19 @@ if (!done && M >= 64) {
 }
 """
 
-# dx [M,K] = dy [M,N] w [N,K]; the weights are frozen, so no weight gradient.
+# dx [M,K] = dy [M,N] w [N,K]; the weights are frozen, so no weight gradient. Without bf16 units,
+# the sum over N runs PANEL widened weight rows at a time, accumulating into dx.
 BF16_BACKWARD = """
 const uint16_t *w = (const uint16_t *)in1_p; const float *dy = in0_p; float *dx = out0_p;
 const bool done = units && gemm_bf16_units('N', M, K, N, dy, N, w, K, dx, K);
 if (!done) {
-    std::vector<float> wf(N * K);
-    #pragma omp parallel for
-    for (int64_t i = 0; i < N * K; i++) wf[i] = widen(w[i]);
-    dnnl_sgemm('N', 'N', M, K, N, 1.f, dy, N, wf.data(), K, 0.f, dx, K);
+    std::vector<float> wf(std::min(N, PANEL) * K);
+    for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
+        const int64_t nb = std::min(PANEL, N - n0);
+        #pragma omp parallel for
+        for (int64_t i = 0; i < nb * K; i++) wf[i] = widen(w[n0 * K + i]);
+        dnnl_sgemm('N', 'N', M, K, nb, 1.f, dy + n0, N, wf.data(), K, n0 ? 1.f : 0.f, dx, K);
+    }
 }
 """
 
@@ -109,6 +118,15 @@ class BF16Linear(jt.Function):
         dx = jt.code((M, K), "float32", [grad_out, self.weight], cpu_header=BF16_HEADER,
                      cpu_src=self.sizes + BF16_BACKWARD)
         return dx, None
+
+
+def base_linear_input_grad(grad_out: jt.Var, weight: jt.Var) -> jt.Var:
+    """grad_out [M,N] @ weight [N,K] -> [M,K] fp32: the gradient a base projection passes to its input."""
+    if weight.dtype == "float32" or not fused_kernels_on():
+        return nn.matmul(grad_out, weight.float32())
+    M, (N, K) = grad_out.shape[0], weight.shape
+    sizes = f"const int64_t M = {M}, N = {N}, K = {K}; const bool units = {str(cpu_has_bf16_units()).lower()};\n"
+    return jt.code((M, K), "float32", [grad_out, weight], cpu_header=BF16_HEADER, cpu_src=sizes + BF16_BACKWARD)
 
 
 def fused_base_linear(x: jt.Var, weight: jt.Var) -> jt.Var:

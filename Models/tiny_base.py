@@ -13,7 +13,7 @@ from Data.synthetic import make_splits
 
 from .ModelArgs import ModelArgs
 from .Tokenizer import Tokenizer
-from .torch_io import save_pth
+from .torch_write import save_pth
 
 N_SPECIAL = 256  # LLaMA-3's special tokens follow the BPE vocabulary
 

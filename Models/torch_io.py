@@ -1,4 +1,5 @@
-"""Read and write PyTorch zip checkpoints (the torch.save format since 1.6) without torch.
+"""Read PyTorch zip checkpoints (the torch.save format since 1.6) without torch; writing is
+Models/torch_write.py.
 
 A checkpoint is a zip holding `<prefix>/data.pkl` (a pickle of the containers) and
 `<prefix>/data/<key>` (one raw storage per key). Plain unpickling would run any
@@ -16,7 +17,6 @@ import zipfile
 
 import numpy as np
 
-from Utils.misc import atomic_write
 
 
 class CheckpointError(ValueError):
@@ -97,25 +97,70 @@ def float32_to_bf16_bits(values):
 
 
 class _Storage:
-    """One `data/<key>` record, read lazily so a large checkpoint is never held twice."""
+    """One `data/<key>` record. Eager reads take the whole record through zipfile (CRC
+    checked); lazy ones pread a byte range of the stored record straight from the file,
+    so a large checkpoint is read one tensor at a time and never held twice."""
 
     def __init__(self, reader, key, dtype, numel):
         self.reader, self.key, self.dtype, self.numel = reader, key, dtype, numel
+        self.nbytes = numel * _numpy_dtype(dtype).itemsize
+        self.file_offset = reader.data_offset(f"data/{key}", self.nbytes) if reader.lazy else None
 
-    def elements(self, dtype):
-        raw = self.reader.record(f"data/{self.key}")
-        expected = self.numel * _numpy_dtype(self.dtype).itemsize
-        if len(raw) != expected:
-            raise self.reader.error(f"storage '{self.key}' has {len(raw)} bytes, expected {expected}")
-        element = _numpy_dtype(dtype, self.reader.byteorder)  # differs from self.dtype for v3 views
-        return np.frombuffer(raw, dtype=element, count=len(raw) // element.itemsize)
+    def read(self, start, nbytes):
+        """Bytes [start, start + nbytes) of the storage, as a writable buffer."""
+        if self.file_offset is None:
+            raw = self.reader.record(f"data/{self.key}")
+            if len(raw) != self.nbytes:
+                raise self.reader.error(f"storage '{self.key}' has {len(raw)} bytes, expected {self.nbytes}")
+            return bytearray(memoryview(raw)[start:start + nbytes])
+        buffer = bytearray(nbytes)
+        with open(self.reader.path, "rb") as f:
+            f.seek(self.file_offset + start)
+            got = f.readinto(buffer)
+        if got != nbytes:
+            raise self.reader.error(f"storage '{self.key}' ends after {got} of {nbytes} bytes (truncated file?)")
+        return buffer
+
+
+class StoredTensor:
+    """A tensor of a checkpoint opened with load_pth(lazy=True): shape and dtype now, data
+    on `numpy()`. `file_range()` gives the bytes a contiguous little-endian tensor occupies
+    in the file, for readers that copy them straight into their own storage."""
+
+    def __init__(self, storage, offset, shape, stride, dtype, element):
+        self.storage, self.offset, self.shape, self.stride = storage, offset, shape, stride
+        self.dtype, self.element = dtype, element  # torch's dtype name; the numpy element (bf16: uint16)
+        self.size = int(np.prod(shape))
+        self.nbytes = self.size * element.itemsize
+        self.contiguous = list(stride) == [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
+
+    def numpy(self):
+        """The tensor as an owned, native-order numpy array (bfloat16 as its uint16 bits)."""
+        native = self.element.newbyteorder("=")
+        if self.size == 0:
+            return np.empty(self.shape, dtype=native)
+        if self.contiguous:
+            flat = np.frombuffer(self.storage.read(self.offset * self.element.itemsize, self.nbytes), self.element)
+            return flat.reshape(self.shape).astype(native, copy=False)
+        raw = self.storage.read(0, self.storage.nbytes)
+        flat = np.frombuffer(raw, self.element, count=len(raw) // self.element.itemsize)
+        view = np.lib.stride_tricks.as_strided(flat[self.offset:], shape=self.shape, writeable=False,
+                                               strides=[s * flat.itemsize for s in self.stride])
+        return np.array(view, dtype=native)
+
+    def file_range(self):
+        """(file offset, byte count) of a contiguous little-endian tensor of a lazy file, else None."""
+        if self.storage.file_offset is None or not self.contiguous or self.element.byteorder == ">":
+            return None
+        return self.storage.file_offset + self.offset * self.element.itemsize, self.nbytes
 
 
 class _CheckpointReader(pickle.Unpickler):
     """Unpickles data.pkl, resolving globals only from the allow-list below."""
 
-    def __init__(self, path, archive, prefix):
-        self.path, self.archive, self.prefix = path, archive, prefix
+    def __init__(self, path, archive, prefix, lazy=False):
+        self.path, self.archive, self.prefix, self.lazy = path, archive, prefix, lazy
+        self.file_size = os.path.getsize(path)
         self.byteorder = "little"
         if prefix + "byteorder" in archive.namelist():
             self.byteorder = self.record("byteorder").decode("ascii", "replace").strip()
@@ -147,6 +192,26 @@ class _CheckpointReader(pickle.Unpickler):
         except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
             raise self.error(f"record '{self.prefix}{name}' is unreadable ({exc})") from exc
 
+    def data_offset(self, name, nbytes):
+        """Where a stored (uncompressed) record's data starts in the file, after its local header."""
+        try:
+            info = self.archive.getinfo(self.prefix + name)
+        except KeyError:
+            raise self.error(f"record '{self.prefix}{name}' is missing") from None
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
+            raise self.error(f"record '{self.prefix}{name}' is compressed or has {info.file_size} bytes, "
+                             f"expected {nbytes} stored bytes")
+        with open(self.path, "rb") as f:
+            f.seek(info.header_offset)
+            header = f.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise self.error(f"record '{self.prefix}{name}' has no local header")
+        name_length, extra_length = struct.unpack("<HH", header[26:30])
+        start = info.header_offset + 30 + name_length + extra_length
+        if start + nbytes > self.file_size:
+            raise self.error(f"record '{self.prefix}{name}' runs past the end of the file (truncated?)")
+        return start
+
     def find_class(self, module, name):
         found = self.allowed.get((module, name))
         if found is None:
@@ -176,17 +241,15 @@ class _CheckpointReader(pickle.Unpickler):
         if not all(isinstance(v, int) and v >= 0 for v in (offset, *size, *stride)) \
                 or len(size) != len(stride):
             raise self.error(f"{where} has a bad view: offset {offset}, size {size}, stride {stride}")
-        flat = storage.elements(dtype)
-        if 0 in size:
-            view = np.empty(size, dtype=flat.dtype)
-        else:
-            last = offset + sum((n - 1) * s for n, s in zip(size, stride))
-            if last >= flat.size:
-                raise self.error(f"{where} reads element {last} of {flat.size}")
-            view = np.lib.stride_tricks.as_strided(
-                flat[offset:], shape=size, strides=[s * flat.itemsize for s in stride],
-                writeable=False)
-        array = np.array(view, dtype=flat.dtype.newbyteorder("="))
+        element = _numpy_dtype(dtype, self.byteorder)  # differs from the storage's dtype for v3 views
+        count = storage.nbytes // element.itemsize
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+        if 0 not in size and last >= count:
+            raise self.error(f"{where} reads element {last} of {count}")
+        tensor = StoredTensor(storage, offset, tuple(size), tuple(stride), dtype.name, element)
+        if self.lazy:
+            return tensor
+        array = tensor.numpy()
         return bf16_bits_to_float32(array) if dtype.name == "bfloat16" else array
 
 
@@ -205,8 +268,11 @@ def _materialise(obj, reader, seen):
     return obj
 
 
-def load_pth(path):
-    """Load a torch zip checkpoint as its containers with numpy arrays in place of tensors."""
+def load_pth(path, lazy=False):
+    """Load a torch zip checkpoint as its containers with numpy arrays in place of tensors.
+
+    lazy=True puts a StoredTensor (shape, dtype, data read on demand) in place of each
+    tensor instead, keeping bfloat16 as bfloat16; the archive must be stored, as torch writes it."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
@@ -225,7 +291,7 @@ def load_pth(path):
             pickles = [n for n in archive.namelist() if n.count("/") == 1 and n.endswith("/data.pkl")]
             if len(pickles) != 1:
                 raise CheckpointError(f"{path}: expected one '<prefix>/data.pkl', found {len(pickles)}")
-            reader = _CheckpointReader(path, archive, pickles[0][:-len("data.pkl")])
+            reader = _CheckpointReader(path, archive, pickles[0][:-len("data.pkl")], lazy)
             try:
                 return _materialise(reader.load(), reader, set())
             except CheckpointError:
@@ -234,111 +300,3 @@ def load_pth(path):
                 raise CheckpointError(f"{path}: bad data.pkl ({type(exc).__name__}: {exc})") from exc
     except zipfile.BadZipFile as exc:
         raise CheckpointError(f"{path}: damaged zip archive ({exc})") from exc
-
-
-# ---- writing ----
-
-_ARCHIVE = "archive"  # the record prefix torch.save uses for file objects
-_ALIGNMENT = 64  # torch starts every record's data on this boundary so storages can be mmapped
-
-
-class _PickleWriter:
-    """Writes data.pkl opcode by opcode. torch is not importable here, so pickle.Pickler could
-    not name torch's rebuild function; hand-picked opcodes also keep to what
-    torch.load(weights_only=True) accepts."""
-
-    def __init__(self, path, bf16):
-        self.path, self.bf16 = path, bf16
-        self.out = bytearray(b"\x80\x02")  # PROTO 2, as torch.save writes
-        self.storages = []  # contiguous little-endian arrays; the index is the record key
-
-    def text(self, value):
-        data = value.encode("utf-8")
-        self.out += b"X" + struct.pack("<I", len(data)) + data
-
-    def emit(self, obj, where):
-        if obj is None or isinstance(obj, bool):
-            self.out += {None: b"N", True: b"\x88", False: b"\x89"}[obj]
-        elif isinstance(obj, np.generic):
-            self.emit(obj.item(), where)
-        elif isinstance(obj, int):
-            if -2**31 <= obj < 2**31:
-                self.out += b"J" + struct.pack("<i", obj)
-            else:
-                data = obj.to_bytes(obj.bit_length() // 8 + 1, "little", signed=True)
-                self.out += b"\x8a" + bytes([len(data)]) + data
-        elif isinstance(obj, float):
-            self.out += b"G" + struct.pack(">d", obj)
-        elif isinstance(obj, str):
-            self.text(obj)
-        elif isinstance(obj, np.ndarray):
-            self.tensor(obj, where)
-        elif isinstance(obj, (tuple, list)):
-            self.out += b"(" if isinstance(obj, tuple) else b"]("
-            for i, value in enumerate(obj):
-                self.emit(value, f"{where}[{i}]")
-            self.out += b"t" if isinstance(obj, tuple) else b"e"
-        elif isinstance(obj, dict):
-            is_ordered = isinstance(obj, collections.OrderedDict)
-            self.out += b"ccollections\nOrderedDict\n)R(" if is_ordered else b"}("
-            for key, value in obj.items():
-                self.emit(key, where)
-                self.emit(value, f"{where}.{key}" if where else str(key))
-            self.out += b"u"
-        else:
-            raise CheckpointError(f"{self.path}: cannot save {type(obj).__name__} at '{where}'")
-
-    def tensor(self, array, where):
-        """torch._utils._rebuild_tensor_v2(storage, 0, shape, contiguous strides, False, {})."""
-        if self.bf16 and array.dtype.kind == "f":
-            data, dtype = float32_to_bf16_bits(array.astype(np.float32)), "bfloat16"
-        else:
-            data, dtype = array, array.dtype.name
-        if dtype not in _STORAGE_NAMES:
-            raise CheckpointError(f"{self.path}: cannot save {dtype} array at '{where}'")
-        data = np.ascontiguousarray(data).astype(data.dtype.newbyteorder("<"), copy=False)
-        strides = [int(np.prod(array.shape[i + 1:])) for i in range(array.ndim)]
-        self.out += b"ctorch._utils\n_rebuild_tensor_v2\n(("
-        self.text("storage")
-        self.out += f"ctorch\n{_STORAGE_NAMES[dtype]}\n".encode()
-        self.text(str(len(self.storages)))
-        self.text("cpu")
-        self.emit(int(array.size), where)
-        self.out += b"tQ"  # the persistent id tuple, then BINPERSID
-        self.storages.append(data.reshape(-1))
-        for item in [0, tuple(int(n) for n in array.shape), tuple(strides), False]:
-            self.emit(item, where)
-        self.out += b"ccollections\nOrderedDict\n)RtR"  # empty backward hooks, args tuple, call
-
-
-def _write_record(archive, file, name, data):
-    """One stored (uncompressed) record whose data starts on an _ALIGNMENT boundary."""
-    data = memoryview(data).cast("B")
-    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
-    info.file_size = len(data)
-    zip64 = len(data) * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule; adds a 20-byte extra
-    start = file.tell() + 30 + len(name.encode()) + 4 + (20 if zip64 else 0)
-    padding = -start % _ALIGNMENT
-    info.extra = b"FB" + struct.pack("<H", padding) + b"Z" * padding  # torch's padding field
-    with archive.open(info, "w", force_zip64=zip64) as record:
-        record.write(data)
-
-
-def save_pth(obj, path, bf16=False):
-    """Write containers of numpy arrays as a torch zip checkpoint, atomically.
-
-    bf16=True stores floating arrays as bfloat16 (round to nearest even; float64 goes
-    through float32 first). Other arrays keep their dtype."""
-    path = os.fspath(path)
-    writer = _PickleWriter(path, bf16)
-    writer.emit(obj, "")
-    records = [("data.pkl", bytes(writer.out + b".")), (".format_version", b"1"),
-               (".storage_alignment", str(_ALIGNMENT).encode()), ("byteorder", b"little")]
-    records += [(f"data/{key}", data) for key, data in enumerate(writer.storages)]
-    records += [("version", b"3\n")]
-    def write(tmp):
-        with open(tmp, "wb") as file:
-            with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED) as archive:
-                for name, data in records:
-                    _write_record(archive, file, f"{_ARCHIVE}/{name}", data)
-    atomic_write(path, write)

@@ -32,7 +32,7 @@ from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Models.ModelArgs import ModelArgs  # noqa: E402
 from Models.tiny_base import DEFAULT_BASE_DIR, params_for, random_base_weights  # noqa: E402
 from Models.Tokenizer import Tokenizer  # noqa: E402
-from Models.torch_io import save_pth  # noqa: E402
+from Models.torch_write import save_pth  # noqa: E402
 
 
 def equation(rng: random.Random) -> str:
@@ -122,7 +122,7 @@ def main():
     bar = tqdm(total=int(budget), unit="s", desc="pretraining")
     while time.time() - start < budget:
         optimizer.lr = lr_at(time.time() - start, budget, opts.lr)
-        loss, _ = model(jt.array(next(stream)), mask)
+        loss, _ = model(jt.array(next(stream)), mask, with_logits=False)
         optimizer.step(loss)
         value = float(loss.item())
         smoothed = value if smoothed is None else 0.98 * smoothed + 0.02 * value

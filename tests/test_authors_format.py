@@ -14,7 +14,8 @@ from Models.checkpoints import (assign_strict, export_authors_adapter, import_au
                                 load_adapter, read_adapter, read_adapter_config)
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
-from Models.torch_io import CheckpointError, PlainNamespace, load_pth, save_pth
+from Models.torch_io import CheckpointError, PlainNamespace, load_pth
+from Models.torch_write import save_pth
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "authors")
 BASE = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=8, multiple_of=16, precision="fp32")  # parity in fp32

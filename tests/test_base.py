@@ -1,6 +1,10 @@
 """The LLaMA-3 base: Meta checkpoint loading, parity with the authors' logits, RoPE, bad input."""
 import json
 import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +14,8 @@ import jittor as jt
 from Models.meta_checkpoint import build_model, load_base
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs, parse_layer_span
-from Models.torch_io import CheckpointError, load_pth, save_pth
+from Models.torch_io import CheckpointError, load_pth
+from Models.torch_write import save_pth
 from Models.utils import rope_frequencies
 
 RUNTIME = dict(max_seq_len=32, max_batch_size=4, precision="fp32")  # parity is checked in fp32
@@ -135,3 +140,66 @@ def test_layer_spans():
     for bad in ("0-", "3-1", "a-b", "0-5", "2"):
         with pytest.raises(ValueError, match="layers"):
             parse_layer_span(bad, 4)
+
+
+PEAK_PROBE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import Utils.jittor_env
+import numpy as np
+from Models.meta_checkpoint import build_model, load_base
+from Models.LLaMA_Adapter import LLaMA_adapter
+from Models.ModelArgs import ModelArgs
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+warm, big, precision = sys.argv[2:5]
+build_model(warm, ModelArgs.from_params_json(warm, max_seq_len=8, precision=precision))  # compiles the ops
+model = LLaMA_adapter(ModelArgs.from_params_json(big, max_seq_len=8, precision=precision))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM to the current RSS
+before = status("VmRSS")
+load_base(model, big)
+nbytes = sum(int(np.prod(p.shape)) * (2 if p.dtype == "bfloat16" else 4) for p in model.base_parameters().values())
+print(json.dumps({"increase": status("VmHWM") - before, "model_bytes": nbytes}))
+"""
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_streaming_load_peak_memory(tiny_meta, tmp_path, precision):
+    """Loading a ~60 MB bf16 checkpoint raises the peak RSS by at most 1.15x the loaded base's bytes:
+    tensors go from the file into their Vars one by one, with no fp32 copy of the whole model and
+    no random initialisation run first. A fresh process measures its own peak (VmHWM)."""
+    from Models.tiny_base import params_for, random_base_weights
+    params = params_for(16384, 512, 4, 8, 4, 256)
+    (tmp_path / "params.json").write_text(json.dumps(params))
+    save_pth(random_base_weights(ModelArgs(**params), 0), tmp_path / "consolidated.00.pth", bf16=True)
+    out = subprocess.run([sys.executable, "-c", PEAK_PROBE, str(Path(__file__).resolve().parents[1]), str(tiny_meta),
+                          str(tmp_path), precision], capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["model_bytes"] > 50e6
+    assert report["increase"] <= 1.15 * report["model_bytes"], report
+
+
+def test_truncated_shard_names_the_file(meta_copy):
+    path = meta_copy / "consolidated.00.pth"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"consolidated.00.pth.*(truncated|damaged)"):
+        build_model(str(meta_copy), ModelArgs.from_params_json(str(meta_copy), **RUNTIME))
+
+
+def test_crafted_shard_is_refused_when_read_lazily(meta_copy):
+    """A shard whose pickle names a callable outside the allow-list is refused, lazily too."""
+    path = meta_copy / "consolidated.00.pth"
+    with zipfile.ZipFile(path) as archive:
+        records = {name: archive.read(name) for name in archive.namelist()}
+    pkl = next(name for name in records if name.endswith("data.pkl"))
+    records[pkl] = b"\x80\x02cos\nsystem\n(X\x04\x00\x00\x00truetR."
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in records.items():
+            archive.writestr(name, data)
+    with pytest.raises(CheckpointError, match=r"consolidated.00.pth.*refusing to load global 'os.system'"):
+        build_model(str(meta_copy), ModelArgs.from_params_json(str(meta_copy), **RUNTIME))

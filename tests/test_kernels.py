@@ -4,7 +4,7 @@ import pytest
 
 import jittor as jt
 from Models.Block import attention_mask
-from Models.fused import add_weighted, rms_norm, rope, silu_gate, token_nll
+from Models.fused import LOGIT_ROWS, add_weighted, output_nll, rms_norm, rope, silu_gate, token_nll
 from Models.kernels import attention, fused_kernels_on, linear
 from Models.precision import BF16Linear, base_linear, cpu_has_bf16_units
 from Models.utils import rope_tables
@@ -48,6 +48,17 @@ def test_token_nll():
     assert_same(token_nll, [normal(rng, (2, 3, 11), 3.0), targets], [0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_output_nll_in_chunks(dtype):
+    """The loss through the output matrix, LOGIT_ROWS rows of logits at a time (three chunks, the
+    last partial), equals the loss of the whole [B,T,V] logits, in values and in the gradient."""
+    rng = np.random.default_rng(10)
+    B, T, D, V = 2, LOGIT_ROWS + 7, 16, 1100
+    weight = normal(rng, (V, D), 0.5).cast(dtype).stop_grad()
+    targets = jt.array(rng.integers(0, V, (B, T)).astype(np.int32))
+    assert_same(output_nll, [normal(rng, (B, T, D)), weight, targets], [0], atol=2e-5, rtol=1e-5)
+
+
 def test_silu_gate():
     rng = np.random.default_rng(5)
     assert_same(silu_gate, [normal(rng, (2, 7, 13), 3.0), normal(rng, (2, 7, 13), 3.0)], [0, 1], atol=1e-6)
@@ -80,12 +91,13 @@ def bf16_weight(rng, shape):
     return normal(rng, shape, 0.1).bfloat16().stop_grad()
 
 
-# 3 rows: the panel path of decoding (N=150 is two full 64-row panels and a partial one);
-# 2 x 40 = 80 rows: the whole-matrix path of training and prefill.
-@pytest.mark.parametrize("shape", [(3, 96), (2, 40, 96)])
-def test_bf16_linear(shape):
+# 3 rows: the per-thread panel path of decoding (N=150 is two full 64-row panels and a partial one);
+# 2 x 40 = 80 rows: the path of training and prefill, widening 1024 weight rows at a time (N=2100:
+# two full panels and a partial one, the backward summing over them).
+@pytest.mark.parametrize("shape, N", [((3, 96), 150), ((2, 40, 96), 150), ((2, 40, 96), 2100)])
+def test_bf16_linear(shape, N):
     rng = np.random.default_rng(8)
-    x, weight = normal(rng, shape), bf16_weight(rng, (150, 96))
+    x, weight = normal(rng, shape), bf16_weight(rng, (N, 96))
     assert base_linear.when(x, weight) and not base_linear.when(x, weight.float32())
     # fp32 products of the stored bf16 weights: as close as two fp32 summation orders
     assert_same(base_linear, [x, weight], [0], atol=2e-5, rtol=1e-5)

@@ -153,9 +153,9 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(base, data, t
         sys.path.insert(0, {str(REPO)!r})
         import Utils.jittor_env
         Utils.jittor_env.block_stop_signals()
-        import Models.torch_io as torch_io
+        import Models.torch_write as torch_write
         import Math
-        real, saves = torch_io.atomic_write, []
+        real, saves = torch_write.atomic_write, []
         def dying(path, write):
             if path.endswith("checkpoint-latest.pth"):
                 saves.append(path)
@@ -165,7 +165,7 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(base, data, t
                     os.truncate(tmp, os.path.getsize(tmp) // 2)
                     os.kill(os.getpid(), signal.SIGKILL)
             return real(path, write)
-        torch_io.atomic_write = dying
+        torch_write.atomic_write = dying
         sys.exit(Math.main(sys.argv[1:]))
         """)
     proc = subprocess.run([PYTHON, "-c", script, *argv(base, data, killed, "--max_steps", 3)], cwd=REPO,

@@ -1,0 +1,190 @@
+"""LLaMA-3.1-8B on one machine: streaming load, two training steps, adapter save, decoding.
+
+python bench/scale.py [--llama_path DIR] [--n_layers 2] [--variants sparse,soft]
+Without --llama_path it writes an 8B-shaped Meta checkpoint of random bf16 weights
+(LLaMA-3.1-8B's params.json) into a temporary folder, tensor by tensor, and removes
+it at the end. For each variant (the `math` recipe: Sparse MoA, Soft MoA with
+prompts on every layer): load, two AdamW steps on 1 x 300 tokens, save the
+adapter, greedy-decode 16 tokens through the KV cache. The plain read of the
+checkpoint is timed in the same run, each read (the plain one and every load)
+starting from a cold page cache for that file (posix_fadvise DONTNEED).
+Prints key=value pairs last.
+"""
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import Utils.jittor_env  # noqa: E402,F401
+import jittor as jt  # noqa: E402
+
+from bench import sgemm_gflops, train_flops_per_token  # noqa: E402  (bench/bench.py, beside this script)
+from Models.checkpoints import save_adapter  # noqa: E402
+from Models.generate import generate  # noqa: E402
+from Models.meta_checkpoint import build_model  # noqa: E402
+from Models.ModelArgs import ModelArgs  # noqa: E402
+from Models.torch_io import float32_to_bf16_bits  # noqa: E402
+from Models.torch_write import TensorSource, save_pth  # noqa: E402
+from Utils.settings import recipe_values  # noqa: E402
+
+LLAMA_31_8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3,
+                   multiple_of=1024, norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True)
+BATCH, SEQ, STEPS, PROMPT_LEN, NEW_TOKENS = 1, 300, 2, 16, 16
+BF16_ONE = 0x3F80
+
+
+def meta_shapes(args: ModelArgs) -> dict:
+    """Meta's tensor names and shapes for a params.json."""
+    D, F, hd, V = args.dim, args.ffn_hidden_dim, args.head_dim, args.vocab_size
+    shapes = {"tok_embeddings.weight": (V, D)}
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "attention.wq.weight": (args.n_heads * hd, D), p + "attention.wk.weight": (args.n_kv_heads * hd, D),
+                       p + "attention.wv.weight": (args.n_kv_heads * hd, D), p + "attention.wo.weight": (D, args.n_heads * hd),
+                       p + "feed_forward.w1.weight": (F, D), p + "feed_forward.w2.weight": (D, F),
+                       p + "feed_forward.w3.weight": (F, D), p + "attention_norm.weight": (D,), p + "ffn_norm.weight": (D,)})
+    shapes.update({"norm.weight": (D,), "output.weight": (V, D)})
+    return shapes
+
+
+def write_random_checkpoint(out_dir: str, params: dict, seed: int = 0):
+    """params.json and a bf16 consolidated.00.pth, written one tensor at a time. Matrices tile a
+    pool of 2^20 N(0, 0.02^2) values from a random start each (drawing 8e9 normals would take
+    longer than the benchmark; speed and memory do not depend on the values); norms are 1."""
+    with open(os.path.join(out_dir, "params.json"), "w") as f:
+        json.dump(params, f, indent=2)
+    rng = np.random.default_rng(seed)
+    pool = (rng.standard_normal(1 << 20) * 0.02).astype(np.float32)
+    pool = np.tile(float32_to_bf16_bits(pool), 2)
+
+    def make(shape):
+        if len(shape) == 1:
+            return lambda: np.full(shape, BF16_ONE, np.uint16)
+        start = int(rng.integers(0, 1 << 20))
+        return lambda: np.resize(pool[start:start + (1 << 20)], shape)
+
+    shapes = meta_shapes(ModelArgs(**params))
+    save_pth({name: TensorSource(shape, "bfloat16", make(shape)) for name, shape in shapes.items()},
+             os.path.join(out_dir, "consolidated.00.pth"))
+
+
+def drop_cached(path: str):
+    """Evict a file's pages from the page cache (clean pages only: the file was fsynced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def timed_read(path: str) -> float:
+    """Seconds to read the file once, cold, in 16 MB blocks into one buffer (what `cat > /dev/null` does)."""
+    drop_cached(path)
+    buffer = bytearray(16 << 20)
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buffer):
+            pass
+    return time.perf_counter() - start
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def run_variant(llama_dir: str, variant: str, out_dir: str, roofline: float) -> dict:
+    settings = {k: v for k, v in recipe_values("math", variant).items() if k in ModelArgs.__dataclass_fields__}
+    args = ModelArgs.from_params_json(llama_dir, **{**settings, "max_seq_len": SEQ, "max_batch_size": BATCH})
+    for path in sorted(os.listdir(llama_dir)):
+        if path.startswith("consolidated."):
+            drop_cached(os.path.join(llama_dir, path))
+    start = time.perf_counter()
+    model = build_model(llama_dir, args)
+    load_s = time.perf_counter() - start
+    print(f"[{variant}] loaded in {load_s:.1f} s, peak RSS {peak_rss_gb():.2f} GB", flush=True)
+
+    rng = np.random.default_rng(0)
+    optimizer = jt.optim.AdamW(list(model.adapter_parameters().values()), lr=6e-3, betas=(0.9, 0.95))
+    mask = jt.ones((BATCH, SEQ))
+    step_s, losses = [], []
+    for step in range(STEPS):
+        tokens = jt.array(rng.integers(0, args.vocab_size, (BATCH, SEQ)).astype(np.int32))
+        start = time.perf_counter()
+        loss, _ = model(tokens, mask, with_logits=False)
+        optimizer.step(loss)
+        losses.append(float(loss.item()))
+        jt.sync_all()
+        step_s.append(time.perf_counter() - start)
+        print(f"[{variant}] step {step}: {step_s[-1]:.1f} s, loss {losses[-1]:.4f}, "
+              f"peak RSS {peak_rss_gb():.2f} GB", flush=True)
+    start = time.perf_counter()
+    save_adapter(model, os.path.join(out_dir, f"adapter-{variant}"))
+    save_s = time.perf_counter() - start
+
+    model.eval()
+    prompt = [list(rng.integers(1, args.vocab_size, PROMPT_LEN))]
+    start = time.perf_counter()
+    out = generate(model, SimpleNamespace(stop_tokens=set()), prompt, max_gen_len=NEW_TOKENS)
+    decode_s = time.perf_counter() - start
+    print(f"[{variant}] decoded {len(out[0])} tokens in {decode_s:.1f} s", flush=True)
+
+    n_base = sum(int(np.prod(p.shape)) for p in model.base_parameters().values())
+    flops = train_flops_per_token(model, SEQ) * BATCH * SEQ
+    step = min(step_s)
+    result = dict(load_s=load_s, step_s=step, first_step_s=step_s[0], mfu=flops / step / 1e9 / roofline,
+                  loss=losses[-1], save_s=save_s, decode_tok_s=len(out[0]) / decode_s, n_base=n_base,
+                  n_adapter=sum(int(np.prod(p.shape)) for p in model.adapter_parameters().values()))
+    del model, optimizer, loss
+    jt.sync_all()
+    jt.gc()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama_path", help="a Meta checkpoint directory to load instead of a random 8B one")
+    parser.add_argument("--n_layers", type=int, default=LLAMA_31_8B["n_layers"],
+                        help="layers of the random checkpoint (a quick check: 2)")
+    parser.add_argument("--variants", default="sparse,soft", help="comma-separated: sparse, soft")
+    parser.add_argument("--tmp_dir", default=None, help="where the temporary folder goes (default: the system's)")
+    opts = parser.parse_args()
+    jt.set_global_seed(0)
+    work = tempfile.mkdtemp(prefix="moa-scale-", dir=opts.tmp_dir)
+    try:
+        llama_dir = opts.llama_path
+        if llama_dir is None:
+            llama_dir = os.path.join(work, "base")
+            os.makedirs(llama_dir)
+            start = time.perf_counter()
+            write_random_checkpoint(llama_dir, {**LLAMA_31_8B, "n_layers": opts.n_layers})
+            print(f"wrote the random checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
+        files = [os.path.join(llama_dir, f) for f in sorted(os.listdir(llama_dir)) if f.startswith("consolidated.")]
+        file_gb = sum(os.path.getsize(f) for f in files) / 1e9
+        read_s = sum(timed_read(f) for f in files)
+        print(f"plain cold read of {file_gb:.2f} GB: {read_s:.1f} s", flush=True)
+        roofline = sgemm_gflops()
+        results = {v: run_variant(llama_dir, v, work, roofline) for v in opts.variants.split(",")}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    peak = peak_rss_gb()
+    n_base = next(iter(results.values()))["n_base"]
+    line = {"n_layers": opts.n_layers, "file_gb": f"{file_gb:.2f}", "read_s": f"{read_s:.1f}",
+            "sgemm_gflops": f"{roofline:.0f}", "peak_rss_gb": f"{peak:.2f}",
+            "bytes_per_base_param": f"{peak * 1e9 / n_base:.2f}", "n_base": n_base}
+    for variant, r in results.items():
+        line.update({f"{variant}_{k}": (f"{v:.3g}" if isinstance(v, float) else v) for k, v in r.items() if k != "n_base"})
+        line[f"{variant}_load_over_read"] = f"{r['load_s'] / read_s:.2f}"
+    print(" ".join(f"{k}={v}" for k, v in line.items()))
+
+
+if __name__ == "__main__":
+    main()
