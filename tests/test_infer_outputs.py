@@ -11,14 +11,13 @@ from conftest import REPO
 
 import Infer
 from Data.synthetic import make_splits
-from Models.tiny_base import write_random_base
 from Models.Tokenizer import Tokenizer
 from Utils import misc
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return str(write_random_base(str(tmp_path_factory.mktemp("base")), dim=64, n_layers=2))
+def base(tiny_base):
+    return tiny_base
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,13 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, write_synthetic_splits
 
 import Math
 from Data.prompts import format_prompt
-from Data.synthetic import make_splits
 from Models.generate import check_kv_cache_memory, kv_cache_bytes
 from Models.ModelArgs import ModelArgs
 from Models.Tokenizer import Tokenizer
-from Models.tiny_base import write_random_base
 from Models.torch_io import load_pth
 from Utils import misc, output_dirs
 
@@ -29,19 +27,13 @@ TINY = ["--max_seq_len", "256", "--batch_size", "4", "--lora_rank", "4", "--p_ad
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return str(write_random_base(str(tmp_path_factory.mktemp("base")), dim=64, n_layers=2))
+def base(tiny_base):
+    return tiny_base
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("data")
-    paths = {}
-    for name, split in zip(("train", "val"), make_splits(48, 8, 0, seed=1)):
-        paths[name] = str(folder / f"{name}.json")
-        with open(paths[name], "w") as f:
-            json.dump(split, f)
-    return paths
+    return write_synthetic_splits(tmp_path_factory.mktemp("data"), 48, 8, seed=1)
 
 
 def argv(base, data, out, *extra):
