@@ -1,7 +1,7 @@
 """RMSNorm, Attention and FeedForward, each with its experts built in by construction.
 
-`weights` below is a dict from expert type name (Q, K, V, PROMPT, O, FFN_UP,
-FFN_GATE, FFN_DOWN) to that expert's per-token weight [B,T].
+`route` below is the layer's Routing.LayerRoute: the weight [B,T] of each expert family
+(Q, K, V, PROMPT, O, FFN_UP, FFN_GATE, FFN_DOWN) from the layer's router, or None.
 """
 
 import math
@@ -13,6 +13,7 @@ import jittor as jt
 from jittor import nn
 
 from .Experts import MOELoraLayer
+from .SparseLoRA import SparseLoRAMoE
 from .fused import rms_norm, rope, silu_gate
 from .kernels import attention
 from .ModelArgs import ModelArgs
@@ -30,15 +31,18 @@ class RMSNorm(nn.Module):
 
 
 def lora_for(args: ModelArgs, layer_id: int, target: str, in_features: int, out_features: int):
-    """The LoRA expert on `target` in this layer, or None."""
+    """The LoRA expert (or sparse mixture of LoRA experts) on `target` in this layer, or None."""
     if layer_id not in args.lora_layer_set or target not in args.targets:
         return None
+    if args.method in ("topk", "adamole"):
+        return SparseLoRAMoE(in_features, out_features, args.lora_rank, args.lora_alpha, args.expert_num,
+                             args.method, args.top_k)
     return MOELoraLayer(in_features, out_features, args.lora_rank, args.lora_alpha,
                         args.expert_num, args.hydra_moe)
 
 
-def with_lora(base: jt.Var, lora, x: jt.Var, weights: dict, target: str) -> jt.Var:
-    return base if lora is None else lora(base, x, weights[target])
+def with_lora(base: jt.Var, lora, x: jt.Var, route, target: str) -> jt.Var:
+    return base if lora is None else lora(base, x, route, target)
 
 
 class Attention(nn.Module):
@@ -81,37 +85,39 @@ class Attention(nn.Module):
         self._cache_v[:, start_pos:start_pos + T] = xv.stop_grad()
         return self._cache_k, self._cache_v
 
-    def execute(self, x, cos, sin, mask, weights, start_pos=None):
+    def execute(self, x, cos, sin, mask, route, start_pos=None):
         # x [B,T,D]; cos/sin [T,hd/2]; mask [T,S] additive; start_pos None (no cache) or int
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        xq = with_lora(self.wq(x), self.lora_Q, x, weights, "Q").reshape(B, T, H, hd)
-        xk = with_lora(self.wk(x), self.lora_K, x, weights, "K").reshape(B, T, Hkv, hd)
-        xv = with_lora(self.wv(x), self.lora_V, x, weights, "V").reshape(B, T, Hkv, hd)
+        xq = with_lora(self.wq(x), self.lora_Q, x, route, "Q").reshape(B, T, H, hd)
+        xk = with_lora(self.wk(x), self.lora_K, x, route, "K").reshape(B, T, Hkv, hd)
+        xv = with_lora(self.wv(x), self.lora_V, x, route, "V").reshape(B, T, Hkv, hd)
         xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
         keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
         out = attention(xq, keys, values, mask)  # [B,T,H,hd]
         if self.has_prompt:
-            out = out + self.prompt_output(x, xq, weights["PROMPT"])
+            out = out + self.prompt_output(x, xq, route)
         out = out.reshape(B, T, H * hd)  # [B,T,D]
-        return with_lora(self.wo(out), self.lora_O, out, weights, "O")
+        return with_lora(self.wo(out), self.lora_O, out, route, "O")
 
-    def prompt_output(self, x: jt.Var, xq: jt.Var, type_weight: jt.Var) -> jt.Var:
-        # x [B,T,D] (the layer's normalised input), xq [B,T,H,hd] (rotated queries), type_weight [B,T] -> [B,T,H,hd]
+    def prompt_output(self, x: jt.Var, xq: jt.Var, route) -> jt.Var:
+        # x [B,T,D] (the layer's normalised input), xq [B,T,H,hd] (rotated queries) -> [B,T,H,hd]
         B, T, H, hd = xq.shape
         L = self.prompt.weight.shape[0]
         # the learned prompt through the base projections, no RoPE
         prompt_k, prompt_v = self.wk(self.prompt.weight), self.wv(self.prompt.weight)  # [L, Hkv*hd]
         if self.expert_num > 1:
-            out = self.mixed_prompt_output(x, xq, prompt_k, prompt_v)
+            out = self.mixed_prompt_output(x, xq, prompt_k, prompt_v, route)
         else:
             kv_shape = (B, L, self.n_kv_heads, hd)
             prompt_k = prompt_k.reshape(1, *kv_shape[1:]).broadcast(kv_shape)
             prompt_v = prompt_v.reshape(1, *kv_shape[1:]).broadcast(kv_shape)
             out = attention(xq, prompt_k, prompt_v, jt.zeros((T, L), "float32"))  # [B,T,H,hd]
-        return out * self.prompt_gate.reshape(1, 1, H, 1) * type_weight.reshape(B, T, 1, 1)
+        out = out * self.prompt_gate.reshape(1, 1, H, 1)
+        type_weight = route.weight("PROMPT")
+        return out if type_weight is None else out * type_weight.reshape(B, T, 1, 1)
 
-    def mixed_prompt_output(self, x, xq, prompt_k, prompt_v) -> jt.Var:
+    def mixed_prompt_output(self, x, xq, prompt_k, prompt_v, route) -> jt.Var:
         """Several prompt experts, as the authors mix them: ONE softmax over all experts'
         rows, then each expert's share of it is weighted by softmax(prompt_router(x))."""
         # x [B,T,D], xq [B,T,H,hd], prompt_k/v [E*P, Hkv*hd] -> [B,T,H,hd] (before gate and type weight)
@@ -124,7 +130,9 @@ class Attention(nn.Module):
         keys, values = per_head(prompt_k), per_head(prompt_v)
         q = xq.transpose(0, 2, 1, 3)  # [B,H,T,hd]
         probs = nn.softmax(jt.matmul(q, keys.transpose(0, 1, 3, 2)) / math.sqrt(hd), dim=-1)  # [B,H,T,L]
-        gate = nn.softmax(self.prompt_router(x), dim=-1)  # [B,T,E]
+        logits = self.prompt_router(x)
+        gate = nn.softmax(logits, dim=-1)  # [B,T,E]
+        route.report("PROMPT", expert_router_logits=logits, expert_weights=gate)
         row_gate = gate.reshape(B, 1, T, E, 1).broadcast((B, 1, T, E, L // E)).reshape(B, 1, T, L)
         out = jt.matmul(probs * row_gate, values)  # [B,H,T,hd]
         return out.transpose(0, 2, 1, 3)
@@ -142,12 +150,12 @@ class FeedForward(nn.Module):
         self.lora_GATE = lora_for(args, layer_id, "FFN_GATE", D, F)
         self.lora_DOWN = lora_for(args, layer_id, "FFN_DOWN", F, D)
 
-    def execute(self, x: jt.Var, weights: dict) -> jt.Var:
+    def execute(self, x: jt.Var, route) -> jt.Var:
         # x [B,T,D] -> [B,T,D]; hidden [B,T,F]
-        gate = with_lora(self.w1(x), self.lora_GATE, x, weights, "FFN_GATE")
-        up = with_lora(self.w3(x), self.lora_UP, x, weights, "FFN_UP")
+        gate = with_lora(self.w1(x), self.lora_GATE, x, route, "FFN_GATE")
+        up = with_lora(self.w3(x), self.lora_UP, x, route, "FFN_UP")
         hidden = silu_gate(gate, up)
-        return with_lora(self.w2(hidden), self.lora_DOWN, hidden, weights, "FFN_DOWN")
+        return with_lora(self.w2(hidden), self.lora_DOWN, hidden, route, "FFN_DOWN")
 
 
 def attention_mask(T: int, S: int, start_pos: int) -> np.ndarray:

@@ -2,9 +2,10 @@
 
 Prompt tuning lives in Block.Attention: it needs the layer's queries and projections.
 
-Every expert is called as expert(base, x, type_weight): it adds its output on x,
-under its per-token type weight [B,T], to the tensor it sits beside (base), in one
-fused pass; the block owns the routing.
+Every expert is called as expert(base, x, route, family): it adds its output on x, under
+the weight route.weight(family) [B,T] (None: unweighted), to the tensor it sits beside
+(base), in one fused pass. The block owns the routing between families (Models/Routing.py);
+a family of several experts mixes them with its own softmax router and reports it on `route`.
 """
 import math
 
@@ -31,6 +32,13 @@ def xavier_linear(in_features: int, out_features: int, gain: float) -> Linear:
     layer.weight = init.uniform((out_features, in_features), "float32", -bound, bound)
     layer.bias = jt.zeros((out_features,), "float32")
     return layer
+
+
+def add_expert(base: jt.Var, delta: jt.Var, weight, scale: float) -> jt.Var:
+    """base + delta * scale, times the family's weight [B,T] when the method routes families."""
+    if weight is None:
+        return base + delta * scale
+    return add_weighted(base, delta, weight, scale)
 
 
 def mix_experts(gate: jt.Var, outputs: list) -> jt.Var:
@@ -66,12 +74,14 @@ class MOELoraLayer(nn.Module):
             self.lora_A_l = nn.ModuleList([Linear(in_features, rank, bias=False) for _ in range(expert_num)])
         self.lora_B_l = nn.ModuleList([zero_linear(rank, out_features) for _ in range(expert_num)])
 
-    def unweighted(self, x: jt.Var) -> jt.Var:
+    def unweighted(self, x: jt.Var, route, family: str) -> jt.Var:
         """B(A x), mixed by the expert router when expert_num > 1; before scaling and type weight."""
         # x [B,T,in] -> [B,T,out]
         if self.expert_num == 1:
             return self.lora_B(self.lora_A(x))
-        gate = nn.softmax(self.router(x), dim=-1)  # [B,T,E]
+        logits = self.router(x)
+        gate = nn.softmax(logits, dim=-1)  # [B,T,E]
+        route.report(family, expert_router_logits=logits, expert_weights=gate)
         if self.hydra:
             shared = self.lora_A(x)  # one A feeds every B
             outputs = [b(shared) for b in self.lora_B_l]
@@ -79,9 +89,9 @@ class MOELoraLayer(nn.Module):
             outputs = [b(a(x)) for a, b in zip(self.lora_A_l, self.lora_B_l)]
         return mix_experts(gate, outputs)
 
-    def execute(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
-        # base [B,T,out] + the expert's output on x [B,T,in], weighted by type_weight [B,T] -> [B,T,out]
-        return add_weighted(base, self.unweighted(x), type_weight, self.scaling)
+    def execute(self, base: jt.Var, x: jt.Var, route, family: str) -> jt.Var:
+        # base [B,T,out] + the expert's output on x [B,T,in], weighted by route.weight(family) [B,T] -> [B,T,out]
+        return add_expert(base, self.unweighted(x, route, family), route.weight(family), self.scaling)
 
 
 class PAdapterLayer(nn.Module):
@@ -107,12 +117,14 @@ class PAdapterLayer(nn.Module):
             self.down_proj_l = nn.ModuleList([xavier_linear(dim, size, 1e-4) for _ in range(expert_num)])
         self.up_proj_l = nn.ModuleList([xavier_linear(size, dim, 1e-4) for _ in range(expert_num)])
 
-    def unweighted(self, x: jt.Var) -> jt.Var:
+    def unweighted(self, x: jt.Var, route) -> jt.Var:
         """up(silu(down(x))), mixed by the adapter router when expert_num > 1; before the type weight."""
         # x [B,T,D] -> [B,T,D]
         if self.expert_num == 1:
             return self.up_proj(nn.silu(self.down_proj(x)))
-        gate = nn.softmax(self.router(x), dim=-1)  # [B,T,E]
+        logits = self.router(x)
+        gate = nn.softmax(logits, dim=-1)  # [B,T,E]
+        route.report("PADAPTER", expert_router_logits=logits, expert_weights=gate)
         if self.hydra:
             hidden = nn.silu(self.down_proj(x))  # one down projection feeds every up
             outputs = [u(hidden) for u in self.up_proj_l]
@@ -120,6 +132,6 @@ class PAdapterLayer(nn.Module):
             outputs = [u(nn.silu(d(x))) for d, u in zip(self.down_proj_l, self.up_proj_l)]
         return mix_experts(gate, outputs)
 
-    def execute(self, base: jt.Var, x: jt.Var, type_weight: jt.Var) -> jt.Var:
-        # base [B,T,D] + the adapter's output on x [B,T,D] (the normalised FFN input), weighted by type_weight [B,T]
-        return add_weighted(base, self.unweighted(x), type_weight, 1.0)
+    def execute(self, base: jt.Var, x: jt.Var, route) -> jt.Var:
+        # base [B,T,D] + the adapter's output on x [B,T,D] (the normalised FFN input), weighted by route [B,T]
+        return add_expert(base, self.unweighted(x, route), route.weight("PADAPTER"), 1.0)

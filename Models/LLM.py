@@ -5,17 +5,27 @@ from jittor import nn
 
 from .Block import Attention, FeedForward, RMSNorm, attention_mask
 from .Experts import PAdapterLayer
-from .ModelArgs import ModelArgs
+from .kernels import Linear
+from .ModelArgs import INSTANCE_METHODS, ModelArgs
 from .precision import BaseLinear
-from .Routing import Gamma, hard_select, type_router
+from .Routing import UNIPEFT_GATES, Gamma, LayerRoute, hard_select, sequence_mean, type_router
 from .utils import rope_tables
 
-SOFT_CLAMP = 65500.0  # the authors' fp16 guard, applied by Soft MoA in fp32 too
+SOFT_CLAMP = 65500.0  # the authors' fp16 guard, applied in fp32 too (not by Sparse MoA)
 
 
 class TransformerBlock(nn.Module):
+    """One layer; it owns the routing between its expert families (route()).
+
+    moa: the type router on each token's residual stream, sigmoid weights, and in Sparse MoA the
+    threshold Gamma. instance: the same router on the sequence mean. unipeft: one gate per family
+    from the sequence mean. moe, topk, adamole: no routing between families (their experts mix
+    inside a family). Instance-level decisions are taken on a whole sequence or on the KV-cache
+    prefill, and kept for the decode steps that follow, as the authors' code does.
+    """
+
     def __init__(self, layer_id: int, args: ModelArgs):
-        self.variant = args.variant
+        self.method, self.variant = args.method, args.variant
         self.gamma_grad = args.gamma_grad
         self.type_names = args.type_names(layer_id)
         self.attention = Attention(args, layer_id)
@@ -28,33 +38,75 @@ class TransformerBlock(nn.Module):
         self.adapter_type_router = self.adapter_threshold_fn = None
         if self.type_names:
             self.adapter_type_router = type_router(args.dim, len(self.type_names), args.swi_x)
-            if self.variant == "sparse":
+            if self.method == "moa" and self.variant == "sparse":
                 self.adapter_threshold_fn = Gamma(args.dim, args.max_threshold, args.const_threshold)
+        self.lora_targets, self.gate_names = [], []
+        if self.method == "unipeft":
+            has_lora = layer_id in args.lora_layer_set and bool(args.targets)
+            on = {"LORA": has_lora, "PROMPT": layer_id in args.prompt_layer_set, "PADAPTER": self.p_adapter is not None}
+            self.gate_names = [name for name in UNIPEFT_GATES if on[name]]
+            self.lora_targets = list(args.targets) if has_lora else []
+            for linear in dict.fromkeys(UNIPEFT_GATES[name] for name in self.gate_names):
+                setattr(self, linear, Linear(args.dim, 1, bias=True))
+            if on["PADAPTER"]:
+                self.p_adapter_gate = Linear(args.dim, 1, bias=True)  # never read, see Routing.UNIPEFT_GATES
+        # clamp: the authors' fp16 guard, kept in fp32 by every folder but Sparse MoA's
+        self.clamp = not (self.method == "moa" and self.variant == "sparse")
+        self._sequence_gates = None  # instance-level decisions of the last prefill
 
-    def route(self, x: jt.Var):
-        """Type weights [B,T,n_types] from the raw residual stream, and Gamma [B,T,1] (Sparse) or None."""
-        probs = jt.sigmoid(self.adapter_type_router(x))
-        if self.variant == "soft":
-            return probs, None
-        gamma = self.adapter_threshold_fn(x)
-        return probs * hard_select(probs, gamma, self.gamma_grad), gamma
+    def reset_cache(self):
+        self.attention.reset_cache()
+        self._sequence_gates = None
 
-    def execute(self, x, cos, sin, mask, start_pos=None, records=None):
+    def route(self, x: jt.Var, start_pos, record) -> dict:
+        """Each family's weight [B,T] from the raw residual stream x [B,T,D]; fills `record`."""
+        B, T, _ = x.shape
+        if self.method == "moa" and self.type_names:
+            probs = jt.sigmoid(self.adapter_type_router(x))  # [B,T,n_types]
+            gamma = None
+            if self.variant == "sparse":
+                gamma = self.adapter_threshold_fn(x)  # [B,T,1]
+                probs = probs * hard_select(probs, gamma, self.gamma_grad)
+            if record is not None:
+                record.update(type_weight=probs, threshold=gamma)
+            return {name: probs[:, :, i] for i, name in enumerate(self.type_names)}
+        if self.method not in INSTANCE_METHODS or not (self.type_names or self.gate_names):
+            return {}
+        if start_pos is None or start_pos == 0:  # a whole sequence or a prefill decides
+            pooled = sequence_mean(x)  # [B,1,D]
+            if self.method == "instance":
+                logits = self.adapter_type_router(pooled)  # [B,1,n_types]
+            else:
+                logits = jt.concat([getattr(self, UNIPEFT_GATES[name])(pooled) for name in self.gate_names], dim=-1)
+            gates = jt.sigmoid(logits)
+            if start_pos == 0:
+                self._sequence_gates = gates.stop_grad()
+            if record is not None:
+                record.update(pooled=pooled, router_logits=logits)
+        else:
+            gates = self._sequence_gates
+        names = self.type_names if self.method == "instance" else self.gate_names
+        if record is not None:
+            record.update(sequence_gates=gates, gate_names=names)
+        per_token = {name: gates[:, :, i].broadcast((B, T)) for i, name in enumerate(names)}
+        if self.method == "instance":
+            return per_token
+        weights = {target: per_token["LORA"] for target in self.lora_targets}
+        weights.update({name: per_token[name] for name in ("PROMPT", "PADAPTER") if name in per_token})
+        return weights
+
+    def execute(self, x, cos, sin, mask, start_pos=None, records=None, aux=None):
         # x [B,T,D] -> [B,T,D]
-        weights, gamma = {}, None
-        if self.type_names:
-            type_weight, gamma = self.route(x)
-            weights = {name: type_weight[:, :, i] for i, name in enumerate(self.type_names)}
-            if records is not None:
-                records.append({"type_weight": type_weight, "threshold": gamma})
-        elif records is not None:
-            records.append({"type_weight": None, "threshold": None})
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, weights, start_pos)
+        record = {"type_weight": None, "threshold": None} if records is not None else None
+        route = LayerRoute(self.route(x, start_pos, record), record, aux)
+        if records is not None:
+            records.append(record)
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, route, start_pos)
         normed = self.ffn_norm(h)
-        out = h + self.feed_forward(normed, weights)
+        out = h + self.feed_forward(normed, route)
         if self.p_adapter is not None:
-            out = self.p_adapter(out, normed, weights["PADAPTER"])
-        if self.variant == "soft":
+            out = self.p_adapter(out, normed, route)
+        if self.clamp:
             out = jt.clamp(out, -SOFT_CLAMP, SOFT_CLAMP)
         return out
 
@@ -72,9 +124,9 @@ class LLaMA(nn.Module):
 
     def reset_cache(self):
         for layer in self.layers:
-            layer.attention.reset_cache()
+            layer.reset_cache()
 
-    def execute(self, tokens: jt.Var, start_pos=None, records=None, last=False) -> jt.Var:
+    def execute(self, tokens: jt.Var, start_pos=None, records=None, last=False, aux=None) -> jt.Var:
         """tokens [B,T] -> logits [B,T,V], or [B,1,V] of the last position only with last=True
         (decoding needs no more, and [B,T,V] at LLaMA-3's vocabulary is large).
 
@@ -82,12 +134,14 @@ class LLaMA(nn.Module):
         start_pos int: tokens sit at start_pos.. and go through the preallocated
         KV cache (eval mode only); attention always spans max_seq_len keys so the
         graph keeps one shape per T.
-        records: a list that receives one {type_weight, threshold} dict per layer.
+        records: a list that receives one dict per layer of its routers' outputs: type_weight and
+        threshold (MoA), sequence_gates (instance, unipeft), and per family the expert routers'.
+        aux: a list that receives the load-balancing terms of sparse expert mixtures.
         """
-        h = self.hidden(tokens, start_pos, records)  # [B,T,D]
+        h = self.hidden(tokens, start_pos, records, aux)  # [B,T,D]
         return self.output(h[:, -1:] if last else h)
 
-    def hidden(self, tokens: jt.Var, start_pos=None, records=None) -> jt.Var:
+    def hidden(self, tokens: jt.Var, start_pos=None, records=None, aux=None) -> jt.Var:
         """tokens [B,T] -> the final normed hidden states [B,T,D], before the output matrix."""
         B, T = tokens.shape
         S = T if start_pos is None else self.args.max_seq_len
@@ -101,5 +155,5 @@ class LLaMA(nn.Module):
         sin = jt.array(self._rope_sin[first:first + T])
         h = self.tok_embeddings(tokens).float32()  # [B,T,D]; the table may be stored in bf16
         for layer in self.layers:
-            h = layer(h, cos, sin, mask, start_pos, records)
+            h = layer(h, cos, sin, mask, start_pos, records, aux)
         return self.norm(h)  # [B,T,D] fp32

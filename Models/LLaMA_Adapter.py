@@ -2,7 +2,9 @@
 
 One naming rule drives freezing, the optimiser and saving: a parameter is an
 adapter parameter when its name contains `lora`, `prompt` or `adapter` (which
-catches the authors' `adapter_type_router` and `adapter_threshold_fn`).
+catches the authors' `adapter_type_router` and `adapter_threshold_fn`, and the
+baselines' routers and gates). One exception: UniPEFT's `p_adapter_gate`, saved
+but never read by the authors' model, stays frozen (Routing.UNIPEFT_GATES).
 """
 from collections import Counter
 
@@ -14,13 +16,15 @@ from jittor import nn
 
 from .fused import output_nll
 from .LLM import LLaMA
-from .ModelArgs import ModelArgs
+from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
 from .precision import set_base_precision
+from .Routing import UNUSED_UNIPEFT_PARAM
 
 ADAPTER_KEYS = ("lora", "prompt", "adapter")
 EXPERT_FAMILIES = {"lora_Q": "Q", "lora_K": "K", "lora_V": "V", "lora_O": "O", "lora_UP": "FFN_UP",
                    "lora_GATE": "FFN_GATE", "lora_DOWN": "FFN_DOWN", "prompt": "PROMPT", "prompt_gate": "PROMPT",
-                   "p_adapter": "PADAPTER", "adapter_type_router": "ROUTER", "adapter_threshold_fn": "GAMMA"}
+                   "p_adapter": "PADAPTER", "adapter_type_router": "ROUTER", "adapter_threshold_fn": "GAMMA",
+                   "lora_gate": "ROUTER", "p_adapter_gate": "ROUTER"}
 
 
 def is_adapter_param(name: str) -> bool:
@@ -42,8 +46,9 @@ class LLaMA_adapter(nn.Module):
         set_base_precision(self, args.precision)  # also freezes the base
 
     def freeze_base(self):
+        unused = UNUSED_UNIPEFT_PARAM if self.args.method == "unipeft" else None
         for name, param in self.named_parameters():
-            param.requires_grad = is_adapter_param(name)
+            param.requires_grad = is_adapter_param(name) and not (unused and unused in name.split("."))
 
     def adapter_parameters(self) -> dict:
         """name -> Var of every trainable (adapter) parameter, in module order."""
@@ -71,13 +76,22 @@ class LLaMA_adapter(nn.Module):
         tokens[:, t] from the prefix before it (column 0 is never used).
         Returns (loss scalar, logits [B,T,V]), or (loss, None) with with_logits=False:
         the loss itself never holds [B,T,V] logits (output_nll works in row chunks).
+        In training, the sparse MoE-LoRA baselines add lb_loss_coeff times the sum of their
+        modules' load-balancing terms, as the authors do; `last_loss_parts` keeps both parts.
         """
-        h = self.llama.hidden(tokens, records=records)  # [B,T,D]
+        aux = [] if self.is_training() and self.args.method in SPARSE_MOE_METHODS else None
+        h = self.llama.hidden(tokens, records=records, aux=aux)  # [B,T,D]
         # Position t predicts tokens[:, t+1]; the last position gets a dummy target and
         # weight 0, which spares slicing h[:, :-1] (a [B,T-1,D] copy) both ways.
         B = tokens.shape[0]
         targets = jt.concat([tokens[:, 1:], jt.zeros((B, 1), tokens.dtype)], dim=1)  # [B,T]
         mask = jt.concat([loss_mask[:, 1:].float32(), jt.zeros((B, 1), "float32")], dim=1)
         nll = output_nll(h, self.llama.output.weight, targets)  # [B,T]
-        loss = (nll * mask).sum() / mask.sum().maximum(1.0)
+        count = mask.sum()
+        loss = (nll * mask).sum() / count.maximum(1.0)
+        self.last_loss_parts = {"ce": loss}
+        if aux:  # the authors add it only when some target counts
+            aux_loss = sum(aux[1:], aux[0])
+            self.last_loss_parts["aux"] = aux_loss
+            loss = loss + self.args.lb_loss_coeff * aux_loss * (count > 0).float32()
         return loss, (self.llama.output(h) if with_logits else None)

@@ -10,6 +10,13 @@ LORA_TARGETS = ("Q", "K", "V", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN")
 # The router's column order is fixed by the authors' code, whatever order lora_targets lists.
 TYPE_ORDER = ("Q", "K", "V", "PROMPT", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN", "PADAPTER")
 VARIANTS = ("soft", "sparse")
+# moa: the heterogeneous type router (Soft or Sparse, `variant`); the paper's baselines, each the
+# authors' folder of that name: moe = LLaMA3_soft_moe (LoRA, MoLoRA, HydraLoRA, prompt/adapter MoE:
+# families simply added), topk / adamole = LLaMA3_sparse_moe, instance = LLaMA3_soft_moa_instance,
+# unipeft = LLaMA3_UniPEFT. docs/baselines.md says what each computes.
+METHODS = ("moa", "moe", "topk", "adamole", "instance", "unipeft")
+SPARSE_MOE_METHODS = ("topk", "adamole")
+INSTANCE_METHODS = ("instance", "unipeft")  # routed once per sequence, from its mean
 GAMMA_GRADS = ("authors", "ste")
 PRECISIONS = ("bf16", "fp32")
 PRECISION_HELP = ("storage of the frozen base's matrices. bf16 halves the base's memory (what an 8B model needs), "
@@ -61,8 +68,13 @@ class ModelArgs:
     # The paper's recipes (LLaMA-3.1-8B) choose bf16, as the authors' bf16=True does: their base does
     # not fit a 24 GB machine in fp32. Models/precision.py does the work.
     precision: str = setting("fp32", PRECISION_HELP, PRECISIONS)
+    method: str = setting("moa", "the mixture: moa (the heterogeneous type router, see --variant), or a baseline: "
+                                 "moe (LoRA / MoLoRA / HydraLoRA / prompt and adapter MoE, by --expert_num and "
+                                 "--hydra_moe), topk (sparse MoE-LoRA), adamole (threshold MoE-LoRA), instance "
+                                 "(Soft MoA routed per sequence), unipeft (one gate per family per sequence)",
+                          METHODS)
     # MoA: experts (layer spans are half-open, e.g. '0-32' or '0-8,24-32'; 'all' = every layer, '0-0' = none)
-    variant: str = setting("sparse", "Soft MoA (every expert, sigmoid-weighted) or Sparse MoA (a learned "
+    variant: str = setting("sparse", "method moa: Soft MoA (every expert, sigmoid-weighted) or Sparse MoA (a learned "
                                      "per-token threshold switches experts off)", VARIANTS)
     lora_layers: str = setting("0-0", "layer spans with LoRA experts")
     lora_rank: int = setting(8, "LoRA rank r")
@@ -79,6 +91,9 @@ class ModelArgs:
     swi_x: int = setting(4, "type router hidden width multiplier (SwiGLU); 0 = a Linear router")
     max_threshold: float = setting(0.5, "Sparse MoA: upper bound of the learned threshold Gamma")
     const_threshold: bool = setting(False, "Sparse MoA: a constant threshold instead of a learned one")
+    top_k: int = setting(2, "topk: experts each token uses, weights renormalised over them")
+    lb_loss_coeff: float = setting(0.001, "topk/adamole: weight of the load-balancing loss added to the training "
+                                          "loss (the paper's final runs: 0)")
     gamma_grad: str = setting("authors", "gradient through the Sparse selection: 'authors' (none reaches "
                                          "Gamma, as in their code) or 'ste' (straight-through)", GAMMA_GRADS)
 
@@ -123,8 +138,31 @@ class ModelArgs:
         self.lora_layer_set = parse_layer_span(self.lora_layers, self.n_layers, "lora_layers")
         self.p_adapter_layer_set = parse_layer_span(self.p_adapter_layers, self.n_layers, "p_adapter_layers")
         self.prompt_layer_set = parse_layer_span(self.prompt_layers, self.n_layers, "prompt_layers")
-        if self.variant == "sparse" and self.prompt_layer_set:
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r}: choose one of {METHODS}")
+        if self.method == "moa" and self.variant == "sparse" and self.prompt_layer_set:
             raise ValueError("prompt tuning is not a token-level expert: Sparse MoA needs prompt_layers='0-0'")
+        self.check_baseline()
+
+    def check_baseline(self):
+        """Refuse the baseline settings the authors' code has no working form of."""
+        if self.method in SPARSE_MOE_METHODS:
+            if self.expert_num < 2:
+                raise ValueError(f"method={self.method} mixes LoRA experts: expert_num must be >= 2")
+            if self.prompt_layer_set or self.p_adapter_layer_set:
+                raise ValueError(f"method={self.method} is a mixture of LoRA experts only (as the paper ran it): "
+                                 "set prompt_layers and p_adapter_layers to '0-0'")
+            if self.method == "topk" and not 1 <= self.top_k <= self.expert_num:
+                raise ValueError(f"top_k={self.top_k} must be between 1 and expert_num={self.expert_num}")
+            if self.method == "topk" and self.top_k == 1 and self.lb_loss_coeff == 0:
+                raise ValueError("top_k=1 gives every chosen expert weight 1, so only the load-balancing loss "
+                                 "trains the router: with lb_loss_coeff=0 it never learns; use top_k >= 2")
+        if self.lb_loss_coeff < 0:
+            raise ValueError(f"lb_loss_coeff={self.lb_loss_coeff} must be >= 0")
+        if self.method == "unipeft" and not self.p_adapter_layer_set <= self.prompt_layer_set:
+            # the authors weight the adapter by the prompt's gate (their p_adapter_gate is never read)
+            raise ValueError("method=unipeft weights the parallel adapter by the layer's prompt gate, as the "
+                             "authors' code does: every p_adapter layer needs prompt tuning too")
 
     @property
     def head_dim(self) -> int:
@@ -142,7 +180,9 @@ class ModelArgs:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def type_names(self, layer: int) -> list:
-        """The router's columns in layer `layer`, in the authors' fixed order."""
+        """The type router's columns in layer `layer`, in the authors' fixed order (MoA and instance)."""
+        if self.method not in ("moa", "instance"):
+            return []
         present = set(self.targets) if layer in self.lora_layer_set else set()
         if layer in self.prompt_layer_set:
             present.add("PROMPT")

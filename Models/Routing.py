@@ -1,4 +1,6 @@
-"""Routing between expert types: the type router and the Sparse threshold Gamma."""
+"""Routing between expert types: the per-token type router and Sparse MoA's threshold Gamma, the
+instance-level routers of the baselines (one decision per sequence), and LayerRoute, which carries
+one layer's decisions to its experts."""
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
@@ -68,3 +70,46 @@ class Gamma(nn.Module):
         if self.const:
             return jt.full((x.shape[0], x.shape[1], 1), self.max_threshold, "float32")
         return self.max_threshold * jt.sigmoid(linear(x, self.weight, self.bias))
+
+
+class LayerRoute:
+    """One layer's routing in one forward pass, as its experts see it.
+
+    weight(family): the family's weight [B,T] from the layer's router, or None when the method
+    weights nothing (the homogeneous baselines add every family as is). Expert mixtures inside a
+    family report their own router outputs here (kept when the caller records them, keyed
+    output name -> family) and add their load-balancing terms (kept in training).
+    """
+
+    def __init__(self, weights: dict, record=None, aux=None):
+        self.weights, self.record, self.aux = weights, record, aux
+
+    def weight(self, family: str):
+        return self.weights.get(family)
+
+    def report(self, family: str, **outputs):
+        if self.record is not None:
+            for key, value in outputs.items():
+                self.record.setdefault(key, {})[family] = value
+
+    def add_aux(self, family: str, loss: jt.Var):
+        if self.aux is not None:
+            self.aux.append(loss)
+        self.report(family, aux_loss=loss)
+
+
+def sequence_mean(x: jt.Var) -> jt.Var:
+    """The instance-level routers' input: the plain mean of the block input over every position.
+
+    Padding is included, as in the authors' code: their batches are right-padded with token 0,
+    so the pads' hidden states move the mean (training pads to max_seq_len for these methods).
+    """
+    # x [B,T,D] -> [B,1,D]
+    return x.mean(dim=1, keepdims=True)
+
+
+# UniPEFT's gate columns and the block Linear each reads. The authors weight the parallel adapter
+# by the prompt's gate: their `p_adapter_gate` is built and saved but never read (frozen here, so
+# it keeps its value as their AdamW keeps a parameter without gradient).
+UNIPEFT_GATES = {"LORA": "lora_gate", "PROMPT": "prompt_gate", "PADAPTER": "prompt_gate"}
+UNUSED_UNIPEFT_PARAM = "p_adapter_gate"

@@ -30,7 +30,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from .LLaMA_Adapter import LLaMA_adapter, is_adapter_param
-from .authors_options import authors_params, fields_from_authors
+from .authors_options import authors_params, fields_from_authors, folder_of
 from .ModelArgs import ModelArgs
 from .torch_io import CheckpointError, PlainNamespace, load_pth
 from .torch_write import save_pth
@@ -184,9 +184,10 @@ def adapter_config_path(path: str) -> str:
     return os.path.join(path if os.path.isdir(path) else os.path.dirname(path), ADAPTER_PARAMS)
 
 
-def read_adapter_config(path: str):
+def read_adapter_config(path: str, hint: str = None):
     """The adapter_params.json beside an adapter (ours or the authors') as our ModelArgs
-    fields (Meta's fields only when ours carries them), or None when there is none."""
+    fields (Meta's fields only when ours carries them), or None when there is none. `hint`
+    names the authors' folder where their option sets coincide (authors_options.authors_folder)."""
     config_path = adapter_config_path(path)
     if not os.path.isfile(config_path):
         return None
@@ -194,12 +195,12 @@ def read_adapter_config(path: str):
         config = read_json_object(config_path, "adapter settings")
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    return config if "variant" in config else fields_from_authors(config, config_path)
+    return config if "variant" in config else fields_from_authors(config, config_path, hint=hint)
 
 
 def load_adapter(model: LLaMA_adapter, path: str):
     """Load our adapter directory or file, or the authors' adapter.pth, into `model` strictly."""
-    config = read_adapter_config(path)
+    config = read_adapter_config(path, hint=folder_of(model.args))
     if config is not None:
         differences = config_differences(config, model.args)
         if differences:
@@ -223,24 +224,29 @@ def export_authors_adapter(adapter_path: str, out_path: str, bf16: bool = False)
     write_json(params, os.path.join(os.path.dirname(os.path.abspath(out_path)), ADAPTER_PARAMS))
 
 
-def read_authors(path: str):
+def read_authors(path: str, method: str = None):
     """The authors' adapter.pth (their adapter_params.json beside it) or their training
-    checkpoint-N.pth (its 'args' Namespace) -> (adapter tensors, our ModelArgs fields)."""
+    checkpoint-N.pth (its 'args' Namespace) -> (adapter tensors, our ModelArgs fields).
+    Soft MoA and instance-level MoA write the same options and names: `method` "instance"
+    says which; UniPEFT is told by its gates' names."""
     state = load_pth(path)
+    arrays = adapter_tensors(state, path)
+    hint = method or ("unipeft" if any(n.split(".")[-2] == "lora_gate" for n in arrays) else None)
     if isinstance(state, dict) and isinstance(state.get("args"), PlainNamespace):
-        fields = fields_from_authors(vars(state["args"]), f"{path} (args)")
+        fields = fields_from_authors(vars(state["args"]), f"{path} (args)", hint=hint)
     else:
-        fields = read_adapter_config(path)
+        fields = read_adapter_config(path, hint=hint)
         if fields is None or "dim" in fields:
             raise CheckpointError(f"{path}: neither the authors' checkpoint-N.pth (with 'args') nor their "
                                   f"adapter.pth with their {ADAPTER_PARAMS} beside it")
-    return adapter_tensors(state, path), fields
+    return arrays, fields
 
 
-def import_authors_adapter(authors_path: str, out_dir: str, base: ModelArgs):
+def import_authors_adapter(authors_path: str, out_dir: str, base: ModelArgs, method: str = None):
     """The authors' adapter.pth or checkpoint-N.pth -> our adapter directory, with no MoA
-    setting to repeat. `base` gives Meta's fields (dim, layers, ...), which their files lack."""
-    arrays, fields = read_authors(authors_path)
+    setting to repeat. `base` gives Meta's fields (dim, layers, ...), which their files lack;
+    `method` "instance" marks an instance-level MoA file (its options are Soft MoA's)."""
+    arrays, fields = read_authors(authors_path, method)
     model = LLaMA_adapter(ModelArgs(**{**base.to_dict(), **fields}))
     assign_strict(model.adapter_parameters(), arrays, authors_path, "adapter")
     save_adapter(model, out_dir)
@@ -259,12 +265,14 @@ def main(argv=None):
     i.add_argument("authors", help="their adapter.pth (with their adapter_params.json beside it) or checkpoint-N.pth")
     i.add_argument("out", help="our adapter directory to write")
     i.add_argument("--llama_path", required=True, help="the Meta checkpoint directory the adapter was trained on")
+    i.add_argument("--method", choices=["instance"], help="the file comes from LLaMA3_soft_moa_instance, whose "
+                   "options and names are Soft MoA's (every other method is told from the file)")
     args = p.parse_args(argv)
     try:
         if args.command == "export":
             export_authors_adapter(args.adapter, args.out, bf16=args.bf16)
         else:
-            import_authors_adapter(args.authors, args.out, ModelArgs.from_params_json(args.llama_path))
+            import_authors_adapter(args.authors, args.out, ModelArgs.from_params_json(args.llama_path), args.method)
     except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
         p.exit(2, f"error: {e}\n")
     print(f"[checkpoints] wrote {args.out}")

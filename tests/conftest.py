@@ -97,10 +97,14 @@ def kv_logits(llama, tokens: np.ndarray, prefill: int) -> np.ndarray:
 
 # sparse_s0, soft_s0 (one expert per type) and soft_e2_s3 (two experts per type)
 GOLDEN_FILES = ("sparse_s0", "soft_s0", "soft_e2_s3")
+# the authors' baseline methods (tests/golden/baselines/README.md)
+BASELINE_FILES = ("soft_moe_lora_s0", "soft_moe_molora_e2_s0", "soft_moe_hydra_e3_s1", "soft_moe_ppmoe_e2_s0",
+                  "sparse_moe_topk2_e4_s0", "sparse_moe_adamole_e4_s0", "instance_s0", "unipeft_s0")
 
 
 def load_golden(stem: str):
-    """(npz, meta dict, ModelArgs in fp32) of tests/golden/<stem>.npz, e.g. "sparse_s0" or "soft_e2_s3"."""
+    """(npz, meta dict, ModelArgs in fp32) of tests/golden/<stem>.npz, e.g. "sparse_s0" or
+    "baselines/instance_s0"; meta["variant"] names the authors' folder (authors_options)."""
     data = np.load(GOLDEN / f"{stem}.npz", allow_pickle=False)
     meta = json.loads(str(data["meta"]))
     return data, meta, args_from_authors(meta["model_args"], meta["variant"], precision="fp32")  # parity in fp32
