@@ -364,12 +364,14 @@ def write_results(args, folder, test_sets, examples, results, tok, model, run_di
     summary = score_and_write(test_sets, examples, results, folder, meta)
     log_path = os.path.join(run_dir_path, "log.txt") if run_dir_path else None
     from Utils import plots  # matplotlib only on rank 0
-    type_data = token_data = None
+    type_data = token_data = expert_data = None
     if args.save_weights:
-        type_data, token_data = plots.weight_pickles(test_sets, tok, results, model)
+        type_data, token_data, expert_data = plots.weight_pickles(test_sets, tok, results, model)
         misc.save_on_master(type_data, os.path.join(folder, "type_weight.pkl"))
         misc.save_on_master(token_data, os.path.join(folder, "token_weight.pkl"))
-    pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)))
+        if expert_data is not None:
+            misc.save_on_master(expert_data, os.path.join(folder, "expert_weight.pkl"))
+    pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)), expert_data)
     if pngs:
         print_main("[infer] plots: " + ", ".join(sorted(os.path.basename(p) for p in pngs.values())))
     return summary

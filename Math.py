@@ -33,7 +33,7 @@ from Data.synthetic import make_splits
 from engine_finetune import NonFiniteLoss, Progress, RunContext, build_optimizer, train
 from Models.checkpoints import load_adapter, restore_checkpoint, resume_signature, save_adapter
 from Models.meta_checkpoint import build_model, open_tokenizer
-from Models.ModelArgs import ModelArgs
+from Models.ModelArgs import INSTANCE_METHODS, ModelArgs
 from Models.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
 from Utils.misc import EarlyStopper, all_reduce_sum, print_main
@@ -137,12 +137,15 @@ def prepare(args):
                                             max_batch_size=cfg.batch_size // args.world_size)
     examples = load_data(args, cfg)
     tokenizer = open_tokenizer(args.llama_path, model_args.vocab_size)
-    train_ds = FinetuneDataset(examples[0], tokenizer, model_args.max_seq_len, cfg.batch_size, shuffle=True,
-                               drop_last=True, seed=cfg.seed, keep_numpy_array=True)
+    # Instance-level routers pool every position, padding included: pad to max_seq_len as the
+    # authors' data does, so a sequence's gates do not depend on the length of its batch's longest.
+    buckets = [model_args.max_seq_len] if model_args.method in INSTANCE_METHODS else None
+    train_ds = FinetuneDataset(examples[0], tokenizer, model_args.max_seq_len, cfg.batch_size, buckets=buckets,
+                               shuffle=True, drop_last=True, seed=cfg.seed, keep_numpy_array=True)
     val_ds = None
     if examples[1] is not None:
-        val_ds = FinetuneDataset(examples[1], tokenizer, model_args.max_seq_len, cfg.batch_size, shuffle=False,
-                                 drop_last=False, keep_numpy_array=True)
+        val_ds = FinetuneDataset(examples[1], tokenizer, model_args.max_seq_len, cfg.batch_size, buckets=buckets,
+                                 shuffle=False, drop_last=False, keep_numpy_array=True)
     check_lengths(args, train_ds, val_ds, model_args.max_seq_len)
     if len(train_ds) < cfg.accum_iter:
         fail(f"{len(train_ds)} batches per epoch cannot fill one optimizer step of --accum_iter {cfg.accum_iter}")

@@ -6,7 +6,10 @@ back-propagates its local sum(mask * nll) * world / N; Jittor's optimizer
 averages gradients over the ranks (mpi_all_reduce "mean" inside backward), so
 the summed gradient is that of sum over G of mask * nll / N, the same number
 whether 1 or 8 ranks share G. N is counted on the host from the dataset, so it
-costs no communication.
+costs no communication. The sparse baselines' load-balancing term rides along in
+the loss: its gradient is the target-weighted mean of the micro-batches' terms (the
+authors' is the plain mean over GPUs); the logged train_loss is the cross-entropy
+alone and aux_loss that term, averaged over micro-batches and ranks.
 
 MPI rule: every rank runs the same Jittor ops in the same order; rank 0 alone
 only prints and writes files (numbers fetched beforehand on every rank).
@@ -238,20 +241,23 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         for pg in optimizer.param_groups:
             pg["lr"] = lr
 
-        local_nll, local_targets, input_tokens = 0.0, 0.0, 0
+        local_nll, local_targets, input_tokens, local_aux = 0.0, 0.0, 0, 0.0
         for tokens, mask in itertools.islice(dataset.batches(epoch, batch_steps[0]), cfg.accum_iter):
             count = float(mask[:, 1:].sum())
             with jt.flag_scope(auto_mixed_precision_level=ctx.amp_level):
                 loss, _ = model(jt.array(tokens), jt.array(mask), with_logits=False)
                 # local share of sum(mask*nll)/N; backward's rank mean then gives the global gradient
                 optimizer.backward(loss * (count * world / max(n_targets, 1.0)))
-            jt.sync([loss] + [g for pg in optimizer.param_groups for g in pg["grads"]])
-            local_nll += loss.item() * count
+            parts = model.last_loss_parts  # the cross-entropy, and the sparse baselines' load-balancing term
+            jt.sync([loss, *parts.values()] + [g for pg in optimizer.param_groups for g in pg["grads"]])
+            local_nll += parts["ce"].item() * count
+            local_aux += parts["aux"].item() if "aux" in parts else 0.0
             local_targets += count
             input_tokens += tokens.size
-        nll_sum, targets, input_tokens, stop_votes = all_reduce_sum(
-            [local_nll, local_targets, input_tokens, float(ctx.stop.poll())])
+        nll_sum, targets, input_tokens, aux_sum, stop_votes = all_reduce_sum(
+            [local_nll, local_targets, input_tokens, local_aux, float(ctx.stop.poll())])
         train_loss = float(nll_sum / max(targets, 1.0))
+        aux_loss = float(aux_sum / (cfg.accum_iter * world)) if "aux" in parts else None
         if not math.isfinite(train_loss):
             raise NonFiniteLoss(f"training loss is {train_loss} at step {progress.global_step + 1} (epoch {epoch}); "
                                 f"stopping without saving, the last good checkpoint is untouched. "
@@ -265,12 +271,15 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         progress.train_seconds += time.time() - started
         progress.next_batch = (opt_step + 1) * cfg.accum_iter
 
-        metric_logger.update(loss=train_loss, lr=lr, grad_norm=grad_norm)
+        metric_logger.update(loss=train_loss, lr=lr, grad_norm=grad_norm, **({} if aux_loss is None else {"aux_loss": aux_loss}))
         if ctx.log_writer is not None:
             ctx.log_writer.add_scalar("c_train_loss", train_loss, progress.global_step)
             ctx.log_writer.add_scalar("lr", lr, progress.global_step)
+            if aux_loss is not None:
+                ctx.log_writer.add_scalar("aux_loss", aux_loss, progress.global_step)
         if progress.global_step % cfg.log_interval == 0 or progress.global_step == 1:
             log_line(ctx, {"event": "train", "step": progress.global_step, "epoch": epoch, "train_loss": train_loss,
+                           **({} if aux_loss is None else {"aux_loss": aux_loss}),
                            "lr": lr, "grad_norm": grad_norm, "tokens": int(input_tokens)})
 
         saved = opt_step + 1 == last or (cfg.eval_interval > 0 and progress.global_step % cfg.eval_interval == 0)

@@ -50,6 +50,7 @@ class TransformerBlock(nn.Module):
                 setattr(self, linear, Linear(args.dim, 1, bias=True))
             if on["PADAPTER"]:
                 self.p_adapter_gate = Linear(args.dim, 1, bias=True)  # never read, see Routing.UNIPEFT_GATES
+        self.router_columns = self.type_names or self.gate_names  # the families routed, in the router's order
         # clamp: the authors' fp16 guard, kept in fp32 by every folder but Sparse MoA's
         self.clamp = not (self.method == "moa" and self.variant == "sparse")
         self._sequence_gates = None  # instance-level decisions of the last prefill
@@ -85,9 +86,9 @@ class TransformerBlock(nn.Module):
                 record.update(pooled=pooled, router_logits=logits)
         else:
             gates = self._sequence_gates
-        names = self.type_names if self.method == "instance" else self.gate_names
-        if record is not None:
-            record.update(sequence_gates=gates, gate_names=names)
+        names = self.router_columns
+        if record is not None:  # type_weight: what each token's families were weighted by
+            record.update(sequence_gates=gates, type_weight=gates.broadcast((B, T, len(names))))
         per_token = {name: gates[:, :, i].broadcast((B, T)) for i, name in enumerate(names)}
         if self.method == "instance":
             return per_token

@@ -48,6 +48,9 @@ BASELINE_FOLDERS = ("soft_moe", "sparse_moe", "instance", "unipeft")
 def authors_folder(fields: dict, source: str, hint: str = None) -> str:
     """Which of the authors' folders wrote these options. Soft MoA, instance-level MoA and UniPEFT
     share one option set: `hint` (a folder name, e.g. from a --method flag) tells them apart."""
+    if "max_threshold" in fields and "expert_num" in fields:
+        raise CheckpointError(f"{source}: cannot tell which of the authors' methods wrote these options: both "
+                              "'max_threshold' (Sparse MoA only) and 'expert_num' (every other method) are set")
     if "max_threshold" in fields:
         folder = "sparse"
     elif "top_k" in fields or "adamole" in fields:

@@ -16,6 +16,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
+from .ModelArgs import INSTANCE_METHODS
 from .utils import sample_top_p
 
 PAD_TOKEN = 0  # fed in padded slots that are never read (pad_id -1 is not a valid embedding row)
@@ -78,21 +79,29 @@ def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random
 
 
 def fetch_records(step_records: list, store: list):
-    """Per-layer numpy copies of one forward's router records, appended to `store`."""
+    """Per-layer numpy copies of one forward's router records, appended to `store`: type_weight,
+    threshold, and expert_weights {family: [B,T,E]} of the families that mix several experts."""
     vars_ = [r[k] for r in step_records for k in ("type_weight", "threshold") if r[k] is not None]
+    vars_ += [v for r in step_records for v in r.get("expert_weights", {}).values()]
     jt.sync(vars_)
-    store.append([{k: None if r[k] is None else r[k].numpy() for k in ("type_weight", "threshold")}
+    store.append([{"type_weight": None if r["type_weight"] is None else r["type_weight"].numpy(),
+                   "threshold": None if r["threshold"] is None else r["threshold"].numpy(),
+                   "expert_weights": {f: v.numpy() for f, v in r.get("expert_weights", {}).items()}}
                   for r in step_records])
 
 
 def row_records(steps: list, row: int, n_tokens: int) -> list:
-    """Join the steps along time for one row: per layer {type_weight [n,n_types], token_weight [n,1]}."""
+    """Join the steps along time for one row: per layer {type_weight [n,n_types], token_weight [n,1],
+    expert_weight {family: [n,E]}}."""
+    def joined(parts):
+        return np.concatenate(parts, 0)[:n_tokens].astype(np.float32) if parts else None
+
     layers = []
     for layer in range(len(steps[0])):
-        out = {}
-        for key, name in (("type_weight", "type_weight"), ("threshold", "token_weight")):
-            parts = [step[layer][key][row] for step in steps if step[layer][key] is not None]
-            out[name] = np.concatenate(parts, 0)[:n_tokens].astype(np.float32) if parts else None
+        out = {name: joined([step[layer][key][row] for step in steps if step[layer][key] is not None])
+               for key, name in (("type_weight", "type_weight"), ("threshold", "token_weight"))}
+        out["expert_weight"] = {family: joined([step[layer]["expert_weights"][family][row] for step in steps])
+                                for family in steps[0][layer]["expert_weights"]}
         layers.append(out)
     return layers
 
@@ -109,8 +118,10 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
 
     Returns one list of generated ids per prompt, cut before the first stop token.
     records: a list that receives, per prompt, a per-layer list of dicts
-      {"type_weight": [n, n_types] or None, "token_weight": [n, 1] (Sparse Gamma) or None}
-    for the n = len(prompt) + len(generated) tokens, as numpy float32.
+      {"type_weight": [n, n_types] or None, "token_weight": [n, 1] (Sparse Gamma) or None,
+       "expert_weight": {family: [n, E]} of the families mixing E > 1 experts}
+    for the n = len(prompt) + len(generated) tokens, as numpy float32. Instance-level
+    methods repeat their sequence's gates on every token.
     batch_size: pad the batch with copies of the first prompt to this many rows,
       so the last, smaller batch of a run reuses the compiled shapes.
     """
@@ -156,7 +167,9 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
 
     model.eval()
     with jt.no_grad():
-        P = prefill_length(int(lengths.min()), prefill_step)
+        P = int(lengths.min())  # instance-level gates pool the prefill: all of it, as the authors'
+        if model.llama.args.method not in INSTANCE_METHODS:
+            P = prefill_length(P, prefill_step)
         logits = forward(prefill, tokens[:, :P])
         last_fed = P - 1
         for pos in range(P, total_len):

@@ -5,10 +5,12 @@ arrays and None; nothing else) into its output directory:
 
     type_weight.pkl = {
         "kind": "type_weight",
-        "variant": "soft" | "sparse",
+        "method": "moa" | "moe" | "topk" | "adamole" | "instance" | "unipeft",
+        "variant": "soft" | "sparse",     # MoA's
         "layer_types": [[str, ...], ...],  # per layer, the router's column names in order,
-                                           # e.g. ["Q", "K", "V", "O", "FFN_DOWN", "PADAPTER"];
-                                           # [] for a layer without experts
+                                           # e.g. ["Q", "K", "V", "O", "FFN_DOWN", "PADAPTER"]
+                                           # (UniPEFT: ["LORA", "PROMPT", "PADAPTER"]); [] for a
+                                           # layer without experts or a method without a type router
         "examples": [                      # in input order (data files in the order given)
             {"dataset": str,               # e.g. "AddSub" or "synthetic"
              "index": int,                 # position of the example in its data file
@@ -22,6 +24,15 @@ arrays and None; nothing else) into its output directory:
     token_weight.pkl = the same, with "kind": "token_weight" and "weights" per layer
         np.ndarray float32 [n_tokens, 1]: Sparse MoA's per-token threshold Gamma, or None
         (Soft MoA, or a layer without experts).
+
+    expert_weight.pkl (only for a model with families of several experts: MoE-LoRA, top-k,
+    AdaMoLE, or expert_num > 1) = the same, with "kind": "expert_weight", "layer_types"
+    listing per layer the families that mix experts, and "weights" per layer a dict
+    {family: np.ndarray float32 [n_tokens, expert_num]}: the weight each expert's output got
+    (top-k and AdaMoLE: 0 for an unselected expert).
+
+Instance-level methods (instance, unipeft) decide once per sequence: their type weights
+repeat the sequence's gates on every token, and the heatmaps show them per example.
 
 Row t of a weight array belongs to token t: the values the router computed when
 that token was fed to the model (a token's weights decide how the experts
@@ -45,10 +56,14 @@ TYPE_ORDER = ("Q", "K", "V", "PROMPT", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN", "P
 
 
 def weight_pickles(test_sets, tok, results, model):
-    """The two --save_weights dicts (the structure above) from Infer.py's results."""
-    base = {"variant": model.args.variant, "layer_types": [list(layer.type_names) for layer in model.llama.layers]}
+    """The --save_weights dicts (the structure above) from Infer.py's results: type_weight and
+    token_weight, and expert_weight or None when no family mixes several experts."""
+    base = {"method": model.args.method, "variant": model.args.variant,
+            "layer_types": [list(layer.router_columns) for layer in model.llama.layers]}
     type_data = {"kind": "type_weight", **base, "examples": []}
     token_data = {"kind": "token_weight", **base, "examples": []}
+    families = [sorted(layer["expert_weight"], key=family_order) for layer in results[0]["records"]] if results else []
+    expert_data = {"kind": "expert_weight", **base, "layer_types": families, "examples": []}
     for name, _, _, first, count in test_sets:
         for i in range(first, first + count):
             r = results[i]
@@ -57,7 +72,12 @@ def weight_pickles(test_sets, tok, results, model):
                       "generation": r["generation"]}
             type_data["examples"].append({**common, "weights": [layer["type_weight"] for layer in r["records"]]})
             token_data["examples"].append({**common, "weights": [layer["token_weight"] for layer in r["records"]]})
-    return type_data, token_data
+            expert_data["examples"].append({**common, "weights": [layer["expert_weight"] for layer in r["records"]]})
+    return type_data, token_data, (expert_data if any(families) else None)
+
+
+def family_order(name: str) -> int:
+    return TYPE_ORDER.index(name) if name in TYPE_ORDER else len(TYPE_ORDER)
 
 
 def load_pickle(path):
@@ -122,7 +142,30 @@ def plot_type_weight(type_data, path):
     fig.colorbar(image, ax=ax, label="mean type weight")
     ax.set_xlabel("expert type")
     ax.set_ylabel("layer")
-    ax.set_title(f"{type_data['variant']} MoA: type weights (mean over {len(type_data['examples'])} examples)")
+    ax.set_title(f"{method_title(type_data)}: type weights (mean over {len(type_data['examples'])} examples)")
+    return save(fig, path)
+
+
+def method_title(data) -> str:
+    method = data.get("method", "moa")  # pickles written before the baselines carry no method
+    return f"{data['variant']} MoA" if method == "moa" else method
+
+
+def plot_expert_weight(expert_data, path):
+    """(layer, family) x expert: the mean weight each expert got over every token of every example."""
+    rows = [(layer, family) for layer, families in enumerate(expert_data["layer_types"]) for family in families]
+    if not rows:
+        return None
+    n_experts = max(expert_data["examples"][0]["weights"][layer][family].shape[1] for layer, family in rows)
+    table = np.full((len(rows), n_experts), np.nan)
+    for r, (layer, family) in enumerate(rows):
+        stacked = np.concatenate([ex["weights"][layer][family] for ex in expert_data["examples"]], 0)
+        table[r, :stacked.shape[1]] = stacked.mean(0)
+    fig, ax = plt.subplots(figsize=(1.5 + 0.6 * n_experts, 1.5 + 0.3 * len(rows)))
+    image = heatmap(ax, table, [f"expert {e}" for e in range(n_experts)],
+                    [f"layer {layer} {family}" for layer, family in rows], vmin=0.0)
+    fig.colorbar(image, ax=ax, label="mean expert weight")
+    ax.set_title(f"{method_title(expert_data)}: expert weights (mean over {len(expert_data['examples'])} examples)")
     return save(fig, path)
 
 
@@ -167,7 +210,7 @@ def plot_token_weight(token_data, path, examples=(0,), max_tokens=96):
 
 def plot_router_stats(type_data, path):
     """Per layer: how often each expert type is active, and the spread of weights across types."""
-    sparse = type_data["variant"] == "sparse"
+    sparse = method_title(type_data) == "sparse MoA"
     cut = 0.0 if sparse else 0.5
     active = layer_by_type(type_data, lambda w: (w > cut).mean(0) if sparse else (w >= cut).mean(0))
     if not np.isfinite(active).any():
@@ -191,7 +234,7 @@ def plot_router_stats(type_data, path):
     right.invert_yaxis()
     right.set_xlabel("std of weights across expert types\n(mean over tokens)")
     right.grid(alpha=0.3)
-    fig.suptitle(f"{type_data['variant']} MoA router statistics", y=1.06)
+    fig.suptitle(f"{method_title(type_data)} router statistics", y=1.06)
     return save(fig, path)
 
 
@@ -238,9 +281,9 @@ def plot_loss_curves(log_path, path):
     return save(fig, path)
 
 
-def plot_all(out_dir, type_data=None, token_data=None, log_path=None, examples=(0, 1, 2)):
+def plot_all(out_dir, type_data=None, token_data=None, log_path=None, examples=(0, 1, 2), expert_data=None):
     """Every plot that has data; returns {name: png path}."""
-    jobs = []
+    jobs = [("expert_weight", plot_expert_weight, (expert_data,))] if expert_data is not None else []
     if type_data is not None:
         jobs += [("type_weight", plot_type_weight, (type_data,)), ("router_stats", plot_router_stats, (type_data,))]
     if token_data is not None:

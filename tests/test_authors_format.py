@@ -118,7 +118,7 @@ def test_option_without_effect_is_accepted(case, option, tmp_path):
 def test_unknown_variant_and_missing_option_are_errors(tmp_path):
     fields = their_json("sparse")
     path = write_theirs(tmp_path, "sparse", expert_num=2)  # both variants' options
-    with pytest.raises(CheckpointError, match="cannot tell Soft from Sparse"):
+    with pytest.raises(CheckpointError, match="cannot tell which of the authors' methods"):
         import_authors_adapter(path, str(tmp_path / "ours"), BASE)
     (tmp_path / "theirs" / "adapter_params.json").write_text(
         json.dumps({k: v for k, v in fields.items() if k != "lora_rank"}))

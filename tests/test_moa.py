@@ -154,6 +154,8 @@ def test_multi_expert_names_and_start():
     for name in ("attention.lora_Q.router.weight", "attention.prompt_router.weight", "attention.prompt_router.bias",
                  "p_adapter.router.weight", "p_adapter.router.bias", "feed_forward.lora_DOWN.router.weight"):
         bound = 1 / np.sqrt(F if "DOWN" in name else 32)  # uniform(+-1/sqrt(fan_in)), bias included
-        assert 0 < np.abs(params[name]).max() <= bound and np.abs(params[name]).max() > bound / 2, name
+        assert 0 < np.abs(params[name]).max() <= bound, name
+        if name.endswith("weight"):  # enough draws that the largest nears the bound (a bias has only 3)
+            assert np.abs(params[name]).max() > bound / 2, name
     assert all(not params[n].any() for n in params if "lora_B_l" in n or n == "attention.prompt_gate")
     assert all(0 < np.abs(params[n]).max() < 1e-3 for n in params if "proj_l" in n and n.endswith("weight"))

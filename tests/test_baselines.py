@@ -1,0 +1,173 @@
+"""Every baseline method through the whole pipeline on the tiny base: Math.py training (the
+load-balancing loss logged), resume, Infer.py scoring with --save_weights (each method's own router
+outputs), the authors' adapter files both ways, and the settings refused before anything runs."""
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+from conftest import BASELINE_FILES, TINY_FLAGS, golden_model, golden_params, write_synthetic_splits
+
+import Infer
+import Math
+from Models.authors_options import AUTHORS_PARAMS
+from Models.checkpoints import export_authors_adapter, import_authors_adapter, load_adapter, save_adapter
+from Models.LLaMA_Adapter import LLaMA_adapter
+from Models.ModelArgs import ModelArgs
+from Models.torch_io import CheckpointError, load_pth
+
+LORA_ONLY = ["--lora_layers", "all", "--lora_targets", "Q,V,FFN_DOWN", "--prompt_layers", "0-0",
+             "--p_adapter_layers", "0-0"]
+ALL_FAMILIES = ["--lora_layers", "all", "--lora_targets", "Q,V,FFN_DOWN", "--prompt_layers", "all",
+                "--prompt_len", "2", "--p_adapter_layers", "all"]
+METHODS = {  # name: Math.py flags
+    "lora": ["--method", "moe", *LORA_ONLY],
+    "molora": ["--method", "moe", "--expert_num", "2", *LORA_ONLY],
+    "hydralora": ["--method", "moe", "--expert_num", "3", "--hydra_moe", *LORA_ONLY],
+    "topk": ["--method", "topk", "--expert_num", "4", "--top_k", "2", "--lb_loss_coeff", "0.01", *LORA_ONLY],
+    "adamole": ["--method", "adamole", "--expert_num", "4", "--lb_loss_coeff", "0.01", *LORA_ONLY],
+    "instance": ["--method", "instance", *ALL_FAMILIES],
+    "unipeft": ["--method", "unipeft", *ALL_FAMILIES],
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("baseline_data")
+    paths = write_synthetic_splits(folder, 24, 4, seed=3)
+    with open(paths["val"]) as f:
+        test = json.load(f)
+    paths["test"] = str(folder / "test.json")
+    with open(paths["test"], "w") as f:
+        json.dump(test, f)
+    return paths
+
+
+def train(base, data, out, method, *extra):
+    argv = ["--llama_path", base, "--data_path", data["train"], "--val_data_path", data["val"], "--output_dir",
+            str(out), *TINY_FLAGS, "--batch_size", "4", "--max_seq_len", "192", *METHODS[method], *extra]
+    return Math.main([str(a) for a in argv])
+
+
+def log(out):
+    with open(os.path.join(out, "log.txt")) as f:
+        return [r for r in map(json.loads, f) if r["event"] == "train"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+def test_method_trains_and_is_scored_with_its_router_outputs(method, tiny_base, data, tmp_path):
+    assert train(tiny_base, data, tmp_path / "run", method, "--max_steps", 3) == 0
+    records = log(tmp_path / "run")
+    assert len(records) == 3 and all(np.isfinite(r["train_loss"]) for r in records)
+    if method in ("topk", "adamole"):  # the load-balancing term: at least 1 per module (3 targets x 2 layers)
+        assert all(r["aux_loss"] >= 6 * 0.5 for r in records), records
+    else:
+        assert all("aux_loss" not in r for r in records)
+    summary = Infer.main(["--adapter_path", str(tmp_path / "run" / "adapter"), "--data_path", data["test"],
+                          "--output_dir", str(tmp_path / "eval"), "--max_gen_len", "4", "--batch_size", "2",
+                          "--save_weights"])
+    assert [s["total"] for s in summary["datasets"].values()] == [4]
+    with open(tmp_path / "eval" / "type_weight.pkl", "rb") as f:
+        types = pickle.load(f)
+    assert types["method"] == METHODS[method][1]
+    experts_file = tmp_path / "eval" / "expert_weight.pkl"
+    if method in ("molora", "hydralora", "topk", "adamole"):
+        with open(experts_file, "rb") as f:
+            experts = pickle.load(f)
+        assert experts["layer_types"] == [["Q", "V", "FFN_DOWN"]] * 2
+        assert os.path.getsize(tmp_path / "eval" / "expert_weight.png") > 0
+        for ex in experts["examples"]:
+            for layer in ex["weights"]:
+                for family, w in layer.items():
+                    n_experts = {"molora": 2, "hydralora": 3}.get(method, 4)
+                    assert w.shape == (len(ex["token_ids"]), n_experts), family
+                    np.testing.assert_allclose(w.sum(1), 1.0, atol=1e-5)
+                    if method == "topk":
+                        assert np.all((w > 0).sum(1) == 2)
+    else:
+        assert not experts_file.exists()
+    if method in ("instance", "unipeft"):  # one decision per sequence, on every token alike
+        columns = {"instance": ["Q", "V", "PROMPT", "FFN_DOWN", "PADAPTER"], "unipeft": ["LORA", "PROMPT", "PADAPTER"]}
+        assert types["layer_types"] == [columns[method]] * 2
+        for ex in types["examples"]:
+            for w in ex["weights"]:
+                assert np.all(w == w[:1]) and np.all((w > 0) & (w < 1))
+                if method == "unipeft":
+                    assert np.array_equal(w[:, 1], w[:, 2])  # the adapter reads the prompt's gate
+        assert os.path.getsize(tmp_path / "eval" / "type_weight.png") > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["topk", "unipeft"])
+def test_resume_equals_straight_run(method, tiny_base, data, tmp_path):
+    extra = ["--eval_interval", "2"]
+    assert train(tiny_base, data, tmp_path / "straight", method, "--max_steps", 4, *extra) == 0
+    assert train(tiny_base, data, tmp_path / "split", method, "--max_steps", 2, *extra) == 0
+    assert train(tiny_base, data, tmp_path / "split", method, "--max_steps", 4, "--resume", "auto", *extra) == 0
+    a, b = (load_pth(tmp_path / run / "adapter" / "adapter.pth") for run in ("straight", "split"))
+    assert set(a) == set(b) and max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-6
+    for ra, rb in zip(log(tmp_path / "straight"), log(tmp_path / "split")):
+        assert abs(ra["train_loss"] - rb["train_loss"]) <= 1e-6
+        assert abs(ra.get("aux_loss", 0) - rb.get("aux_loss", 0)) <= 1e-6
+    if method == "unipeft":  # trained for 4 steps, yet the gate the authors never read is where it started
+        c = load_pth(tmp_path / "split" / "checkpoint-latest.pth")["adapter"]
+        gates = [k for k in a if "p_adapter_gate" in k]
+        assert gates and all(np.array_equal(a[k], c[k]) for k in gates)
+        assert train(tiny_base, data, tmp_path / "one", method, "--max_steps", 1) == 0
+        start = load_pth(tmp_path / "one" / "adapter" / "adapter.pth")
+        assert all(np.array_equal(a[k], start[k]) for k in gates)
+        assert not all(np.array_equal(a[k], start[k]) for k in a if "lora_gate" in k)
+
+
+@pytest.mark.parametrize("name", BASELINE_FILES)
+def test_authors_adapter_both_ways(name, tmp_path):
+    """Ours -> their adapter.pth + adapter_params.json (their folder's fields) -> ours, unchanged."""
+    model, data, meta = golden_model(f"baselines/{name}")
+    params = golden_params(data)
+    save_adapter(model, str(tmp_path / "ours"))
+    export_authors_adapter(str(tmp_path / "ours"), str(tmp_path / "theirs" / "adapter.pth"))
+    theirs = load_pth(tmp_path / "theirs" / "adapter.pth")
+    assert sorted(theirs) == sorted(meta["adapter_only_names"])
+    assert all(np.array_equal(theirs[n], params[n]) for n in theirs)
+    with open(tmp_path / "theirs" / "adapter_params.json") as f:
+        assert json.load(f) == {k: meta["model_args"][k] for k in AUTHORS_PARAMS[meta["variant"]]}
+    method = "instance" if meta["variant"] == "instance" else None  # its options are Soft MoA's
+    import_authors_adapter(str(tmp_path / "theirs" / "adapter.pth"), str(tmp_path / "back"), model.args, method)
+    fresh = LLaMA_adapter(model.args)
+    load_adapter(fresh, str(tmp_path / "back"))
+    assert all(np.array_equal(var.numpy(), params[n]) for n, var in fresh.adapter_parameters().items())
+    load_adapter(fresh, str(tmp_path / "theirs" / "adapter.pth"))  # their pair read directly too
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"method": "topk", "expert_num": 1}, "expert_num must be >= 2"),
+    ({"method": "topk", "expert_num": 4, "top_k": 5}, "top_k=5 must be between 1"),
+    ({"method": "topk", "expert_num": 4, "top_k": 1, "lb_loss_coeff": 0.0}, "never learns"),
+    ({"method": "adamole", "expert_num": 4, "p_adapter_layers": "0-1"}, "LoRA experts only"),
+    ({"method": "unipeft", "p_adapter_layers": "0-2", "prompt_layers": "0-1"}, "every p_adapter layer needs prompt"),
+    ({"method": "sparse_moe"}, "choose one of"),
+])
+def test_settings_without_a_working_form_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=97, lora_layers="0-2", **settings)
+
+
+def test_authors_options_we_do_not_implement_are_refused(tmp_path):
+    model, data, meta = golden_model("baselines/sparse_moe_topk2_e4_s0")
+    save_adapter(model, str(tmp_path / "ours"))
+    export_authors_adapter(str(tmp_path / "ours"), str(tmp_path / "theirs" / "adapter.pth"))
+    path = tmp_path / "theirs" / "adapter_params.json"
+    fields = json.loads(path.read_text())
+    path.write_text(json.dumps({**fields, "noisy_router": True}))
+    with pytest.raises(CheckpointError, match=r"\['noisy_router'\].*not implement"):
+        import_authors_adapter(str(tmp_path / "theirs" / "adapter.pth"), str(tmp_path / "back"), model.args)
+    path.write_text(json.dumps({**fields, "adamole": "False"}))  # their type=bool flag: any string is True
+    arrays_args = ModelArgs(**{**model.args.to_dict(), "method": "adamole"})
+    with pytest.raises(CheckpointError, match="missing adapter tensor"):
+        import_authors_adapter(str(tmp_path / "theirs" / "adapter.pth"), str(tmp_path / "back"), arrays_args)
+    gated = ModelArgs(**{**model.args.to_dict(), "lora_targets": "Q,FFN_GATE"})
+    save_adapter(LLaMA_adapter(gated), str(tmp_path / "gated"))
+    with pytest.raises(CheckpointError, match="no FFN_GATE LoRA"):
+        export_authors_adapter(str(tmp_path / "gated"), str(tmp_path / "x" / "adapter.pth"))
