@@ -30,7 +30,7 @@ import jittor as jt
 
 from Data.dataset import FinetuneDataset, load_examples, split_validation
 from Data.synthetic import make_splits
-from engine_finetune import NonFiniteLoss, Progress, RunContext, build_optimizer, train
+from engine_finetune import NonFiniteLoss, Progress, RunContext, build_optimizer, log_line, train
 from Models.checkpoints import load_adapter, restore_checkpoint, resume_signature, save_adapter
 from Models.meta_checkpoint import build_model, open_tokenizer
 from Models.ModelArgs import INSTANCE_METHODS, ModelArgs
@@ -280,6 +280,11 @@ def train_and_save(args, stop, run_id, model, optimizer, stopper, datasets, exam
         steps = end.global_step - start.global_step
         print_main(f"trained {steps} steps in {end.train_seconds:.1f} s: {steps / end.train_seconds:.2f} steps/s, "
                    f"{end.input_tokens / end.train_seconds:.0f} tokens/s (padded inputs, all ranks)")
+    # the run's totals (over resumes too), for Compare.py and anyone reading log.txt
+    log_line(ctx, {"event": "end", "step": end.global_step, "stop_reason": end.stop_reason,
+                   "train_seconds": end.train_seconds, "input_tokens": end.input_tokens,
+                   "train_tokens_per_s": end.input_tokens / end.train_seconds if end.train_seconds else None,
+                   "trainable_params": model.parameter_counts()["total"]})
     if end.stop_reason == "signal":
         all_reduce_sum([0.0])
         print_main(f"stopped by {stop.name} at step {end.global_step}; checkpoint-latest.pth is saved, "

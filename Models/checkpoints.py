@@ -11,11 +11,12 @@ lora_A.weight`, `llama.layers.0.adapter_type_router.w1.weight`, `lora_Q.lora_A_l
   (our ModelArgs, Meta's fields included);
 - theirs, as their extract_adapter_from_checkpoint.py writes it: the same flat
   `adapter.pth` (every name containing lora, prompt or adapter, possibly bf16) plus
-  an `adapter_params.json` of their option names, a different set for Soft and
-  Sparse MoA, which their loader passes to their ModelArgs as keyword arguments;
+  an `adapter_params.json` of their option names, a different set per folder of
+  their release (Sparse and Soft MoA, each baseline: Models/authors_options.py),
+  which their loader passes to their ModelArgs as keyword arguments;
 - their training checkpoint `checkpoint-N.pth`: {"model": full state dict, "args":
   the argparse.Namespace of the run, "optimizer", "epoch", "scaler"}.
-The two json files are told apart by our `variant` field. `load_adapter` reads
+The two json files are told apart by our `variant` field, which theirs lack. `load_adapter` reads
 both adapter layouts; `export_authors_adapter` writes theirs, `import_authors_adapter`
 turns theirs (or their checkpoint-N.pth) into ours.
 """
@@ -195,7 +196,20 @@ def read_adapter_config(path: str, hint: str = None):
         config = read_json_object(config_path, "adapter settings")
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    return config if "variant" in config else fields_from_authors(config, config_path, hint=hint)
+    if "variant" in config:
+        return config
+    return fields_from_authors(config, config_path, hint=hint or tensor_names_hint(path))
+
+
+def tensor_names_hint(path: str):
+    """'unipeft' when the authors' adapter.pth beside their json holds UniPEFT's gates (its options
+    are Soft MoA's), read lazily: names only."""
+    weights = os.path.join(path, ADAPTER_WEIGHTS) if os.path.isdir(path) else path
+    if not os.path.isfile(weights):
+        return None
+    state = load_pth(weights, lazy=True)
+    names = state["model"] if isinstance(state, dict) and isinstance(state.get("model"), dict) else state
+    return "unipeft" if isinstance(names, dict) and any(str(n).endswith(".lora_gate.weight") for n in names) else None
 
 
 def load_adapter(model: LLaMA_adapter, path: str):

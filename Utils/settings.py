@@ -147,6 +147,24 @@ RECIPES = {
 }
 
 
+# The paper's comparison (Compare.py): MoA's two variants and the baselines, as settings on top of
+# a recipe. The LoRA baselines keep the recipe's LoRA (layers, rank, targets) and drop its other
+# families, as the paper ran them; the instance-level ones keep Soft MoA's families.
+_LORA_ONLY = dict(prompt_layers="0-0", p_adapter_layers="0-0")
+_PAPER_MOE_EXPERTS = 8  # the paper's MoLoRA, HydraLoRA, top-k and AdaMoLE runs
+METHOD_PRESETS = {
+    "sparse": dict(method="moa", variant="sparse"),
+    "soft": dict(method="moa", variant="soft"),
+    "lora": dict(method="moe", expert_num=1, **_LORA_ONLY),
+    "molora": dict(method="moe", expert_num=_PAPER_MOE_EXPERTS, **_LORA_ONLY),
+    "hydralora": dict(method="moe", expert_num=_PAPER_MOE_EXPERTS, hydra_moe=True, **_LORA_ONLY),
+    "topk": dict(method="topk", expert_num=_PAPER_MOE_EXPERTS, top_k=2, **_LORA_ONLY),
+    "adamole": dict(method="adamole", expert_num=_PAPER_MOE_EXPERTS, **_LORA_ONLY),
+    "instance": dict(method="instance", variant="soft"),
+    "unipeft": dict(method="unipeft", variant="soft"),
+}
+
+
 def recipe_values(recipe: str, variant: str = None) -> dict:
     """The settings of a recipe (a name in RECIPES, or a JSON file of settings) for `variant`."""
     if recipe in RECIPES:

@@ -12,7 +12,8 @@ from conftest import BASELINE_FILES, TINY_FLAGS, golden_model, golden_params, wr
 import Infer
 import Math
 from Models.authors_options import AUTHORS_PARAMS
-from Models.checkpoints import export_authors_adapter, import_authors_adapter, load_adapter, save_adapter
+from Models.checkpoints import (export_authors_adapter, import_authors_adapter, load_adapter, read_adapter_config,
+                                save_adapter)
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
 from Models.torch_io import CheckpointError, load_pth
@@ -133,7 +134,9 @@ def test_authors_adapter_both_ways(name, tmp_path):
     assert all(np.array_equal(theirs[n], params[n]) for n in theirs)
     with open(tmp_path / "theirs" / "adapter_params.json") as f:
         assert json.load(f) == {k: meta["model_args"][k] for k in AUTHORS_PARAMS[meta["variant"]]}
-    method = "instance" if meta["variant"] == "instance" else None  # its options are Soft MoA's
+    told = read_adapter_config(str(tmp_path / "theirs" / "adapter.pth"))["method"]  # from options and names
+    assert told == ("moa" if meta["variant"] == "instance" else model.args.method)  # instance writes Soft MoA's
+    method = "instance" if meta["variant"] == "instance" else None
     import_authors_adapter(str(tmp_path / "theirs" / "adapter.pth"), str(tmp_path / "back"), model.args, method)
     fresh = LLaMA_adapter(model.args)
     load_adapter(fresh, str(tmp_path / "back"))
@@ -171,3 +174,31 @@ def test_authors_options_we_do_not_implement_are_refused(tmp_path):
     save_adapter(LLaMA_adapter(gated), str(tmp_path / "gated"))
     with pytest.raises(CheckpointError, match="no FFN_GATE LoRA"):
         export_authors_adapter(str(tmp_path / "gated"), str(tmp_path / "x" / "adapter.pth"))
+
+
+@pytest.mark.slow
+def test_compare_command_table_and_rerun(tiny_base, data, tmp_path, capsys):
+    import Compare
+    argv = ["--methods", "lora", "topk", "--ranks", "1", "--max_steps", "3", "--max_examples", "3",
+            "--llama_path", tiny_base, "--data_path", data["train"], "--test_data", data["test"],
+            "--output_dir", str(tmp_path), "--", *TINY_FLAGS, "--val_data_path", data["val"], "--batch_size", "4",
+            "--max_seq_len", "192"]
+    assert Compare.main(argv) == 0
+    result = json.loads((tmp_path / "compare.json").read_text())
+    rows = {row["method"]: row for row in result["rows"]}
+    assert list(rows) == ["lora", "topk", "base"]
+    counts = {m: LLaMA_adapter(ModelArgs.from_params_json(tiny_base, **{
+        k: v for k, v in read_adapter_config(str(tmp_path / m / "adapter")).items()})).parameter_counts()["total"]
+        for m in ("lora", "topk")}
+    for method in ("lora", "topk"):
+        assert rows[method]["steps"] == 3 and rows[method]["train_tokens_per_s"] > 0
+        assert rows[method]["trainable_params"] == counts[method]
+        assert set(rows[method]["accuracy"]) == set(rows["base"]["accuracy"]) and len(rows["base"]["accuracy"]) == 1
+    assert counts["topk"] > 4 * counts["lora"]  # 8 experts and their routers
+    table = (tmp_path / "compare.md").read_text()
+    assert table.splitlines()[0].startswith("| method | trainable params |") and "| topk | " in table
+    assert table in capsys.readouterr().out + "\n"
+    logs = {m: (tmp_path / m / "compare.log").read_text() for m in ("lora", "topk")}
+    assert Compare.main(argv) == 0  # the same command again: every row reused, nothing rerun
+    assert "reused" in capsys.readouterr().out
+    assert all((tmp_path / m / "compare.log").read_text() == logs[m] for m in logs)

@@ -1,0 +1,175 @@
+"""Train and evaluate several methods, MoA and the paper's baselines, on the same data with the
+same budget, and print one table like the paper's: method, trainable parameters, accuracy per
+data set, training tokens/s.
+
+    python Compare.py                                  # every method on the tiny demo, in minutes
+    python Compare.py --methods sparse soft lora molora --max_steps 400
+    python Compare.py --recipe math --llama_path <8B dir> --data_path ../shared/data/math/math_14k.json \\
+        --test_data ../shared/data/math --max_steps 0 --ranks 8
+
+Each method is one Math.py run (the recipe, then the method's settings from
+Utils/settings.METHOD_PRESETS, then --max_steps and the flags after `--`) in
+<output_dir>/<method>/, then one Infer.py evaluation in <output_dir>/<method>/eval/; the
+base model alone is scored once as a reference row. A method whose evaluation already
+exists with the same command is not run again, and an interrupted training continues from
+its checkpoint, so rerunning the command after a stop picks up where it was. Each run's
+output goes to <output_dir>/<method>/compare.log. The table is printed and written to
+<output_dir>/compare.md and compare.json.
+"""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from Utils.settings import METHOD_PRESETS, RECIPES
+from Utils.misc import read_json_object, write_json
+
+# Utils.misc imports Jittor, whose SIGCHLD handler ends this process when a child dies by a
+# signal; a failed run must be reported instead.
+signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+REPO = os.path.dirname(os.path.abspath(__file__))
+BASE_ROW = "base"
+
+
+def get_args_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="methods: " + ", ".join(f"{k} = {v}" for k, v in METHOD_PRESETS.items()))
+    p.add_argument("--methods", nargs="+", choices=list(METHOD_PRESETS), default=list(METHOD_PRESETS), metavar="METHOD",
+                   help=f"methods to compare, in table order, from {', '.join(METHOD_PRESETS)} (default: all)")
+    p.add_argument("--recipe", default="demo", help=f"the recipe every method starts from: {', '.join(RECIPES)} "
+                   "or a JSON file of settings (default: demo)")
+    p.add_argument("--max_steps", type=int, default=300, help="optimizer steps per method, the shared budget; "
+                   "0 = the recipe's epochs (default: 300)")
+    p.add_argument("--max_examples", type=int, default=150, help="test examples per data set; 0 = all (default: 150)")
+    p.add_argument("--ranks", type=int, default=2, help="MPI ranks per training run (default: 2)")
+    p.add_argument("--llama_path", default=None, help="the base model (default: the recipe's, the tiny demo base)")
+    p.add_argument("--data_path", default=None, help="training JSON (default: the synthetic math problems)")
+    p.add_argument("--test_data", nargs="+", default=None, help="test files or dirs for Infer.py (default: each "
+                   "run's synthetic test split)")
+    p.add_argument("--output_dir", default="./output/compare", help="one sub-folder per method (default: "
+                   "./output/compare)")
+    p.add_argument("--overwrite", action="store_true", help="rerun every method, replacing earlier results")
+    p.add_argument("math_flags", nargs="*", help="after `--`: more Math.py flags for every method")
+    return p
+
+
+def preset_flags(settings: dict) -> list:
+    flags = []
+    for name, value in settings.items():
+        if isinstance(value, bool):
+            flags.append(f"--{name}" if value else f"--no-{name}")
+        else:
+            flags += [f"--{name}", str(value)]
+    return flags
+
+
+def commands(args, method: str) -> dict:
+    """The Math.py and Infer.py command lines of one method (the base row: Infer.py alone)."""
+    run = os.path.join(args.output_dir, method)
+    python = sys.executable
+    common = ["--llama_path", args.llama_path] if args.llama_path else []
+    infer = [python, "Infer.py", "--output_dir", os.path.join(run, "eval")]
+    infer += ["--max_examples", str(args.max_examples)] if args.max_examples else []
+    infer += ["--data_path", *args.test_data] if args.test_data else []
+    if method == BASE_ROW:  # any method's run knows the base and the test split
+        first = os.path.join(args.output_dir, args.methods[0])
+        return {"infer": infer + ["--adapter_path", os.path.join(first, "adapter"), "--no_adapter"]}
+    math = [python, "Math.py", "--recipe", args.recipe, *preset_flags(METHOD_PRESETS[method]), *common,
+            "--max_steps", str(args.max_steps), "--output_dir", run]
+    math += ["--data_path", args.data_path] if args.data_path else []
+    math += [*args.math_flags, "--overwrite" if args.overwrite else "--resume", *([] if args.overwrite else ["auto"])]
+    if args.ranks > 1:
+        math = ["mpirun", "--oversubscribe", "-np", str(args.ranks), *math]
+    return {"math": math, "infer": infer + ["--adapter_path", os.path.join(run, "adapter")]}
+
+
+def run_logged(command: list, log_path: str, what: str):
+    """Run one command with its output appended to log_path; a failure names the method and the log."""
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    with open(log_path, "a") as log:
+        log.write(f"\n$ {' '.join(command)}\n")
+        log.flush()
+        done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if done.returncode:
+        with open(log_path) as f:
+            tail = "".join(f.readlines()[-6:])
+        raise RuntimeError(f"{what} failed (exit {done.returncode}); the end of {log_path}:\n{tail}")
+
+
+def end_record(run: str) -> dict:
+    """The last 'end' line Math.py wrote into the run's log.txt."""
+    with open(os.path.join(run, "log.txt")) as f:
+        ends = [r for r in map(json.loads, f) if r.get("event") == "end"]
+    return ends[-1]
+
+
+def evaluate_method(args, method: str) -> dict:
+    """Train (or continue) and evaluate one method unless the same command already did; its table row."""
+    run = os.path.join(args.output_dir, method)
+    os.makedirs(run, exist_ok=True)
+    cmds = commands(args, method)
+    done_path, scores_path = os.path.join(run, "compare.json"), os.path.join(run, "eval", "scores.json")
+    if not args.overwrite and os.path.isfile(done_path) and os.path.isfile(scores_path):
+        if read_json_object(done_path, "compare record").get("commands") == cmds:
+            print(f"[compare] {method}: done earlier with the same command, reused")
+            return read_json_object(done_path, "compare record")["row"]
+    started = time.time()
+    log_path = os.path.join(run, "compare.log")
+    if "math" in cmds:
+        print(f"[compare] {method}: training ({os.path.relpath(log_path)})", flush=True)
+        run_logged(cmds["math"], log_path, f"{method}: Math.py")
+    print(f"[compare] {method}: evaluating", flush=True)
+    run_logged(cmds["infer"], log_path, f"{method}: Infer.py")
+    scores = read_json_object(scores_path, "scores")
+    row = {"method": method, "accuracy": {k: v["accuracy"] for k, v in scores["datasets"].items()},
+           "average": scores["average"]}
+    if "math" in cmds:
+        end = end_record(run)
+        row.update(trainable_params=end["trainable_params"], steps=end["step"],
+                   train_tokens_per_s=end["train_tokens_per_s"])
+    write_json({"commands": cmds, "row": row}, done_path)
+    print(f"[compare] {method}: average {100 * row['average']:.1f}% ({time.time() - started:.0f} s)", flush=True)
+    return row
+
+
+def table(rows: list) -> str:
+    datasets = list(dict.fromkeys(name for row in rows for name in row["accuracy"]))
+    head = ["method", "trainable params", *datasets, "average", "train tokens/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in rows:
+        cells = [row["method"], f"{row['trainable_params']:,}" if "trainable_params" in row else "-"]
+        cells += [f"{100 * row['accuracy'][d]:.1f}" if d in row["accuracy"] else "-" for d in datasets]
+        cells += [f"{100 * row['average']:.1f}",
+                  f"{row['train_tokens_per_s']:.0f}" if row.get("train_tokens_per_s") else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
+    if args.max_steps < 0 or args.max_examples < 0 or args.ranks < 1:
+        get_args_parser().error("--max_steps and --max_examples must be >= 0 and --ranks >= 1")
+    os.makedirs(args.output_dir, exist_ok=True)
+    rows = []
+    try:
+        for method in args.methods:
+            rows.append(evaluate_method(args, method))
+        rows.append(evaluate_method(args, BASE_ROW))
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = table(rows)
+    note = (f"recipe {args.recipe}, {args.max_steps or 'all'} steps per method on {args.ranks} rank(s), "
+            f"{args.max_examples or 'all'} test examples per data set; accuracy in %")
+    with open(os.path.join(args.output_dir, "compare.md"), "w") as f:
+        f.write(text + "\n\n" + note + "\n")
+    write_json({"note": note, "rows": rows}, os.path.join(args.output_dir, "compare.json"))
+    print("\n" + text + "\n\n" + note)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
