@@ -60,19 +60,26 @@ class TransformerBlock(nn.Module):
         self._sequence_gates = None
 
     def route(self, x: jt.Var, start_pos, record) -> dict:
-        """Each family's weight [B,T] from the raw residual stream x [B,T,D]; fills `record`."""
-        B, T, _ = x.shape
+        """Each family's weight [B,T] from the raw residual stream x [B,T,D] ({} when the method
+        weighs no family); fills `record`."""
         if self.method == "moa" and self.type_names:
-            probs = jt.sigmoid(self.adapter_type_router(x))  # [B,T,n_types]
-            gamma = None
-            if self.variant == "sparse":
-                gamma = self.adapter_threshold_fn(x)  # [B,T,1]
-                probs = probs * hard_select(probs, gamma, self.gamma_grad)
-            if record is not None:
-                record.update(type_weight=probs, threshold=gamma)
-            return {name: probs[:, :, i] for i, name in enumerate(self.type_names)}
-        if self.method not in INSTANCE_METHODS or not (self.type_names or self.gate_names):
-            return {}
+            return self.route_tokens(x, record)
+        if self.method in INSTANCE_METHODS and self.router_columns:
+            return self.route_sequence(x, start_pos, record)
+        return {}
+
+    def route_tokens(self, x: jt.Var, record) -> dict:
+        probs = jt.sigmoid(self.adapter_type_router(x))  # [B,T,n_types]
+        gamma = None
+        if self.variant == "sparse":
+            gamma = self.adapter_threshold_fn(x)  # [B,T,1]
+            probs = probs * hard_select(probs, gamma, self.gamma_grad)
+        if record is not None:
+            record.update(type_weight=probs, threshold=gamma)
+        return {name: probs[:, :, i] for i, name in enumerate(self.type_names)}
+
+    def route_sequence(self, x: jt.Var, start_pos, record) -> dict:
+        B, T, _ = x.shape
         if start_pos is None or start_pos == 0:  # a whole sequence or a prefill decides
             pooled = sequence_mean(x)  # [B,1,D]
             if self.method == "instance":
@@ -86,14 +93,13 @@ class TransformerBlock(nn.Module):
                 record.update(pooled=pooled, router_logits=logits)
         else:
             gates = self._sequence_gates
-        names = self.router_columns
         if record is not None:  # type_weight: what each token's families were weighted by
-            record.update(sequence_gates=gates, type_weight=gates.broadcast((B, T, len(names))))
-        per_token = {name: gates[:, :, i].broadcast((B, T)) for i, name in enumerate(names)}
+            record.update(sequence_gates=gates, type_weight=gates.broadcast((B, T, len(self.router_columns))))
+        per_column = {name: gates[:, :, i].broadcast((B, T)) for i, name in enumerate(self.router_columns)}
         if self.method == "instance":
-            return per_token
-        weights = {target: per_token["LORA"] for target in self.lora_targets}
-        weights.update({name: per_token[name] for name in ("PROMPT", "PADAPTER") if name in per_token})
+            return per_column
+        weights = {target: per_column["LORA"] for target in self.lora_targets}  # one gate for every LoRA
+        weights.update({name: per_column[name] for name in ("PROMPT", "PADAPTER") if name in per_column})
         return weights
 
     def execute(self, x, cos, sin, mask, start_pos=None, records=None, aux=None):
@@ -110,6 +116,28 @@ class TransformerBlock(nn.Module):
         if self.clamp:
             out = jt.clamp(out, -SOFT_CLAMP, SOFT_CLAMP)
         return out
+
+
+class RecomputedBlock(jt.Function):
+    """A block in training that keeps only its input: the forward runs without a graph, the
+    backward runs it again with one and differentiates that (activation checkpointing)."""
+
+    def execute(self, x, cos, sin, mask, block, *trainable):
+        self.saved = (x, cos, sin, mask, block)
+        with jt.no_grad():
+            return block(x, cos, sin, mask)
+
+    def grad(self, grad_out):
+        x, cos, sin, mask, block = self.saved
+        x = x.detach()
+        trainable = trainable_of(block)
+        # grad_out detached: differentiating through it would re-enter this very function
+        grads = jt.grad((block(x, cos, sin, mask) * grad_out.detach()).sum(), [x, *trainable])
+        return (grads[0], None, None, None, None, *grads[1:])
+
+
+def trainable_of(block: nn.Module) -> list:
+    return [p for p in block.parameters() if not p.is_stop_grad()]
 
 
 class LLaMA(nn.Module):
@@ -155,6 +183,10 @@ class LLaMA(nn.Module):
         cos = jt.array(self._rope_cos[first:first + T])
         sin = jt.array(self._rope_sin[first:first + T])
         h = self.tok_embeddings(tokens).float32()  # [B,T,D]; the table may be stored in bf16
+        recompute = self.args.recompute_blocks and start_pos is None and records is None and self.is_training()
         for layer in self.layers:
-            h = layer(h, cos, sin, mask, start_pos, records, aux)
+            if recompute:
+                h = RecomputedBlock.apply(h, cos, sin, mask, layer, *trainable_of(layer))
+            else:
+                h = layer(h, cos, sin, mask, start_pos, records, aux)
         return self.norm(h)  # [B,T,D] fp32

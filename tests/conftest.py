@@ -127,6 +127,42 @@ def golden_forward(model, data, records=None):
     return model(tokens, mask, records=records)
 
 
+def assert_golden_gradients(model, loss, data, meta):
+    """Every trainable tensor's gradient of `loss` against the golden file's (1e-3 relative); those
+    the authors' code gives no gradient (meta["grad_none"]) exactly zero."""
+    adapter = model.adapter_parameters()
+    assert sorted(adapter) == sorted(meta["trainable"])
+    for name, grad in zip(adapter, jt.grad(loss, list(adapter.values()))):
+        ref, got = data[f"grad/{name}"], grad.numpy()
+        if name in meta["grad_none"]:
+            assert np.all(got == 0), f"{name}: the authors' code gives it no gradient"
+        else:
+            assert max_abs(got, ref) / np.abs(ref).max() <= 1e-3, name
+
+
+def authors_round_trip(model, data, meta, folder, method=None):
+    """Our adapter -> the authors' adapter.pth + adapter_params.json (their names, values and their
+    folder's fields) -> ours again, loaded into a fresh model with the golden values. Returns the
+    path of their adapter.pth."""
+    from Models.authors_options import AUTHORS_PARAMS
+    from Models.checkpoints import export_authors_adapter, import_authors_adapter, load_adapter, save_adapter
+    from Models.torch_io import load_pth
+    params = golden_params(data)
+    save_adapter(model, str(folder / "ours"))
+    theirs_path = str(folder / "theirs" / "adapter.pth")
+    export_authors_adapter(str(folder / "ours"), theirs_path)
+    theirs = load_pth(theirs_path)
+    assert sorted(theirs) == sorted(meta["adapter_only_names"])
+    assert all(np.array_equal(theirs[n], params[n]) for n in theirs)
+    with open(folder / "theirs" / "adapter_params.json") as f:
+        assert json.load(f) == {k: meta["model_args"][k] for k in AUTHORS_PARAMS[meta["variant"]]}
+    import_authors_adapter(theirs_path, str(folder / "back"), model.args, method)
+    fresh = LLaMA_adapter(model.args)
+    load_adapter(fresh, str(folder / "back"))
+    assert all(np.array_equal(var.numpy(), params[n]) for n, var in fresh.adapter_parameters().items())
+    return theirs_path
+
+
 def golden_params(data) -> dict:
     return {k[len("param/"):]: data[k] for k in data.files if k.startswith("param/")}
 

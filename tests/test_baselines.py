@@ -7,11 +7,10 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import BASELINE_FILES, TINY_FLAGS, golden_model, golden_params, write_synthetic_splits
+from conftest import BASELINE_FILES, TINY_FLAGS, authors_round_trip, golden_model, golden_params, write_synthetic_splits
 
 import Infer
 import Math
-from Models.authors_options import AUTHORS_PARAMS
 from Models.checkpoints import (export_authors_adapter, import_authors_adapter, load_adapter, read_adapter_config,
                                 save_adapter)
 from Models.LLaMA_Adapter import LLaMA_adapter
@@ -126,22 +125,13 @@ def test_resume_equals_straight_run(method, tiny_base, data, tmp_path):
 def test_authors_adapter_both_ways(name, tmp_path):
     """Ours -> their adapter.pth + adapter_params.json (their folder's fields) -> ours, unchanged."""
     model, data, meta = golden_model(f"baselines/{name}")
-    params = golden_params(data)
-    save_adapter(model, str(tmp_path / "ours"))
-    export_authors_adapter(str(tmp_path / "ours"), str(tmp_path / "theirs" / "adapter.pth"))
-    theirs = load_pth(tmp_path / "theirs" / "adapter.pth")
-    assert sorted(theirs) == sorted(meta["adapter_only_names"])
-    assert all(np.array_equal(theirs[n], params[n]) for n in theirs)
-    with open(tmp_path / "theirs" / "adapter_params.json") as f:
-        assert json.load(f) == {k: meta["model_args"][k] for k in AUTHORS_PARAMS[meta["variant"]]}
-    told = read_adapter_config(str(tmp_path / "theirs" / "adapter.pth"))["method"]  # from options and names
-    assert told == ("moa" if meta["variant"] == "instance" else model.args.method)  # instance writes Soft MoA's
-    method = "instance" if meta["variant"] == "instance" else None
-    import_authors_adapter(str(tmp_path / "theirs" / "adapter.pth"), str(tmp_path / "back"), model.args, method)
+    instance = meta["variant"] == "instance"  # it writes Soft MoA's options and names
+    theirs = authors_round_trip(model, data, meta, tmp_path, "instance" if instance else None)
+    assert read_adapter_config(theirs)["method"] == ("moa" if instance else model.args.method)
     fresh = LLaMA_adapter(model.args)
-    load_adapter(fresh, str(tmp_path / "back"))
+    load_adapter(fresh, theirs)  # their pair read directly too
+    params = golden_params(data)
     assert all(np.array_equal(var.numpy(), params[n]) for n, var in fresh.adapter_parameters().items())
-    load_adapter(fresh, str(tmp_path / "theirs" / "adapter.pth"))  # their pair read directly too
 
 
 @pytest.mark.parametrize("settings, message", [
