@@ -33,7 +33,10 @@ def is_adapter_param(name: str) -> bool:
 
 def expert_family(name: str) -> str:
     """The expert type a parameter belongs to, for the per-type parameter count."""
-    for part in name.split("."):
+    parts = name.split(".")
+    for before, part in zip(["", *parts], parts):
+        if part == "prompt_gate" and before.isdigit():  # UniPEFT's block-level gate, not attention's
+            return "ROUTER"
         if part in EXPERT_FAMILIES:
             return EXPERT_FAMILIES[part]
     return "BASE"
