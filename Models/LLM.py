@@ -118,28 +118,6 @@ class TransformerBlock(nn.Module):
         return out
 
 
-class RecomputedBlock(jt.Function):
-    """A block in training that keeps only its input: the forward runs without a graph, the
-    backward runs it again with one and differentiates that (activation checkpointing)."""
-
-    def execute(self, x, cos, sin, mask, block, *trainable):
-        self.saved = (x, cos, sin, mask, block)
-        with jt.no_grad():
-            return block(x, cos, sin, mask)
-
-    def grad(self, grad_out):
-        x, cos, sin, mask, block = self.saved
-        x = x.detach()
-        trainable = trainable_of(block)
-        # grad_out detached: differentiating through it would re-enter this very function
-        grads = jt.grad((block(x, cos, sin, mask) * grad_out.detach()).sum(), [x, *trainable])
-        return (grads[0], None, None, None, None, *grads[1:])
-
-
-def trainable_of(block: nn.Module) -> list:
-    return [p for p in block.parameters() if not p.is_stop_grad()]
-
-
 class LLaMA(nn.Module):
     def __init__(self, args: ModelArgs):
         self.args = args
@@ -183,10 +161,6 @@ class LLaMA(nn.Module):
         cos = jt.array(self._rope_cos[first:first + T])
         sin = jt.array(self._rope_sin[first:first + T])
         h = self.tok_embeddings(tokens).float32()  # [B,T,D]; the table may be stored in bf16
-        recompute = self.args.recompute_blocks and start_pos is None and records is None and self.is_training()
         for layer in self.layers:
-            if recompute:
-                h = RecomputedBlock.apply(h, cos, sin, mask, layer, *trainable_of(layer))
-            else:
-                h = layer(h, cos, sin, mask, start_pos, records, aux)
+            h = layer(h, cos, sin, mask, start_pos, records, aux)
         return self.norm(h)  # [B,T,D] fp32

@@ -73,9 +73,6 @@ class ModelArgs:
                                  "--hydra_moe), topk (sparse MoE-LoRA), adamole (threshold MoE-LoRA), instance "
                                  "(Soft MoA routed per sequence), unipeft (one gate per family per sequence)",
                           METHODS)
-    recompute_blocks: bool = setting(False, "training keeps each block's input only and recomputes its "
-                                            "activations in the backward: one more forward per step for a "
-                                            "fraction of the activation memory (what LLaMA-3.1-8B needs on 24 GB)")
     # MoA: experts (layer spans are half-open, e.g. '0-32' or '0-8,24-32'; 'all' = every layer, '0-0' = none)
     variant: str = setting("sparse", "method moa: Soft MoA (every expert, sigmoid-weighted) or Sparse MoA (a learned "
                                      "per-token threshold switches experts off)", VARIANTS)
@@ -160,10 +157,6 @@ class ModelArgs:
             if self.method == "topk" and self.top_k == 1 and self.lb_loss_coeff == 0:
                 raise ValueError("top_k=1 gives every chosen expert weight 1, so only the load-balancing loss "
                                  "trains the router: with lb_loss_coeff=0 it never learns; use top_k >= 2")
-        if self.recompute_blocks and self.method in SPARSE_MOE_METHODS and self.lb_loss_coeff:
-            raise ValueError(f"recompute_blocks: method={self.method}'s load-balancing loss is collected during the "
-                             "forward, which recomputation runs without a graph; set lb_loss_coeff=0 or leave "
-                             "recompute_blocks off")
         if self.lb_loss_coeff < 0:
             raise ValueError(f"lb_loss_coeff={self.lb_loss_coeff} must be >= 0")
         if self.method == "unipeft" and not self.p_adapter_layer_set <= self.prompt_layer_set:

@@ -119,7 +119,7 @@ class GenerationArgs:
 # variant adds. "all" as a layer span means every layer of the base.
 _PAPER_EXPERTS = dict(lora_layers="all", lora_rank=8, lora_alpha=8.0, lora_targets="Q,K,V,O,FFN_DOWN",
                       p_adapter_layers="all", p_adapter_size=16, swi_x=4, max_threshold=0.5)
-_PAPER_TRAINING = dict(precision="bf16", recompute_blocks=True, blr=6e-3, batch_size=32, accum_iter=1, epochs=2, warmup_epochs=1.0, weight_decay=0.02,
+_PAPER_TRAINING = dict(precision="bf16", blr=6e-3, batch_size=32, accum_iter=1, epochs=2, warmup_epochs=1.0, weight_decay=0.02,
                        clip_grad=0.0, val_fraction=0.0, seed=0, temperature=0.1, top_p=0.75)
 _SOFT_PROMPTS = dict(prompt_layers="all", prompt_len=10)
 RECIPES = {

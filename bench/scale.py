@@ -4,8 +4,8 @@ python bench/scale.py [--llama_path DIR] [--n_layers 2] [--variants sparse,soft]
 Without --llama_path it writes an 8B-shaped Meta checkpoint of random bf16 weights
 (LLaMA-3.1-8B's params.json) into a temporary folder, tensor by tensor, and removes
 it at the end. For each variant (the `math` recipe: Sparse MoA, Soft MoA with
-prompts on every layer, blocks recomputed in the backward): load, two AdamW steps
-on 1 x 300 tokens, save the adapter, greedy-decode 16 tokens through the KV cache. The plain read of the
+prompts on every layer): load, two AdamW steps on 1 x 300 tokens, save the
+adapter, greedy-decode 16 tokens through the KV cache. The plain read of the
 checkpoint is timed in the same run, each read (the plain one and every load)
 starting from a cold page cache for that file (posix_fadvise DONTNEED).
 Prints key=value pairs last.
@@ -101,9 +101,8 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def run_variant(llama_dir: str, variant: str, out_dir: str, roofline: float, recompute_blocks: bool) -> dict:
+def run_variant(llama_dir: str, variant: str, out_dir: str, roofline: float) -> dict:
     settings = {k: v for k, v in recipe_values("math", variant).items() if k in ModelArgs.__dataclass_fields__}
-    settings["recompute_blocks"] = recompute_blocks
     args = ModelArgs.from_params_json(llama_dir, **{**settings, "max_seq_len": SEQ, "max_batch_size": BATCH})
     for path in sorted(os.listdir(llama_dir)):
         if path.startswith("consolidated."):
@@ -157,9 +156,6 @@ def main():
                         help="layers of the random checkpoint (a quick check: 2)")
     parser.add_argument("--variants", default="sparse,soft", help="comma-separated: sparse, soft")
     parser.add_argument("--tmp_dir", default=None, help="where the temporary folder goes (default: the system's)")
-    parser.add_argument("--recompute_blocks", action=argparse.BooleanOptionalAction, default=True,
-                        help="recompute each block's activations in the backward, as the math recipe does "
-                             "(default: on; --no-recompute_blocks keeps them)")
     opts = parser.parse_args()
     jt.set_global_seed(0)
     work = tempfile.mkdtemp(prefix="moa-scale-", dir=opts.tmp_dir)
@@ -176,12 +172,12 @@ def main():
         read_s = sum(timed_read(f) for f in files)
         print(f"plain cold read of {file_gb:.2f} GB: {read_s:.1f} s", flush=True)
         roofline = sgemm_gflops()
-        results = {v: run_variant(llama_dir, v, work, roofline, opts.recompute_blocks) for v in opts.variants.split(",")}
+        results = {v: run_variant(llama_dir, v, work, roofline) for v in opts.variants.split(",")}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     peak = peak_rss_gb()
     n_base = next(iter(results.values()))["n_base"]
-    line = {"n_layers": opts.n_layers, "recompute_blocks": int(opts.recompute_blocks), "file_gb": f"{file_gb:.2f}", "read_s": f"{read_s:.1f}",
+    line = {"n_layers": opts.n_layers, "file_gb": f"{file_gb:.2f}", "read_s": f"{read_s:.1f}",
             "sgemm_gflops": f"{roofline:.0f}", "peak_rss_gb": f"{peak:.2f}",
             "bytes_per_base_param": f"{peak * 1e9 / n_base:.2f}", "n_base": n_base}
     for variant, r in results.items():

@@ -179,8 +179,11 @@ def test_logs_tensorboard_and_run_files(base, data, tmp_path):
     assert train(base, data, tmp_path, "--max_steps", 3, "--eval_interval", 2, "--log_interval", 2) == 0
     with open(tmp_path / "log.txt") as f:
         records = [json.loads(line) for line in f]
-    assert {r["event"] for r in records} == {"train", "val"}
+    assert {r["event"] for r in records} == {"train", "val", "end"}  # end: the run's totals
     assert [r["step"] for r in records if r["event"] == "train"] == [1, 2]
+    end = records[-1]
+    assert end["event"] == "end" and end["step"] == 3 and end["train_tokens_per_s"] > 0
+    assert end["trainable_params"] == sum(v.size for v in load_pth(tmp_path / "adapter" / "adapter.pth").values())
     assert {"c_train_loss", "val_loss", "lr"} <= read_tensorboard_tags(tmp_path / "tensorboard")
     with open(tmp_path / "args.json") as f:
         saved = json.load(f)
@@ -282,7 +285,7 @@ def test_non_finite_loss_keeps_last_checkpoint(base, data, tmp_path, monkeypatch
 
     def poisoned(values):
         result = real(values)
-        if len(values) == 4:  # the per-step loss reduction
+        if len(values) == 5:  # the per-step loss reduction
             calls["n"] += 1
             if calls["n"] == 4:
                 result[0] = math.nan
