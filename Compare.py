@@ -80,7 +80,7 @@ def commands(args, method: str) -> dict:
     math = [python, "Math.py", "--recipe", args.recipe, *preset_flags(METHOD_PRESETS[method]), *common,
             "--max_steps", str(args.max_steps), "--output_dir", run]
     math += ["--data_path", args.data_path] if args.data_path else []
-    math += [*args.math_flags, "--overwrite" if args.overwrite else "--resume", *([] if args.overwrite else ["auto"])]
+    math += [*args.math_flags, *(["--overwrite"] if args.overwrite else ["--resume", "auto"])]
     if args.ranks > 1:
         math = ["mpirun", "--oversubscribe", "-np", str(args.ranks), *math]
     return {"math": math, "infer": infer + ["--adapter_path", os.path.join(run, "adapter")]}
@@ -113,9 +113,10 @@ def evaluate_method(args, method: str) -> dict:
     cmds = commands(args, method)
     done_path, scores_path = os.path.join(run, "compare.json"), os.path.join(run, "eval", "scores.json")
     if not args.overwrite and os.path.isfile(done_path) and os.path.isfile(scores_path):
-        if read_json_object(done_path, "compare record").get("commands") == cmds:
+        earlier = read_json_object(done_path, "compare record")
+        if earlier.get("commands") == cmds:
             print(f"[compare] {method}: done earlier with the same command, reused")
-            return read_json_object(done_path, "compare record")["row"]
+            return earlier["row"]
     started = time.time()
     log_path = os.path.join(run, "compare.log")
     if "math" in cmds:

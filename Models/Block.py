@@ -16,7 +16,7 @@ from .Experts import MOELoraLayer
 from .SparseLoRA import SparseLoRAMoE
 from .fused import rms_norm, rope, silu_gate
 from .kernels import attention
-from .ModelArgs import ModelArgs
+from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
 from .precision import BaseLinear
 
 
@@ -34,7 +34,7 @@ def lora_for(args: ModelArgs, layer_id: int, target: str, in_features: int, out_
     """The LoRA expert (or sparse mixture of LoRA experts) on `target` in this layer, or None."""
     if layer_id not in args.lora_layer_set or target not in args.targets:
         return None
-    if args.method in ("topk", "adamole"):
+    if args.method in SPARSE_MOE_METHODS:
         return SparseLoRAMoE(in_features, out_features, args.lora_rank, args.lora_alpha, args.expert_num,
                              args.method, args.top_k)
     return MOELoraLayer(in_features, out_features, args.lora_rank, args.lora_alpha,

@@ -201,15 +201,19 @@ def read_adapter_config(path: str, hint: str = None):
     return fields_from_authors(config, config_path, hint=hint or tensor_names_hint(path))
 
 
+def unipeft_by_names(names) -> str:
+    """'unipeft' when tensor names hold UniPEFT's gates (its options are Soft MoA's), else None."""
+    return "unipeft" if any(str(n).endswith(".lora_gate.weight") for n in names) else None
+
+
 def tensor_names_hint(path: str):
-    """'unipeft' when the authors' adapter.pth beside their json holds UniPEFT's gates (its options
-    are Soft MoA's), read lazily: names only."""
+    """unipeft_by_names of the authors' adapter.pth beside their json, read lazily: names only."""
     weights = os.path.join(path, ADAPTER_WEIGHTS) if os.path.isdir(path) else path
     if not os.path.isfile(weights):
         return None
     state = load_pth(weights, lazy=True)
     names = state["model"] if isinstance(state, dict) and isinstance(state.get("model"), dict) else state
-    return "unipeft" if isinstance(names, dict) and any(str(n).endswith(".lora_gate.weight") for n in names) else None
+    return unipeft_by_names(names) if isinstance(names, dict) else None
 
 
 def load_adapter(model: LLaMA_adapter, path: str):
@@ -245,7 +249,7 @@ def read_authors(path: str, method: str = None):
     says which; UniPEFT is told by its gates' names."""
     state = load_pth(path)
     arrays = adapter_tensors(state, path)
-    hint = method or ("unipeft" if any(n.split(".")[-2] == "lora_gate" for n in arrays) else None)
+    hint = method or unipeft_by_names(arrays)
     if isinstance(state, dict) and isinstance(state.get("args"), PlainNamespace):
         fields = fields_from_authors(vars(state["args"]), f"{path} (args)", hint=hint)
     else:

@@ -7,6 +7,9 @@ row whose prompt is not finished yet is fed its own next prompt token instead
 of the picked one. Each row thus sees exactly its own tokens at its own
 positions: a batch gives the same tokens as batch size 1 (greedy), and the
 router values recorded at a position are those computed when its token was fed.
+The instance-level methods prefill exactly the shortest prompt instead: their gates
+come from the prefill (the authors' min_prompt_len), so with several prompts of
+different lengths a batch is not the same as batch size 1 for them.
 """
 import os
 

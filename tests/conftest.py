@@ -67,6 +67,13 @@ def tiny_base(tmp_path_factory):
     return write_random_base(str(tmp_path_factory.mktemp("tiny_base")), dim=64, n_layers=2)
 
 
+@pytest.fixture(scope="session")
+def synthetic_data(tmp_path_factory):
+    """48 training and 8 validation problems of the synthetic math set (seed 1): {"train": path, "val": path};
+    read-only."""
+    return write_synthetic_splits(tmp_path_factory.mktemp("synthetic_data"), 48, 8, seed=1)
+
+
 # ---- helpers
 
 def write_synthetic_splits(folder, n_train, n_val, seed) -> dict:

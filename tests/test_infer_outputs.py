@@ -16,11 +16,6 @@ from Utils import misc
 
 
 @pytest.fixture(scope="module")
-def base(tiny_base):
-    return tiny_base
-
-
-@pytest.fixture(scope="module")
 def sets(tmp_path_factory):
     """Two tiny data sets, math-scored, under names of their own folders."""
     root = tmp_path_factory.mktemp("sets")
@@ -33,8 +28,8 @@ def sets(tmp_path_factory):
     return paths
 
 
-def infer(base, out, *extra):
-    return Infer.main(["--no_adapter", "--llama_path", base, "--output_dir", str(out), "--max_gen_len", "2",
+def infer(tiny_base, out, *extra):
+    return Infer.main(["--no_adapter", "--llama_path", tiny_base, "--output_dir", str(out), "--max_gen_len", "2",
                        "--batch_size", "2", "--plot_examples", "0", *map(str, extra)])
 
 
@@ -54,12 +49,12 @@ def one_error_line(err, *needles):
     assert all(n in lines[0] for n in needles), (needles, lines[0])
 
 
-def test_results_are_replaced_whole_never_mixed(base, sets, tmp_path, capsys):
+def test_results_are_replaced_whole_never_mixed(tiny_base, sets, tmp_path, capsys):
     out = tmp_path / "eval"
-    summary = infer(base, out, "--data_path", sets["AddSub"], sets["SVAMP"])
+    summary = infer(tiny_base, out, "--data_path", sets["AddSub"], sets["SVAMP"])
     assert sorted(summary["datasets"]) == ["AddSub", "SVAMP"]
     assert sorted(os.listdir(out)) == ["AddSub_predictions.jsonl", "SVAMP_predictions.jsonl", "scores.json"]
-    summary = infer(base, out, "--data_path", sets["AddSub"])
+    summary = infer(tiny_base, out, "--data_path", sets["AddSub"])
     # the earlier evaluation's SVAMP results go with it: scores.json and the predictions always agree
     assert sorted(os.listdir(out)) == ["AddSub_predictions.jsonl", "scores.json"]
     assert sorted(json.loads((out / "scores.json").read_text())["datasets"]) == ["AddSub"]
@@ -67,14 +62,14 @@ def test_results_are_replaced_whole_never_mixed(base, sets, tmp_path, capsys):
 
     (out / "notes.txt").write_text("mine")
     before = contents(out)
-    assert exit_code(lambda: infer(base, out, "--data_path", sets["SVAMP"])) == 2
+    assert exit_code(lambda: infer(tiny_base, out, "--data_path", sets["SVAMP"])) == 2
     one_error_line(capsys.readouterr().err, str(out), "notes.txt", "not an evaluation's results")
     assert contents(out) == before
 
 
-def test_a_failed_write_keeps_the_earlier_results(base, sets, tmp_path, monkeypatch, capsys):
+def test_a_failed_write_keeps_the_earlier_results(tiny_base, sets, tmp_path, monkeypatch, capsys):
     out = tmp_path / "eval"
-    infer(base, out, "--data_path", sets["AddSub"])
+    infer(tiny_base, out, "--data_path", sets["AddSub"])
     before = contents(out)
     real_fsync = os.fsync
 
@@ -84,32 +79,32 @@ def test_a_failed_write_keeps_the_earlier_results(base, sets, tmp_path, monkeypa
         return real_fsync(fd)
     monkeypatch.setattr(os, "fsync", full_disk)
     capsys.readouterr()
-    assert exit_code(lambda: infer(base, out, "--data_path", sets["AddSub"], sets["SVAMP"])) == 4
+    assert exit_code(lambda: infer(tiny_base, out, "--data_path", sets["AddSub"], sets["SVAMP"])) == 4
     one_error_line(capsys.readouterr().err, "scores.json", "No space left on device")
     assert contents(out) == before  # the SVAMP predictions already written stayed in the staging folder
     assert not [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)]
 
 
-def test_generation_is_bounded_by_the_context(base, sets, tmp_path):
-    summary = infer(base, tmp_path / "eval", "--data_path", sets["AddSub"], "--max_gen_len", 1000000,
+def test_generation_is_bounded_by_the_context(tiny_base, sets, tmp_path):
+    summary = infer(tiny_base, tmp_path / "eval", "--data_path", sets["AddSub"], "--max_gen_len", 1000000,
                     "--max_seq_len", 200)
     assert summary["max_seq_len"] == 200  # not prompt + 1000000
     rows = [json.loads(line) for line in open(tmp_path / "eval" / "AddSub_predictions.jsonl")]
     assert len(rows) == 2
 
 
-def test_bad_input_table(base, sets, tmp_path, monkeypatch, capsys):
+def test_bad_input_table(tiny_base, sets, tmp_path, monkeypatch, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    n_words = Tokenizer(os.path.join(base, "tokenizer.model")).n_words
+    n_words = Tokenizer(os.path.join(tiny_base, "tokenizer.model")).n_words
 
     def edited_base(name, **params):
         copy = tmp_path / name
         copy.mkdir()
-        for entry in os.listdir(base):
+        for entry in os.listdir(tiny_base):
             if entry != "params.json":
-                os.symlink(os.path.join(base, entry), copy / entry)
-        with open(os.path.join(base, "params.json")) as f:
+                os.symlink(os.path.join(tiny_base, entry), copy / entry)
+        with open(os.path.join(tiny_base, "params.json")) as f:
             (copy / "params.json").write_text(json.dumps({**json.load(f), **params}))
         return str(copy)
     data = ["--data_path", sets["AddSub"]]
@@ -127,7 +122,7 @@ def test_bad_input_table(base, sets, tmp_path, monkeypatch, capsys):
     ]
     for extra, code, needles in cases:
         out = tmp_path / "eval"
-        assert exit_code(lambda: infer(base, out, *data, *extra)) == code, extra  # later flags win
+        assert exit_code(lambda: infer(tiny_base, out, *data, *extra)) == code, extra  # later flags win
         one_error_line(capsys.readouterr().err, *needles)
         assert not out.exists()
 
@@ -138,12 +133,12 @@ def test_help_says_what_the_moa_flags_do():
     assert "override" not in text
 
 
-def test_sigint_stops_between_batches_and_writes_nothing(base, tmp_path):
+def test_sigint_stops_between_batches_and_writes_nothing(tiny_base, tmp_path):
     data = tmp_path / "synthetic" / "test.json"
     data.parent.mkdir()
     data.write_text(json.dumps(make_splits(4, 0, 60, seed=3)[2]))
     out = tmp_path / "eval"
-    proc = subprocess.Popen([sys.executable, str(REPO / "Infer.py"), "--no_adapter", "--llama_path", base,
+    proc = subprocess.Popen([sys.executable, str(REPO / "Infer.py"), "--no_adapter", "--llama_path", tiny_base,
                              "--data_path", str(data), "--output_dir", str(out), "--max_gen_len", "40",
                              "--batch_size", "1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, write_synthetic_splits
+from conftest import REPO
 
 import Math
 from Data.prompts import format_prompt
@@ -26,23 +26,14 @@ TINY = ["--max_seq_len", "256", "--batch_size", "4", "--lora_rank", "4", "--p_ad
         "--warmup_epochs", "0", "--log_interval", "1", "--eval_interval", "1", "--lr", "1e-2"]
 
 
-@pytest.fixture(scope="module")
-def base(tiny_base):
-    return tiny_base
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_synthetic_splits(tmp_path_factory.mktemp("data"), 48, 8, seed=1)
-
-
-def argv(base, data, out, *extra):
-    return [str(a) for a in ["--llama_path", base, "--data_path", data["train"], "--val_data_path", data["val"],
+def argv(tiny_base, synthetic_data, out, *extra):
+    return [str(a) for a in ["--llama_path", tiny_base, "--data_path", synthetic_data["train"],
+                             "--val_data_path", synthetic_data["val"],
                              "--output_dir", out, *TINY, *extra]]
 
 
-def train(base, data, out, *extra):
-    return Math.main(argv(base, data, out, *extra))
+def train(tiny_base, synthetic_data, out, *extra):
+    return Math.main(argv(tiny_base, synthetic_data, out, *extra))
 
 
 def log_lines(out):
@@ -70,18 +61,18 @@ def one_error_line(err, *needles):
 
 # ---- one run per folder ---------------------------------------------------------------
 
-def test_a_new_run_never_replaces_another_runs_files(base, data, tmp_path, capsys):
+def test_a_new_run_never_replaces_another_runs_files(tiny_base, synthetic_data, tmp_path, capsys):
     out = str(tmp_path / "run")
-    assert train(base, data, out, "--max_steps", 1) == 0
+    assert train(tiny_base, synthetic_data, out, "--max_steps", 1) == 0
     first = snapshot(out)
     first_id = {r["run"] for r in log_lines(out)}
     assert len(first_id) == 1 and "" not in first_id
     capsys.readouterr()
-    assert train(base, data, out, "--max_steps", 2) == 2
+    assert train(tiny_base, synthetic_data, out, "--max_steps", 2) == 2
     one_error_line(capsys.readouterr().err, out, "another run's files", "--resume auto", "--overwrite")
     assert snapshot(out) == first  # nothing touched, log.txt included
 
-    assert train(base, data, out, "--max_steps", 2, "--resume", "auto") == 0  # continuing it is fine
+    assert train(tiny_base, synthetic_data, out, "--max_steps", 2, "--resume", "auto") == 0  # continuing it is fine
     ids = [r["run"] for r in log_lines(out)]
     assert ids[0] in first_id and len(set(ids)) == 2  # every line says which run wrote it
     assert json.load(open(os.path.join(out, "args.json")))["run_id"] == ids[-1]
@@ -89,14 +80,14 @@ def test_a_new_run_never_replaces_another_runs_files(base, data, tmp_path, capsy
     os.makedirs(os.path.join(out, "eval"))
     with open(os.path.join(out, "eval", "scores.json"), "w") as f:
         f.write("{}")  # an evaluation of the adapter about to be replaced
-    assert train(base, data, out, "--max_steps", 1, "--overwrite") == 0  # replacing it must be asked for
+    assert train(tiny_base, synthetic_data, out, "--max_steps", 1, "--overwrite") == 0  # replacing it must be asked for
     assert not os.path.exists(os.path.join(out, "eval"))
     ids = {r["run"] for r in log_lines(out)}
     assert len(ids) == 1 and not ids & first_id  # nothing of the earlier runs is left to mix in
     assert load_pth(os.path.join(out, "checkpoint-latest.pth"))["global_step"] == 1
 
 
-def test_a_live_run_holds_its_folder(base, data, tmp_path, capsys):
+def test_a_live_run_holds_its_folder(tiny_base, synthetic_data, tmp_path, capsys):
     """The lock: a second run is refused while the first lives; a killed holder leaves nothing stuck."""
     out = str(tmp_path / "run")
     holder = subprocess.Popen([PYTHON, "-c", textwrap.dedent(f"""
@@ -108,19 +99,19 @@ def test_a_live_run_holds_its_folder(base, data, tmp_path, capsys):
         """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        assert train(base, data, out, "--max_steps", 1) == 2
+        assert train(tiny_base, synthetic_data, out, "--max_steps", 1) == 2
         one_error_line(capsys.readouterr().err, "is in use by another run", f"{holder.pid} holder-1")
         assert sorted(os.listdir(out)) == [output_dirs.LOCK_NAME]  # the refused run wrote nothing
     finally:
         holder.kill()  # SIGKILL: no clean-up of its own
         holder.wait()
-    assert train(base, data, out, "--max_steps", 1) == 0
+    assert train(tiny_base, synthetic_data, out, "--max_steps", 1) == 0
 
 
-def test_two_runs_started_into_one_folder(base, data, tmp_path):
+def test_two_runs_started_into_one_folder(tiny_base, synthetic_data, tmp_path):
     """Two real Math.py processes at once: one trains, the other stops with exit 2 and writes nothing."""
     out = str(tmp_path / "run")
-    cmd = [PYTHON, str(REPO / "Math.py"), *argv(base, data, out, "--max_steps", 2)]
+    cmd = [PYTHON, str(REPO / "Math.py"), *argv(tiny_base, synthetic_data, out, "--max_steps", 2)]
     logs = [tmp_path / f"stderr{i}.txt" for i in range(2)]
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "w")) for log in logs]
     codes = [p.wait(timeout=600) for p in procs]
@@ -136,9 +127,9 @@ def test_two_runs_started_into_one_folder(base, data, tmp_path):
 
 # ---- interrupts ------------------------------------------------------------------------
 
-def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(base, data, tmp_path):
+def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, synthetic_data, tmp_path):
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-    assert train(base, data, straight, "--max_steps", 3) == 0
+    assert train(tiny_base, synthetic_data, straight, "--max_steps", 3) == 0
     # the real Math.py, SIGKILLed halfway through writing its second checkpoint-latest.pth
     script = textwrap.dedent(f"""
         import os, signal, sys
@@ -160,14 +151,14 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(base, data, t
         torch_write.atomic_write = dying
         sys.exit(Math.main(sys.argv[1:]))
         """)
-    proc = subprocess.run([PYTHON, "-c", script, *argv(base, data, killed, "--max_steps", 3)], cwd=REPO,
+    proc = subprocess.run([PYTHON, "-c", script, *argv(tiny_base, synthetic_data, killed, "--max_steps", 3)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     leftovers = [n for n in os.listdir(killed) if n.startswith(misc.TMP_PREFIX)]
     assert len(leftovers) == 1 and leftovers[0].endswith("checkpoint-latest.pth")
     assert load_pth(os.path.join(killed, "checkpoint-latest.pth"))["global_step"] == 1  # the last whole one
 
-    assert train(base, data, killed, "--max_steps", 3, "--resume", "auto") == 0
+    assert train(tiny_base, synthetic_data, killed, "--max_steps", 3, "--resume", "auto") == 0
     assert not [n for n in os.listdir(killed) if n.startswith(misc.TMP_PREFIX)]  # removed at the start
     a = load_pth(os.path.join(straight, "adapter", "adapter.pth"))
     b = load_pth(os.path.join(killed, "adapter", "adapter.pth"))
@@ -177,10 +168,10 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(base, data, t
     assert all(ca["optimizer"]["m"][k].tobytes() == cb["optimizer"]["m"][k].tobytes() for k in a)
 
 
-def test_sigint_checkpoints_and_exits_130(base, data, tmp_path):
+def test_sigint_checkpoints_and_exits_130(tiny_base, synthetic_data, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([PYTHON, str(REPO / "Math.py"), *argv(base, data, str(out), "--epochs", 50)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([PYTHON, str(REPO / "Math.py"), *argv(tiny_base, synthetic_data, str(out), "--epochs", 50)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         while proc.poll() is None:  # until the first step is logged: SIGINT then falls inside the loop
             if (out / "log.txt").exists() and (out / "log.txt").read_text().count("\n") >= 1:
@@ -199,72 +190,73 @@ def test_sigint_checkpoints_and_exits_130(base, data, tmp_path):
 
 # ---- bad input: one line, exit 2, nothing written ------------------------------------------
 
-def edited_base(base, copy, **params):
+def edited_base(tiny_base, copy, **params):
     copy.mkdir()
-    for name in os.listdir(base):
-        os.symlink(os.path.join(base, name), copy / name)
+    for name in os.listdir(tiny_base):
+        os.symlink(os.path.join(tiny_base, name), copy / name)
     os.remove(copy / "params.json")
-    with open(os.path.join(base, "params.json")) as f:
+    with open(os.path.join(tiny_base, "params.json")) as f:
         (copy / "params.json").write_text(json.dumps({**json.load(f), **params}))
     return str(copy)
 
 
-def test_bad_input_table(base, data, tmp_path, capsys):
+def test_bad_input_table(tiny_base, synthetic_data, tmp_path, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
-    n_words = Tokenizer(os.path.join(base, "tokenizer.model")).n_words
+    n_words = Tokenizer(os.path.join(tiny_base, "tokenizer.model")).n_words
     cases = [  # (how to break it, what the one line must name)
-        (lambda: ["--llama_path", edited_base(base, tmp_path / "str_dim", dim="128")],
+        (lambda: ["--llama_path", edited_base(tiny_base, tmp_path / "str_dim", dim="128")],
          ["params.json", "dim", "'128'"]),
         (lambda: ["--output_dir", str(a_file)], [str(a_file), "is a file"]),
         (lambda: ["--output_dir", str(a_file / "run")], [str(a_file / "run"), "which is a file"]),
-        (lambda: ["--llama_path", edited_base(base, tmp_path / "small_vocab", vocab_size=n_words - 1)],
+        (lambda: ["--llama_path", edited_base(tiny_base, tmp_path / "small_vocab", vocab_size=n_words - 1)],
          ["tokenizer.model", f"{n_words} token ids", f"vocab_size {n_words - 1}", "params.json"]),
-        (lambda: ["--max_seq_len", "100"], ["validation set", data["val"], "no example keeps a target token",
+        (lambda: ["--max_seq_len", "100"], ["validation set", synthetic_data["val"], "no example keeps a target token",
                                             "--max_seq_len 100"]),
         (lambda: ["--overwrite", "--resume", "auto"], ["--overwrite", "--resume"]),
     ]
     for make, needles in cases:
         out = tmp_path / "out"
         extra = make()
-        assert Math.main(argv(base, data, str(out), "--max_steps", 1, *extra)) == 2, extra  # later flags win
+        # later flags win
+        assert Math.main(argv(tiny_base, synthetic_data, str(out), "--max_steps", 1, *extra)) == 2, extra
         one_error_line(capsys.readouterr().err, *needles)
         assert not out.exists()  # nothing written before the input is known to be good
 
 
-def test_cut_examples_are_counted(base, data, tmp_path, capsys):
-    tok = Tokenizer(os.path.join(base, "tokenizer.model"))
-    with open(data["train"]) as f:
+def test_cut_examples_are_counted(tiny_base, synthetic_data, tmp_path, capsys):
+    tok = Tokenizer(os.path.join(tiny_base, "tokenizer.model"))
+    with open(synthetic_data["train"]) as f:
         rows = json.load(f)
     lengths = [len(tok.encode(format_prompt(r), bos=True, eos=False)) + len(tok.encode(r["output"], bos=False, eos=True))
                for r in rows]
     longer = sum(n > 180 for n in lengths)
     assert 0 < longer < len(rows)  # the data straddles the limit, so the count means something
-    assert train(base, data, str(tmp_path / "run"), "--max_steps", 1, "--max_seq_len", 180) == 0
+    assert train(tiny_base, synthetic_data, str(tmp_path / "run"), "--max_steps", 1, "--max_seq_len", 180) == 0
     assert f"training: {longer} of {len(rows)} examples are longer than --max_seq_len 180" in capsys.readouterr().out
 
 
-def test_resume_refuses_changed_data_at_the_same_path(base, data, tmp_path, capsys):
-    own = {k: str(tmp_path / f"{k}.json") for k in data}
-    for k in data:
-        with open(data[k]) as src, open(own[k], "w") as dst:
+def test_resume_refuses_changed_data_at_the_same_path(tiny_base, synthetic_data, tmp_path, capsys):
+    own = {k: str(tmp_path / f"{k}.json") for k in synthetic_data}
+    for k in synthetic_data:
+        with open(synthetic_data[k]) as src, open(own[k], "w") as dst:
             dst.write(src.read())
     out = str(tmp_path / "run")
-    assert train(base, own, out, "--max_steps", 1) == 0
+    assert train(tiny_base, own, out, "--max_steps", 1) == 0
     saved = snapshot(out)
     with open(own["train"]) as f:
         rows = json.load(f)
     with open(own["train"], "w") as f:
         json.dump(rows[:-4], f)  # 4 examples fewer, same file name
     capsys.readouterr()
-    assert train(base, own, out, "--max_steps", 2, "--resume", "auto") == 2
+    assert train(tiny_base, own, out, "--max_steps", 2, "--resume", "auto") == 2
     one_error_line(capsys.readouterr().err, "another configuration", "train_sha256")
     assert snapshot(out) == saved
 
 
-def test_full_disk_is_one_line_and_keeps_what_was_written(base, data, tmp_path, monkeypatch, capsys):
+def test_full_disk_is_one_line_and_keeps_what_was_written(tiny_base, synthetic_data, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
-    assert train(base, data, out, "--max_steps", 1) == 0
+    assert train(tiny_base, synthetic_data, out, "--max_steps", 1) == 0
     saved = snapshot(out)
     real_fsync = os.fsync
 
@@ -274,7 +266,7 @@ def test_full_disk_is_one_line_and_keeps_what_was_written(base, data, tmp_path, 
         return real_fsync(fd)
     monkeypatch.setattr(os, "fsync", full_disk)
     capsys.readouterr()
-    assert train(base, data, out, "--max_steps", 3, "--resume", "auto") == 4
+    assert train(tiny_base, synthetic_data, out, "--max_steps", 3, "--resume", "auto") == 4
     one_error_line(capsys.readouterr().err, os.path.join(out, "checkpoint-latest.pth"), "No space left on device")
     assert snapshot(out)["checkpoint-latest.pth"] == saved["checkpoint-latest.pth"]  # the last whole one
     assert not [n for n in os.listdir(out) if n.startswith(misc.TMP_PREFIX)]

@@ -12,7 +12,7 @@ import time
 import jittor as jt
 import numpy as np
 import pytest
-from conftest import DATA, REPO, TINY_FLAGS, write_synthetic_splits
+from conftest import DATA, REPO, TINY_FLAGS
 
 import engine_finetune
 import Math
@@ -24,18 +24,8 @@ from Models.torch_io import load_pth
 PYTHON = sys.executable
 
 
-@pytest.fixture(scope="module")
-def base(tiny_base):
-    return tiny_base
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_synthetic_splits(tmp_path_factory.mktemp("data"), 48, 8, seed=1)
-
-
-def train(base, data, out, *extra):
-    argv = ["--llama_path", base, "--data_path", data["train"], "--val_data_path", data["val"],
+def train(tiny_base, synthetic_data, out, *extra):
+    argv = ["--llama_path", tiny_base, "--data_path", synthetic_data["train"], "--val_data_path", synthetic_data["val"],
             "--output_dir", str(out), *TINY_FLAGS, *extra]
     return Math.main([str(a) for a in argv])
 
@@ -96,8 +86,8 @@ def test_adamw_counts_updates_not_backward_calls():
 
 
 @pytest.mark.slow
-def test_loss_decreases_on_synthetic(base, data, tmp_path):
-    assert train(base, data, tmp_path, "--max_steps", 12, "--batch_size", 8, "--epochs", 2) == 0
+def test_loss_decreases_on_synthetic(tiny_base, synthetic_data, tmp_path):
+    assert train(tiny_base, synthetic_data, tmp_path, "--max_steps", 12, "--batch_size", 8, "--epochs", 2) == 0
     losses = [r["train_loss"] for r in log_records(tmp_path)]
     assert len(losses) == 12
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 1.0, losses
@@ -105,9 +95,9 @@ def test_loss_decreases_on_synthetic(base, data, tmp_path):
 
 @pytest.mark.filterwarnings("ignore:.*no output token left")  # a few math_14k prompts exceed 384 tokens
 @pytest.mark.slow
-def test_loss_decreases_on_math14k(base, tmp_path):
+def test_loss_decreases_on_math14k(tiny_base, tmp_path):
     path = str(DATA / "math" / "math_14k_validation.json")
-    argv = ["--llama_path", base, "--data_path", path, "--val_fraction", "0.1", "--output_dir", str(tmp_path),
+    argv = ["--llama_path", tiny_base, "--data_path", path, "--val_fraction", "0.1", "--output_dir", str(tmp_path),
             *TINY_FLAGS, "--max_seq_len", "384", "--max_steps", "12", "--batch_size", "8", "--lr", "3e-2"]
     assert Math.main(argv) == 0
     losses = [r["train_loss"] for r in log_records(tmp_path)]
@@ -115,15 +105,15 @@ def test_loss_decreases_on_math14k(base, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_equals_straight_run(base, data, tmp_path):
+def test_resume_equals_straight_run(tiny_base, synthetic_data, tmp_path):
     extra = ["--accum_iter", "2", "--eval_interval", "2", "--early_stop_patience", "5"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert train(base, data, straight, "--max_steps", 6, *extra) == 0
-    assert train(base, data, split, "--max_steps", 3, *extra) == 0
+    assert train(tiny_base, synthetic_data, straight, "--max_steps", 6, *extra) == 0
+    assert train(tiny_base, synthetic_data, split, "--max_steps", 3, *extra) == 0
     ckpt = load_pth(split / "checkpoint-latest.pth")
     assert (ckpt["global_step"], ckpt["epoch"], ckpt["data_iter_step"]) == (3, 0, 6)
     assert ckpt["optimizer"]["updates"] == 3 and set(ckpt["optimizer"]["m"]) == set(ckpt["adapter"])
-    assert train(base, data, split, "--max_steps", 6, "--resume", "auto", *extra) == 0
+    assert train(tiny_base, synthetic_data, split, "--max_steps", 6, "--resume", "auto", *extra) == 0
     assert max_diff(adapter(straight / "adapter"), adapter(split / "adapter")) <= 1e-6
     a, b = log_records(straight), log_records(split)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
@@ -135,18 +125,20 @@ def test_resume_equals_straight_run(base, data, tmp_path):
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_matches_one_big_batch(base, data, tmp_path):
+def test_gradient_accumulation_matches_one_big_batch(tiny_base, synthetic_data, tmp_path):
     """Exact token-weighted reduction: 2 x 4 rows accumulated == one batch of 8 rows."""
-    assert train(base, data, tmp_path / "big", "--max_steps", 3, "--batch_size", 8) == 0
-    assert train(base, data, tmp_path / "acc", "--max_steps", 3, "--batch_size", 4, "--accum_iter", 2) == 0
+    assert train(tiny_base, synthetic_data, tmp_path / "big", "--max_steps", 3, "--batch_size", 8) == 0
+    assert train(tiny_base, synthetic_data, tmp_path / "acc", "--max_steps", 3, "--batch_size", 4,
+                 "--accum_iter", 2) == 0
     assert max_diff(adapter(tmp_path / "big" / "adapter"), adapter(tmp_path / "acc" / "adapter")) <= 1e-5
 
 
 @pytest.mark.slow
-def test_early_stopping_keeps_the_best(base, data, tmp_path, monkeypatch):
+def test_early_stopping_keeps_the_best(tiny_base, synthetic_data, tmp_path, monkeypatch):
     scripted = iter([5.0, 4.0, 4.5, 4.6, 4.7, 4.8])
     monkeypatch.setattr(engine_finetune, "evaluate", lambda model, dataset: next(scripted))
-    assert train(base, data, tmp_path, "--eval_interval", 1, "--early_stop_patience", 2, "--epochs", 5) == 0
+    assert train(tiny_base, synthetic_data, tmp_path, "--eval_interval", 1, "--early_stop_patience", 2,
+                 "--epochs", 5) == 0
     vals = log_records(tmp_path, "val")
     assert [r["val_loss"] for r in vals] == [5.0, 4.0, 4.5, 4.6]  # stopped after 2 bad rounds
     assert len(log_records(tmp_path)) == 4
@@ -175,8 +167,8 @@ def read_tensorboard_tags(folder):
 
 
 @pytest.mark.slow
-def test_logs_tensorboard_and_run_files(base, data, tmp_path):
-    assert train(base, data, tmp_path, "--max_steps", 3, "--eval_interval", 2, "--log_interval", 2) == 0
+def test_logs_tensorboard_and_run_files(tiny_base, synthetic_data, tmp_path):
+    assert train(tiny_base, synthetic_data, tmp_path, "--max_steps", 3, "--eval_interval", 2, "--log_interval", 2) == 0
     with open(tmp_path / "log.txt") as f:
         records = [json.loads(line) for line in f]
     assert {r["event"] for r in records} == {"train", "val", "end"}  # end: the run's totals
@@ -187,14 +179,14 @@ def test_logs_tensorboard_and_run_files(base, data, tmp_path):
     assert {"c_train_loss", "val_loss", "lr"} <= read_tensorboard_tags(tmp_path / "tensorboard")
     with open(tmp_path / "args.json") as f:
         saved = json.load(f)
-    assert saved["llama_path"] == base and saved["lr"] == 1e-2 and saved["recipe"] == "demo"
+    assert saved["llama_path"] == tiny_base and saved["lr"] == 1e-2 and saved["recipe"] == "demo"
     assert saved["lora_rank"] == 4 and saved["lora_alpha"] == 16.0  # the flag over the recipe
     with open(tmp_path / "adapter" / "adapter_params.json") as f:
         assert json.load(f)["variant"] == "sparse"
 
 
 @pytest.mark.slow
-def test_only_adapters_change(base, data, tmp_path, monkeypatch):
+def test_only_adapters_change(tiny_base, synthetic_data, tmp_path, monkeypatch):
     captured = {}
     prepare = Math.prepare
 
@@ -204,7 +196,7 @@ def test_only_adapters_change(base, data, tmp_path, monkeypatch):
         captured["before"] = {n: p.numpy().copy() for n, p in model.named_parameters()}
         return result
     monkeypatch.setattr(Math, "prepare", spy)
-    assert train(base, data, tmp_path, "--max_steps", 2) == 0
+    assert train(tiny_base, synthetic_data, tmp_path, "--max_steps", 2) == 0
     model, before = captured["model"], captured["before"]
     adapters = set(model.adapter_parameters())
     changed = {n for n, p in model.named_parameters() if not np.array_equal(p.numpy(), before[n])}
@@ -215,13 +207,13 @@ def test_only_adapters_change(base, data, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_init_adapter(base, data, tmp_path, capsys):
-    assert train(base, data, tmp_path / "a", "--max_steps", 2) == 0
+def test_init_adapter(tiny_base, synthetic_data, tmp_path, capsys):
+    assert train(tiny_base, synthetic_data, tmp_path / "a", "--max_steps", 2) == 0
     # lr 1e-30 leaves every weight where it started: the init adapter itself
-    assert train(base, data, tmp_path / "b", "--max_steps", 1, "--lr", "1e-30",
+    assert train(tiny_base, synthetic_data, tmp_path / "b", "--max_steps", 1, "--lr", "1e-30",
                  "--init_adapter", tmp_path / "a" / "adapter") == 0
     assert max_diff(adapter(tmp_path / "a" / "adapter"), adapter(tmp_path / "b" / "adapter")) == 0.0
-    assert train(base, data, tmp_path / "c", "--max_steps", 1, "--lora_rank", 8,
+    assert train(tiny_base, synthetic_data, tmp_path / "c", "--max_steps", 1, "--lora_rank", 8,
                  "--init_adapter", tmp_path / "a" / "adapter") == 2
     err = capsys.readouterr().err
     assert "lora_rank: adapter has 4, model has 8" in err and "Traceback" not in err
@@ -232,7 +224,7 @@ def write(path, text):
     return str(path)
 
 
-def test_bad_input(base, data, tmp_path, capsys):
+def test_bad_input(tiny_base, synthetic_data, tmp_path, capsys):
     cases = [
         (["--data_path", str(tmp_path / "missing.json")], "missing.json"),
         (["--data_path", write(tmp_path / "broken.json", '[{"instruction": "x",\n oops}]')],
@@ -244,7 +236,8 @@ def test_bad_input(base, data, tmp_path, capsys):
     ]
     for extra, message in cases:
         out = tmp_path / "out"
-        argv = ["--llama_path", base, "--data_path", data["train"], "--val_data_path", data["val"],
+        argv = ["--llama_path", tiny_base, "--data_path", synthetic_data["train"],
+                "--val_data_path", synthetic_data["val"],
                 "--output_dir", str(out), *TINY_FLAGS, *extra]
         assert Math.main(argv) == 2, extra
         err = capsys.readouterr().err
@@ -266,11 +259,11 @@ def test_batch_size_and_world_size():
 
 
 @pytest.mark.slow
-def test_resume_with_another_configuration(base, data, tmp_path, capsys):
-    assert train(base, data, tmp_path, "--max_steps", 2) == 0
+def test_resume_with_another_configuration(tiny_base, synthetic_data, tmp_path, capsys):
+    assert train(tiny_base, synthetic_data, tmp_path, "--max_steps", 2) == 0
     ckpt = tmp_path / "checkpoint-latest.pth"
     saved, log = ckpt.read_bytes(), (tmp_path / "log.txt").read_bytes()
-    assert train(base, data, tmp_path, "--max_steps", 4, "--resume", "auto", "--lora_rank", 8,
+    assert train(tiny_base, synthetic_data, tmp_path, "--max_steps", 4, "--resume", "auto", "--lora_rank", 8,
                  "--batch_size", 8) == 2
     err = capsys.readouterr().err
     assert "another configuration" in err and "lora_rank" in err and "batch_size" in err
@@ -279,7 +272,7 @@ def test_resume_with_another_configuration(base, data, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_non_finite_loss_keeps_last_checkpoint(base, data, tmp_path, monkeypatch, capsys):
+def test_non_finite_loss_keeps_last_checkpoint(tiny_base, synthetic_data, tmp_path, monkeypatch, capsys):
     real = engine_finetune.all_reduce_sum
     calls = {"n": 0}
 
@@ -291,17 +284,17 @@ def test_non_finite_loss_keeps_last_checkpoint(base, data, tmp_path, monkeypatch
                 result[0] = math.nan
         return result
     monkeypatch.setattr(engine_finetune, "all_reduce_sum", poisoned)
-    assert train(base, data, tmp_path, "--max_steps", 10, "--eval_interval", 2) == 3
+    assert train(tiny_base, synthetic_data, tmp_path, "--max_steps", 10, "--eval_interval", 2) == 3
     assert "training loss is nan at step 4" in capsys.readouterr().err
     assert load_pth(tmp_path / "checkpoint-latest.pth")["global_step"] == 2
     assert not (tmp_path / "adapter").exists()
 
 
 @pytest.mark.slow
-def test_sigterm_leaves_a_loadable_checkpoint(base, data, tmp_path):
+def test_sigterm_leaves_a_loadable_checkpoint(tiny_base, synthetic_data, tmp_path):
     out = tmp_path / "run"
-    argv = [PYTHON, str(REPO / "Math.py"), "--llama_path", base, "--data_path", data["train"],
-            "--val_data_path", data["val"], "--output_dir", str(out), *TINY_FLAGS, "--epochs", "50"]
+    argv = [PYTHON, str(REPO / "Math.py"), "--llama_path", tiny_base, "--data_path", synthetic_data["train"],
+            "--val_data_path", synthetic_data["val"], "--output_dir", str(out), *TINY_FLAGS, "--epochs", "50"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
@@ -318,5 +311,6 @@ def test_sigterm_leaves_a_loadable_checkpoint(base, data, tmp_path):
     ckpt = load_pth(out / "checkpoint-latest.pth")
     steps = [r["step"] for r in log_records(out)]
     assert ckpt["global_step"] == steps[-1] >= 2
-    assert train(base, data, out, "--epochs", 50, "--resume", "auto", "--max_steps", ckpt["global_step"] + 1) == 0
+    assert train(tiny_base, synthetic_data, out, "--epochs", 50, "--resume", "auto",
+                 "--max_steps", ckpt["global_step"] + 1) == 0
     assert [r["step"] for r in log_records(out)] == steps + [steps[-1] + 1]
