@@ -15,6 +15,7 @@ from jittor import nn
 from .Experts import MOELoraLayer
 from .SparseLoRA import SparseLoRAMoE
 from .fused import rms_norm, rope, silu_gate
+from .fused_experts import gated_projection
 from .kernels import attention
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
 from .precision import BaseLinear
@@ -154,8 +155,14 @@ class FeedForward(nn.Module):
         # x [B,T,D] -> [B,T,D]; hidden [B,T,F]
         gate = with_lora(self.w1(x), self.lora_GATE, x, route, "FFN_GATE")
         up = with_lora(self.w3(x), self.lora_UP, x, route, "FFN_UP")
+        lora, weight = self.lora_DOWN, route.weight("FFN_DOWN")
+        if isinstance(lora, MOELoraLayer) and lora.fuses(weight):
+            # the hidden and the LoRA's A view of it in one op that rebuilds the hidden in the
+            # backward: the layer's largest activation [B,T,F] is not kept for the LoRA's gradient
+            hidden, low_rank = gated_projection(gate, up, lora.lora_A.weight)
+            return lora.add_low_rank(self.w2(hidden), low_rank, weight)
         hidden = silu_gate(gate, up)
-        return with_lora(self.w2(hidden), self.lora_DOWN, hidden, route, "FFN_DOWN")
+        return with_lora(self.w2(hidden), lora, hidden, route, "FFN_DOWN")
 
 
 def attention_mask(T: int, S: int, start_pos: int) -> np.ndarray:

@@ -4,7 +4,8 @@ Prompt tuning lives in Block.Attention: it needs the layer's queries and project
 
 Every expert is called as expert(base, x, route, family): it adds its output on x, under
 the weight route.weight(family) [B,T] (None: unweighted), to the tensor it sits beside
-(base), in one fused pass. The block owns the routing between families (Models/Routing.py);
+(base), in one fused pass; a single expert applies the weight to its last projection's narrow
+input (fused.add_projected), so its [B,T,out] output is never kept for the backward. The block owns the routing between families (Models/Routing.py);
 a family of several experts mixes them with its own softmax router and reports it on `route`.
 """
 import math
@@ -13,7 +14,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import init, nn
 
-from .fused import add_weighted
+from .fused_experts import add_projected, add_weighted
 from .kernels import Linear
 
 
@@ -91,7 +92,18 @@ class MOELoraLayer(nn.Module):
 
     def execute(self, base: jt.Var, x: jt.Var, route, family: str) -> jt.Var:
         # base [B,T,out] + the expert's output on x [B,T,in], weighted by route.weight(family) [B,T] -> [B,T,out]
-        return add_expert(base, self.unweighted(x, route, family), route.weight(family), self.scaling)
+        weight = route.weight(family)
+        if self.fuses(weight):
+            return self.add_low_rank(base, self.lora_A(x), weight)
+        return add_expert(base, self.unweighted(x, route, family), weight, self.scaling)
+
+    def fuses(self, weight) -> bool:
+        """Whether this expert adds itself from its low-rank input (one LoRA under a type weight)."""
+        return self.expert_num == 1 and weight is not None
+
+    def add_low_rank(self, base: jt.Var, low_rank: jt.Var, weight: jt.Var) -> jt.Var:
+        # base [B,T,out] + weight [B,T] * scaling * B(low_rank [B,T,r]), low_rank = A x
+        return add_projected(base, low_rank, self.lora_B.weight, None, weight, self.scaling)
 
 
 class PAdapterLayer(nn.Module):
@@ -134,4 +146,8 @@ class PAdapterLayer(nn.Module):
 
     def execute(self, base: jt.Var, x: jt.Var, route) -> jt.Var:
         # base [B,T,D] + the adapter's output on x [B,T,D] (the normalised FFN input), weighted by route [B,T]
-        return add_expert(base, self.unweighted(x, route), route.weight("PADAPTER"), 1.0)
+        weight = route.weight("PADAPTER")
+        if self.expert_num == 1 and weight is not None:
+            hidden = nn.silu(self.down_proj(x))  # [B,T,size]
+            return add_projected(base, hidden, self.up_proj.weight, self.up_proj.bias, weight, 1.0)
+        return add_expert(base, self.unweighted(x, route), weight, 1.0)

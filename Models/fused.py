@@ -1,8 +1,8 @@
 """Threaded single-pass CPU kernels for the elementwise work around the matmuls.
 
 Jittor runs its own elementwise and reduction kernels on one thread; these run
-each op (RoPE, cross-entropy over the vocabulary, the SwiGLU gate, RMSNorm, an
-expert's weighted addition) in one OpenMP-parallel pass forward and one backward.
+each op (RoPE, cross-entropy over the vocabulary, the SwiGLU gate, RMSNorm) in one
+OpenMP-parallel pass forward and one backward; the experts' own are in fused_experts.py.
 Each is a kernels.Kernel: the fused pass next to its plain-Jittor reference, one switch between them.
 """
 import Utils.jittor_env  # noqa: F401
@@ -258,45 +258,3 @@ def plain_rms_norm(x: jt.Var, weight: jt.Var, eps: float) -> jt.Var:
 # x [..., D] -> [..., D], statistics in fp32; the fused pass only for fp32 input and a frozen weight
 rms_norm = Kernel(lambda x, weight, eps: FrozenRMSNorm.apply(x, weight, eps), plain_rms_norm,
                   when=lambda x, weight, eps: x.dtype == "float32" and not weight.requires_grad)
-
-
-ADD_WEIGHTED_FORWARD = """
-#pragma omp parallel for
-for (int64_t r = 0; r < N; r++) {
-    const float *base = in0_p + r * F, *delta = in1_p + r * F, w = in2_p[r] * scale;
-    float *out = out0_p + r * F;
-    for (int64_t i = 0; i < F; i++) out[i] = base[i] + delta[i] * w;
-}
-"""
-
-ADD_WEIGHTED_BACKWARD = """
-#pragma omp parallel for
-for (int64_t r = 0; r < N; r++) {
-    const float *delta = in0_p + r * F, *g = in2_p + r * F, w = in1_p[r] * scale;
-    float *ddelta = out0_p + r * F, dot = 0.f;
-    for (int64_t i = 0; i < F; i++) { ddelta[i] = g[i] * w; dot += g[i] * delta[i]; }
-    out1_p[r] = dot * scale;
-}
-"""
-
-
-class AddWeighted(jt.Function):
-    """base + delta * weight[..., None] * scale: an expert's output added under its router weight."""
-
-    def execute(self, base, delta, weight, scale):
-        F = base.shape[-1]
-        self.sizes = f"const int64_t N = {base.numel() // F}, F = {F}; const float scale = {float(scale)!r}f;\n"
-        self.saved = (delta, weight)
-        return jt.code(base.shape, "float32", [base, delta, weight], cpu_src=self.sizes + ADD_WEIGHTED_FORWARD)
-
-    def grad(self, grad_out):
-        delta, weight = self.saved
-        ddelta, dweight = jt.code([delta.shape, weight.shape], ["float32", "float32"], [delta, weight, grad_out],
-                                  cpu_src=self.sizes + ADD_WEIGHTED_BACKWARD)
-        return grad_out, ddelta, dweight, None
-
-
-# base [..., F] + delta [..., F] * weight [...] * scale, all fp32
-add_weighted = Kernel(
-    lambda base, delta, weight, scale: AddWeighted.apply(base.float32(), delta.float32(), weight.float32(), scale),
-    lambda base, delta, weight, scale: base + delta * scale * weight.unsqueeze(-1))

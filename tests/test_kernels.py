@@ -4,7 +4,8 @@ import pytest
 
 import jittor as jt
 from Models.Block import attention_mask
-from Models.fused import LOGIT_ROWS, add_weighted, output_nll, rms_norm, rope, silu_gate, token_nll
+from Models.fused import LOGIT_ROWS, output_nll, rms_norm, rope, silu_gate, token_nll
+from Models.fused_experts import add_projected, add_weighted, gated_projection
 from Models.kernels import attention, fused_kernels_on, linear
 from Models.precision import BF16Linear, base_linear, cpu_has_bf16_units
 from Models.utils import rope_tables
@@ -76,6 +77,29 @@ def test_add_weighted():
     router_weight = jt.array(rng.random((2, 5)).astype(np.float32))
     assert_same(add_weighted, [normal(rng, (2, 5, 12)), normal(rng, (2, 5, 12)), router_weight, 0.5], [0, 1, 2],
                 atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_add_projected(bias):
+    rng = np.random.default_rng(11)
+    router_weight = jt.array(rng.random((2, 5)).astype(np.float32))
+    inputs = [normal(rng, (2, 5, 12)), normal(rng, (2, 5, 3)), normal(rng, (12, 3)),
+              normal(rng, (12,)) if bias else None, router_weight, 0.5]
+    assert_same(add_projected, inputs, [0, 1, 2, 4] + ([3] if bias else []), atol=1e-5, rtol=1e-5)
+
+
+def test_gated_projection():
+    """Both outputs (the SwiGLU hidden and its low-rank projection) and the gradients through both."""
+    rng = np.random.default_rng(12)
+    inputs = [normal(rng, (2, 5, 13), 3.0), normal(rng, (2, 5, 13), 3.0), normal(rng, (4, 13))]
+    fused, plain = gated_projection.fused(*inputs), gated_projection.plain(*inputs)
+    weights = [normal(rng, out.shape) for out in plain]
+    for got, want in zip(fused, plain):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    for used in [(0,), (1,), (0, 1)]:  # the hidden alone, the projection alone, both
+        loss = [sum((outputs[i] * weights[i]).sum() for i in used) for outputs in (fused, plain)]
+        for got, want in zip(jt.grad(loss[0], inputs), jt.grad(loss[1], inputs)):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("shape, bias, trains", [((2, 5, 12), True, True), ((7, 12), False, True),
