@@ -68,9 +68,10 @@ class Attention(nn.Module):
                 self.prompt_router = nn.Linear(D, args.expert_num, bias=True)
         self.expert_num = args.expert_num
         self._cache_k = self._cache_v = None
+        self._prompt_kv = None  # the prompt's keys and values, fixed while the cache lives
 
     def reset_cache(self):
-        self._cache_k = self._cache_v = None
+        self._cache_k = self._cache_v = self._prompt_kv = None
 
     def update_cache(self, xk: jt.Var, xv: jt.Var, start_pos: int):
         """Write this step's keys/values [B,T,Hkv,hd] at positions start_pos.. of the cache.
@@ -97,16 +98,25 @@ class Attention(nn.Module):
         keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
         out = attention(xq, keys, values, mask)  # [B,T,H,hd]
         if self.has_prompt:
-            out = out + self.prompt_output(x, xq, route)
+            out = out + self.prompt_output(x, xq, route, start_pos)
         out = out.reshape(B, T, H * hd)  # [B,T,D]
         return with_lora(self.wo(out), self.lora_O, out, route, "O")
 
-    def prompt_output(self, x: jt.Var, xq: jt.Var, route) -> jt.Var:
+    def prompt_keys_values(self, start_pos):
+        """The learned prompt through the base projections, no RoPE: [L, Hkv*hd] each. With the KV
+        cache (generation) they are computed once per prefill: the prompt does not change meanwhile."""
+        if start_pos is not None and self._prompt_kv is not None:
+            return self._prompt_kv
+        kv = self.wk(self.prompt.weight), self.wv(self.prompt.weight)
+        if start_pos is not None:
+            self._prompt_kv = kv
+        return kv
+
+    def prompt_output(self, x: jt.Var, xq: jt.Var, route, start_pos=None) -> jt.Var:
         # x [B,T,D] (the layer's normalised input), xq [B,T,H,hd] (rotated queries) -> [B,T,H,hd]
         B, T, H, hd = xq.shape
         L = self.prompt.weight.shape[0]
-        # the learned prompt through the base projections, no RoPE
-        prompt_k, prompt_v = self.wk(self.prompt.weight), self.wv(self.prompt.weight)  # [L, Hkv*hd]
+        prompt_k, prompt_v = self.prompt_keys_values(start_pos)  # [L, Hkv*hd]
         if self.expert_num > 1:
             out = self.mixed_prompt_output(x, xq, prompt_k, prompt_v, route)
         else:
