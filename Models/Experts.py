@@ -15,7 +15,7 @@ import jittor as jt
 from jittor import init, nn
 
 from .fused_experts import add_projected, add_weighted
-from .kernels import Linear
+from .kernels import Linear, linear
 
 
 def zero_linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
@@ -48,6 +48,21 @@ def mix_experts(gate: jt.Var, outputs: list) -> jt.Var:
     for e in range(1, len(outputs)):
         mixed = mixed + outputs[e] * gate[:, :, e:e + 1]
     return mixed
+
+
+def mix_low_rank(x: jt.Var, gate: jt.Var, A_weights: list, B_weights: list) -> jt.Var:
+    """sum_e gate[..., e] * (x A_e^T) B_e^T, as one LoRA of rank E*r whose rank blocks are gated:
+    two matmuls instead of 2E small ones. A_weights: E matrices [r,in], or one that every B reads
+    (HydraLoRA); B_weights: E matrices [out,r]."""
+    # x [B,T,in], gate [B,T,E] -> [B,T,out]
+    E, r = len(B_weights), B_weights[0].shape[1]
+    rows = x.shape[:-1]
+    if len(A_weights) == 1:
+        low = linear(x, A_weights[0]).unsqueeze(-2)  # [B,T,1,r], shared by every expert
+    else:
+        low = linear(x, jt.concat(A_weights, dim=0)).reshape(*rows, E, r)  # [B,T,E,r]
+    gated = (low * gate.unsqueeze(-1)).reshape(*rows, E * r)
+    return linear(gated, jt.concat(B_weights, dim=1))
 
 
 class MOELoraLayer(nn.Module):
@@ -83,12 +98,8 @@ class MOELoraLayer(nn.Module):
         logits = self.router(x)
         gate = nn.softmax(logits, dim=-1)  # [B,T,E]
         route.report(family, expert_router_logits=logits, expert_weights=gate)
-        if self.hydra:
-            shared = self.lora_A(x)  # one A feeds every B
-            outputs = [b(shared) for b in self.lora_B_l]
-        else:
-            outputs = [b(a(x)) for a, b in zip(self.lora_A_l, self.lora_B_l)]
-        return mix_experts(gate, outputs)
+        A = [self.lora_A.weight] if self.hydra else [a.weight for a in self.lora_A_l]  # hydra: one A feeds every B
+        return mix_low_rank(x, gate, A, [b.weight for b in self.lora_B_l])
 
     def execute(self, base: jt.Var, x: jt.Var, route, family: str) -> jt.Var:
         # base [B,T,out] + the expert's output on x [B,T,in], weighted by route.weight(family) [B,T] -> [B,T,out]

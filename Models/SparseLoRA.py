@@ -13,20 +13,16 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .Experts import add_expert, mix_experts, zero_linear
+from .Experts import add_expert, mix_low_rank, zero_linear
 from .kernels import Linear
 
 
 class LoraExpert(nn.Module):
-    """One expert: lora_B(lora_A(x)), B zero at start."""
+    """One expert's lora_A and lora_B (B zero at start); the mixture runs all experts at once."""
 
     def __init__(self, in_features: int, out_features: int, rank: int):
         self.lora_A = Linear(in_features, rank, bias=False)
         self.lora_B = zero_linear(rank, out_features)
-
-    def execute(self, x: jt.Var) -> jt.Var:
-        # x [B,T,in] -> [B,T,out]
-        return self.lora_B(self.lora_A(x))
 
 
 class TopkRouter(nn.Module):
@@ -93,5 +89,6 @@ class SparseLoRAMoE(nn.Module):
     def execute(self, base: jt.Var, x: jt.Var, route, family: str) -> jt.Var:
         # base [B,T,out] + the mixture's output on x [B,T,in] -> [B,T,out]
         weights = self.route(x, route, family)
-        delta = mix_experts(weights, [expert(x) for expert in self.experts])
+        delta = mix_low_rank(x, weights, [e.lora_A.weight for e in self.experts],
+                             [e.lora_B.weight for e in self.experts])
         return add_expert(base, delta, route.weight(family), self.scaling)
