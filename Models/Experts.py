@@ -5,8 +5,9 @@ Prompt tuning lives in Block.Attention: it needs the layer's queries and project
 Every expert is called as expert(base, x, route, family): it adds its output on x, under
 the weight route.weight(family) [B,T] (None: unweighted), to the tensor it sits beside
 (base), in one fused pass; a single expert applies the weight to its last projection's narrow
-input (fused.add_projected), so its [B,T,out] output is never kept for the backward. The block owns the routing between families (Models/Routing.py);
-a family of several experts mixes them with its own softmax router and reports it on `route`.
+input (fused_experts.add_projected), so its [B,T,out] output is never kept for the backward.
+The block owns the routing between families (Models/Routing.py); a family of several experts
+mixes them with its own softmax router and reports it on `route`.
 """
 import math
 
@@ -48,6 +49,11 @@ def mix_experts(gate: jt.Var, outputs: list) -> jt.Var:
     for e in range(1, len(outputs)):
         mixed = mixed + outputs[e] * gate[:, :, e:e + 1]
     return mixed
+
+
+def weighs_single_expert(expert_num: int, weight) -> bool:
+    """Whether an expert adds itself through add_projected: one expert under a type weight."""
+    return expert_num == 1 and weight is not None
 
 
 def mix_low_rank(x: jt.Var, gate: jt.Var, A_weights: list, B_weights: list) -> jt.Var:
@@ -110,7 +116,7 @@ class MOELoraLayer(nn.Module):
 
     def fuses(self, weight) -> bool:
         """Whether this expert adds itself from its low-rank input (one LoRA under a type weight)."""
-        return self.expert_num == 1 and weight is not None
+        return weighs_single_expert(self.expert_num, weight)
 
     def add_low_rank(self, base: jt.Var, low_rank: jt.Var, weight: jt.Var) -> jt.Var:
         # base [B,T,out] + weight [B,T] * scaling * B(low_rank [B,T,r]), low_rank = A x
@@ -158,7 +164,7 @@ class PAdapterLayer(nn.Module):
     def execute(self, base: jt.Var, x: jt.Var, route) -> jt.Var:
         # base [B,T,D] + the adapter's output on x [B,T,D] (the normalised FFN input), weighted by route [B,T]
         weight = route.weight("PADAPTER")
-        if self.expert_num == 1 and weight is not None:
+        if weighs_single_expert(self.expert_num, weight):
             hidden = nn.silu(self.down_proj(x))  # [B,T,size]
             return add_projected(base, hidden, self.up_proj.weight, self.up_proj.bias, weight, 1.0)
         return add_expert(base, self.unweighted(x, route), weight, 1.0)

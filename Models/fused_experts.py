@@ -99,7 +99,6 @@ class AddProjected(jt.Function):
     def execute(self, base, u, up, weight, scale, bias=None):
         N, R = up.shape
         M = base.numel() // N
-        self.shapes = (base.shape, u.shape, weight.shape, bias is not None)
         self.sizes = (f"const int64_t M = {M}, N = {N}, R = {R}; const float scale = {float(scale)!r}f;\n"
                       f"const float *bias = {'in4_p' if bias is not None else 'nullptr'};\n")
         self.saved = (u, up, weight, bias)
@@ -110,8 +109,8 @@ class AddProjected(jt.Function):
 
     def grad(self, grad_out):
         u, up, weight, bias = self.saved
-        base_shape, u_shape, w_shape, has_bias = self.shapes
-        outputs = [u_shape, up.shape, w_shape] + ([bias.shape] if has_bias else [])
+        has_bias = bias is not None
+        outputs = [u.shape, up.shape, weight.shape] + ([bias.shape] if has_bias else [])
         inputs = [u, up, weight, grad_out] + ([bias] if has_bias else [])
         grads = jt.code(outputs, ["float32"] * len(outputs), inputs,
                         cpu_header=SGEMM_DECLARATION + "#include <vector>\n",

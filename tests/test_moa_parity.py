@@ -58,4 +58,3 @@ def test_authors_adapter_export_import(name, tmp_path):
     model, data, meta = golden_model(name)
     theirs = load_pth(authors_round_trip(model, data, meta, tmp_path))
     assert all(is_adapter_param(n) for n in theirs)
-
