@@ -15,8 +15,8 @@ from jittor import nn
 from .Experts import MOELoraLayer
 from .SparseLoRA import SparseLoRAMoE
 from .fused import rms_norm, rope, silu_gate
-from .fused_experts import gated_projection
-from .kernels import attention
+from .fused_experts import gated_projection, lora_projection
+from .kernels import attention, decoding
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
 from .precision import BaseLinear
 
@@ -42,8 +42,15 @@ def lora_for(args: ModelArgs, layer_id: int, target: str, in_features: int, out_
                         args.expert_num, args.hydra_moe)
 
 
-def with_lora(base: jt.Var, lora, x: jt.Var, route, target: str) -> jt.Var:
-    return base if lora is None else lora(base, x, route, target)
+def with_lora(base: BaseLinear, lora, x: jt.Var, route, target: str) -> jt.Var:
+    """base(x) plus the LoRA expert (or sparse mixture) on `target` under its route weight; while
+    decoding, a single expert and its base projection run as one op."""
+    if lora is None:
+        return base(x)
+    if isinstance(lora, MOELoraLayer) and lora.expert_num == 1 and decoding(x):
+        return lora_projection(x, base.weight, lora.lora_A.weight, lora.lora_B.weight, route.weight(target),
+                               lora.scaling)
+    return lora(base(x), x, route, target)
 
 
 class Attention(nn.Module):
@@ -91,16 +98,16 @@ class Attention(nn.Module):
         # x [B,T,D]; cos/sin [T,hd/2]; mask [T,S] additive; start_pos None (no cache) or int
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        xq = with_lora(self.wq(x), self.lora_Q, x, route, "Q").reshape(B, T, H, hd)
-        xk = with_lora(self.wk(x), self.lora_K, x, route, "K").reshape(B, T, Hkv, hd)
-        xv = with_lora(self.wv(x), self.lora_V, x, route, "V").reshape(B, T, Hkv, hd)
+        xq = with_lora(self.wq, self.lora_Q, x, route, "Q").reshape(B, T, H, hd)
+        xk = with_lora(self.wk, self.lora_K, x, route, "K").reshape(B, T, Hkv, hd)
+        xv = with_lora(self.wv, self.lora_V, x, route, "V").reshape(B, T, Hkv, hd)
         xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
         keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
         out = attention(xq, keys, values, mask)  # [B,T,H,hd]
         if self.has_prompt:
             out = out + self.prompt_output(x, xq, route, start_pos)
         out = out.reshape(B, T, H * hd)  # [B,T,D]
-        return with_lora(self.wo(out), self.lora_O, out, route, "O")
+        return with_lora(self.wo, self.lora_O, out, route, "O")
 
     def prompt_keys_values(self, start_pos):
         """The learned prompt through the base projections, no RoPE: [L, Hkv*hd] each. With the KV
@@ -135,9 +142,10 @@ class Attention(nn.Module):
         B, T, H, hd = xq.shape
         L, E = self.prompt.weight.shape[0], self.expert_num
 
-        def per_head(t):  # [L, Hkv*hd] -> [1,H,L,hd]; kv head h // n_rep serves query head h
+        def per_head(t):  # [L, Hkv*hd] -> [B,H,L,hd]; kv head h // n_rep serves query head h
             t = t.reshape(L, self.n_kv_heads, 1, hd).broadcast((L, self.n_kv_heads, self.n_rep, hd))
-            return t.reshape(L, H, hd).transpose(1, 0, 2).unsqueeze(0)
+            # B written out: on a GPU jt.matmul runs cublas_batched_matmul, which needs equal batch dims
+            return t.reshape(L, H, hd).transpose(1, 0, 2).unsqueeze(0).broadcast((B, H, L, hd))
         keys, values = per_head(prompt_k), per_head(prompt_v)
         q = xq.transpose(0, 2, 1, 3)  # [B,H,T,hd]
         probs = nn.softmax(jt.matmul(q, keys.transpose(0, 1, 3, 2)) / math.sqrt(hd), dim=-1)  # [B,H,T,L]
@@ -163,16 +171,15 @@ class FeedForward(nn.Module):
 
     def execute(self, x: jt.Var, route) -> jt.Var:
         # x [B,T,D] -> [B,T,D]; hidden [B,T,F]
-        gate = with_lora(self.w1(x), self.lora_GATE, x, route, "FFN_GATE")
-        up = with_lora(self.w3(x), self.lora_UP, x, route, "FFN_UP")
+        gate = with_lora(self.w1, self.lora_GATE, x, route, "FFN_GATE")
+        up = with_lora(self.w3, self.lora_UP, x, route, "FFN_UP")
         lora, weight = self.lora_DOWN, route.weight("FFN_DOWN")
-        if isinstance(lora, MOELoraLayer) and lora.fuses(weight):
+        if isinstance(lora, MOELoraLayer) and lora.fuses(weight) and not decoding(x):
             # the hidden and the LoRA's A view of it in one op that rebuilds the hidden in the
             # backward: the layer's largest activation [B,T,F] is not kept for the LoRA's gradient
             hidden, low_rank = gated_projection(gate, up, lora.lora_A.weight)
             return lora.add_low_rank(self.w2(hidden), low_rank, weight)
-        hidden = silu_gate(gate, up)
-        return with_lora(self.w2(hidden), lora, hidden, route, "FFN_DOWN")
+        return with_lora(self.w2, lora, silu_gate(gate, up), route, "FFN_DOWN")
 
 
 def attention_mask(T: int, S: int, start_pos: int) -> np.ndarray:

@@ -8,7 +8,7 @@ from .Experts import PAdapterLayer
 from .kernels import Linear
 from .ModelArgs import INSTANCE_METHODS, ModelArgs
 from .precision import BaseLinear
-from .Routing import UNIPEFT_GATES, Gamma, LayerRoute, hard_select, sequence_mean, type_router
+from .Routing import UNIPEFT_GATES, Gamma, LayerRoute, sequence_mean, type_router, type_weights
 from .utils import rope_tables
 
 SOFT_CLAMP = 65500.0  # the authors' fp16 guard, applied in fp32 too (not by Sparse MoA)
@@ -69,14 +69,11 @@ class TransformerBlock(nn.Module):
         return {}
 
     def route_tokens(self, x: jt.Var, record) -> dict:
-        probs = jt.sigmoid(self.adapter_type_router(x))  # [B,T,n_types]
-        gamma = None
-        if self.variant == "sparse":
-            gamma = self.adapter_threshold_fn(x)  # [B,T,1]
-            probs = probs * hard_select(probs, gamma, self.gamma_grad)
+        # probs [B,T,n_types], gamma [B,T,1] (Sparse) or None, columns n_types x [B,T]
+        probs, gamma, columns = type_weights(x, self.adapter_type_router, self.adapter_threshold_fn, self.gamma_grad)
         if record is not None:
             record.update(type_weight=probs, threshold=gamma)
-        return {name: probs[:, :, i] for i, name in enumerate(self.type_names)}
+        return dict(zip(self.type_names, columns))
 
     def route_sequence(self, x: jt.Var, start_pos, record) -> dict:
         B, T, _ = x.shape

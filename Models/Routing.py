@@ -5,7 +5,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .kernels import Linear, linear
+from .kernels import Kernel, Linear, decoding, linear
 
 
 def biased_linear(in_features: int, out_features: int) -> Linear:
@@ -49,6 +49,79 @@ def hard_select(probs: jt.Var, gamma: jt.Var, gamma_grad: str) -> jt.Var:
         return step
     surrogate = jt.sigmoid(margin / STE_TEMPERATURE)
     return step + surrogate - surrogate.detach()  # detach copies; stop_grad() would freeze surrogate itself
+
+
+def plain_type_weights(x: jt.Var, router: nn.Module, threshold_fn, gamma_grad: str):
+    """x [B,T,D] -> sigmoid(router(x)) [B,T,n] (Sparse MoA: zero below the threshold), the threshold
+    Gamma [B,T,1] (None in Soft MoA), and the weights' n columns [B,T], one per expert type."""
+    probs = jt.sigmoid(router(x))
+    gamma = None
+    if threshold_fn is not None:
+        gamma = threshold_fn(x)
+        probs = probs * hard_select(probs, gamma, gamma_grad)
+    return probs, gamma, [probs[:, :, i] for i in range(probs.shape[-1])]
+
+
+# The same for a few rows and no gradient (a decode step): every output in one op, per row the
+# router (SwiGLU or Linear), the sigmoid, Gamma and the selection, instead of about thirty ops.
+TYPE_WEIGHTS_HEADER = """
+#include <cmath>
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+static inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
+"""
+TYPE_WEIGHTS = """
+for (int64_t m = 0; m < M; m++) {
+    const float *xm = in0_p + m * D;
+    float hidden[HIDDEN > 0 ? HIDDEN : 1], gamma = 0.f;
+    for (int64_t j = 0; j < HIDDEN; j++) {
+        const float g = dot(xm, W1 + j * D, D) + B1[j], u = dot(xm, W3 + j * D, D) + B3[j];
+        hidden[j] = g * sigmoid(g) * u;
+    }
+    if (SPARSE) gamma = LEARNED ? MAX_THRESHOLD * sigmoid(dot(xm, GW, D) + GB[0]) : MAX_THRESHOLD;
+    for (int64_t i = 0; i < NT; i++) {
+        float p = sigmoid(HIDDEN > 0 ? dot(hidden, W2 + i * HIDDEN, HIDDEN) + B2[i] : dot(xm, W2 + i * D, D) + B2[i]);
+        if (SPARSE && p - gamma < 0.f) p = 0.f;
+        out0_p[m * NT + i] = p;
+        columns[i][m] = p;
+    }
+    if (SPARSE) out1_p[m] = gamma;
+}
+"""
+
+
+def fused_type_weights(x: jt.Var, router: nn.Module, threshold_fn, gamma_grad: str):
+    B, T, D = x.shape
+    swiglu = isinstance(router, SwiGLURouter)
+    layers = [router.w1, router.w3, router.w2] if swiglu else [router]
+    inputs = [x.float32().reshape(B * T, D)] + [t for layer in layers for t in (layer.weight, layer.bias)]
+    names = ["W1", "B1", "W3", "B3", "W2", "B2"] if swiglu else ["W2", "B2"]
+    sparse = threshold_fn is not None
+    learned = sparse and not threshold_fn.const
+    if learned:
+        inputs += [threshold_fn.weight, threshold_fn.bias]
+        names += ["GW", "GB"]
+    n_types = layers[-1].weight.shape[0]
+    first_column = 2 if sparse else 1
+    sizes = (f"const int64_t M = {B * T}, D = {D}, NT = {n_types}, HIDDEN = {router.w1.weight.shape[0] if swiglu else 0};\n"
+             f"const bool SPARSE = {str(sparse).lower()}, LEARNED = {str(learned).lower()};\n"
+             f"const float MAX_THRESHOLD = {float(threshold_fn.max_threshold) if sparse else 0.0!r}f;\n"
+             + "".join(f"const float *{name} = in{i + 1}_p;\n" for i, name in enumerate(names))
+             + ("const float *W1 = nullptr, *B1 = nullptr, *W3 = nullptr, *B3 = nullptr;\n" if not swiglu else "")
+             + ("const float *GW = nullptr, *GB = nullptr;\n" if not learned else "")
+             + "float *columns[] = {" + ", ".join(f"out{first_column + i}_p" for i in range(n_types)) + "};\n")
+    shapes = [(B * T, n_types)] + ([(B * T, 1)] if sparse else []) + [(B * T,)] * n_types
+    outputs = jt.code(shapes, ["float32"] * len(shapes), inputs, cpu_header=TYPE_WEIGHTS_HEADER,
+                      cpu_src=sizes + TYPE_WEIGHTS)
+    probs, gamma = outputs[0].reshape(B, T, n_types), (outputs[1].reshape(B, T, 1) if sparse else None)
+    return probs, gamma, [column.reshape(B, T) for column in outputs[first_column:]]
+
+
+# x [B,T,D] -> the type weights [B,T,n], Gamma [B,T,1] or None, their n columns [B,T]
+type_weights = Kernel(fused_type_weights, plain_type_weights, when=lambda x, *rest: decoding(x))
 
 
 class Gamma(nn.Module):

@@ -33,6 +33,7 @@ import jittor as jt
 from .LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from .authors_options import authors_params, fields_from_authors, folder_of
 from .ModelArgs import ModelArgs
+from .precision import cast_to
 from .torch_io import CheckpointError, PlainNamespace, load_pth
 from .torch_write import save_pth
 from Utils.misc import is_main_process, read_json_object, write_json
@@ -63,7 +64,7 @@ def assign_strict(params: dict, arrays: dict, source: str, what: str):
     """Copy numpy arrays into the Vars of `params` (small: adapters, golden files), checked as above."""
     check_strict(params, {name: array.shape for name, array in arrays.items()}, source, what)
     for name, var in params.items():
-        var.assign(jt.array(np.ascontiguousarray(arrays[name], dtype=np.float32)).cast(var.dtype))  # bf16 stays bf16
+        var.assign(cast_to(jt.array(np.ascontiguousarray(arrays[name], dtype=np.float32)), var.dtype))  # bf16 stays bf16
 
 
 # ---- adapters --------------------------------------------------------------------

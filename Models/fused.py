@@ -1,7 +1,7 @@
 """Threaded single-pass CPU kernels for the elementwise work around the matmuls.
 
 Jittor runs its own elementwise and reduction kernels on one thread; these run
-each op (RoPE, cross-entropy over the vocabulary, the SwiGLU gate, RMSNorm) in one
+each op (RoPE, the loss through the output matrix, the SwiGLU gate, RMSNorm) in one
 OpenMP-parallel pass forward and one backward; the experts' own are in fused_experts.py.
 Each is a kernels.Kernel: the fused pass next to its plain-Jittor reference, one switch between them.
 """
@@ -73,96 +73,71 @@ for (int64_t r = 0; r < N; r++) {
     out0_p[r] = out1_p[r] - x[in1_p[r]];
 }
 """
-
-CROSS_ENTROPY_BACKWARD = """
+# the same, and the row's gradient before its loss weight, softmax - onehot
+CROSS_ENTROPY_WITH_GRAD = """
 #pragma omp parallel for
 for (int64_t r = 0; r < N; r++) {
     const float *x = in0_p + r * V;
-    float *g = out0_p + r * V, scale = in3_p[r], lse = in2_p[r];
-    for (int64_t v = 0; v < V; v++) g[v] = scale * std::exp(x[v] - lse);
-    g[in1_p[r]] -= scale;
+    float *g = out1_p + r * V, top = -INFINITY, total = 0.f;
+    for (int64_t v = 0; v < V; v++) top = std::max(top, x[v]);
+    for (int64_t v = 0; v < V; v++) total += std::exp(x[v] - top);
+    const float lse = top + std::log(total);
+    out0_p[r] = lse - x[in1_p[r]];
+    for (int64_t v = 0; v < V; v++) g[v] = std::exp(x[v] - lse);
+    g[in1_p[r]] -= 1.f;
 }
 """
 
-
-class CrossEntropyRows(jt.Function):
-    """nll [N] = logsumexp(logits [N,V]) - logits[target], one threaded pass each way."""
-
-    def execute(self, logits, targets):
-        N, V = logits.shape
-        self.sizes = f"const int64_t N = {N}, V = {V};\n"
-        nll, lse = jt.code([(N,), (N,)], ["float32", "float32"], [logits, targets],
-                           cpu_header="#include <cmath>\n#include <algorithm>\n",
-                           cpu_src=self.sizes + CROSS_ENTROPY_FORWARD)
-        self.saved = (logits, targets, lse.detach())
-        return nll
-
-    def grad(self, grad_nll):
-        logits, targets, lse = self.saved
-        grad = jt.code(logits.shape, "float32", [logits, targets, lse, grad_nll],
-                       cpu_header="#include <cmath>\n", cpu_src=self.sizes + CROSS_ENTROPY_BACKWARD)
-        return grad, None
+LOGIT_BYTES = 32 << 20  # fp32 logits alive at once: 2048 rows at a vocabulary of 4096, 65 at LLaMA-3's 128256
 
 
-def fused_token_nll(logits: jt.Var, targets: jt.Var) -> jt.Var:
-    B, T, V = logits.shape
-    return CrossEntropyRows.apply(logits.reshape(B * T, V), targets.reshape(B * T).int32()).reshape(B, T)
+def logit_rows(vocab_size: int) -> int:
+    return max(1, LOGIT_BYTES // (4 * vocab_size))
 
 
-def plain_token_nll(logits: jt.Var, targets: jt.Var) -> jt.Var:
-    log_probs = nn.log_softmax(logits, dim=-1)
-    return -jt.gather(log_probs, 2, targets.unsqueeze(-1)).squeeze(-1)
-
-
-# -log softmax(logits)[target]: logits [B,T,V] fp32, targets [B,T] int -> [B,T]
-token_nll = Kernel(fused_token_nll, plain_token_nll)
-
-LOGIT_ROWS = 64  # rows of fp32 logits alive at once: 33 MB at LLaMA-3's vocabulary of 128256
-
-
-class ChunkedOutputNLL(jt.Function):
-    """nll [N] of h [N,D] through the frozen output matrix weight [V,D], LOGIT_ROWS rows at a time.
-    Each chunk runs before the next is built (sync), so [N,V] logits never exist; the backward
-    recomputes a chunk's logits instead of keeping them, and keeps only logsumexp [N]."""
+class OutputNLL(jt.Function):
+    """nll [N] of h [N,D] through the frozen output matrix weight [V,D], logit_rows(V) rows at a time.
+    Each chunk runs before the next is built (sync), so [N,V] logits never exist. When a gradient
+    will be asked for, each chunk's gradient to h before the per-row loss weight,
+    (softmax - onehot) weight [n,D], is made while its logits exist: the backward only scales
+    it by grad_nll, so the output matrix costs two matmuls, not three, and no logits are kept."""
 
     def execute(self, h, weight, targets):
-        nlls, lses = [], []
-        for start in range(0, h.shape[0], LOGIT_ROWS):
-            logits = base_linear(h[start:start + LOGIT_ROWS], weight)  # [n,V]
-            sizes = f"const int64_t N = {logits.shape[0]}, V = {logits.shape[1]};\n"
-            nll, lse = jt.code([logits.shape[:1]] * 2, ["float32", "float32"],
-                               [logits, targets[start:start + LOGIT_ROWS]],
-                               cpu_header="#include <cmath>\n#include <algorithm>\n",
-                               cpu_src=sizes + CROSS_ENTROPY_FORWARD)
-            jt.sync([nll, lse])
-            nlls.append(nll)
-            lses.append(lse.detach())
-        self.saved = (h, weight, targets, lses)
-        return jt.concat(nlls)
+        wants_grad = not jt.flags.no_grad and not h.is_stop_grad()
+        rows = logit_rows(weight.shape[0])
+        nlls, grads = [], []
+        with jt.no_grad():
+            for start in range(0, h.shape[0], rows):
+                logits = base_linear(h[start:start + rows], weight)  # [n,V]
+                n, V = logits.shape
+                sizes = f"const int64_t N = {n}, V = {V};\n"
+                header = "#include <cmath>\n#include <algorithm>\n"
+                if wants_grad:
+                    nll, grad_logits = jt.code([(n,), (n, V)], ["float32", "float32"],
+                                               [logits, targets[start:start + rows]],
+                                               cpu_header=header, cpu_src=sizes + CROSS_ENTROPY_WITH_GRAD)
+                    grads.append(base_linear_input_grad(grad_logits, weight))  # [n,D]
+                else:
+                    nll, _ = jt.code([(n,), (n,)], ["float32", "float32"], [logits, targets[start:start + rows]],
+                                     cpu_header=header, cpu_src=sizes + CROSS_ENTROPY_FORWARD)
+                jt.sync([nll] + grads[-1:])
+                nlls.append(nll)
+        self.grad_h = jt.concat(grads) if len(grads) > 1 else (grads[0] if grads else None)
+        return jt.concat(nlls) if len(nlls) > 1 else nlls[0]
 
     def grad(self, grad_nll):
-        h, weight, targets, lses = self.saved
-        parts = []
-        for i, start in enumerate(range(0, h.shape[0], LOGIT_ROWS)):
-            rows = slice(start, start + LOGIT_ROWS)
-            logits = base_linear(h[rows], weight)  # [n,V]
-            sizes = f"const int64_t N = {logits.shape[0]}, V = {logits.shape[1]};\n"
-            grad_logits = jt.code(logits.shape, "float32", [logits, targets[rows], lses[i], grad_nll[rows]],
-                                  cpu_header="#include <cmath>\n", cpu_src=sizes + CROSS_ENTROPY_BACKWARD)
-            part = base_linear_input_grad(grad_logits, weight)  # [n,D]
-            part.sync()
-            parts.append(part)
-        return jt.concat(parts), None, None
+        return self.grad_h * grad_nll.unsqueeze(1), None, None
 
 
 def fused_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var) -> jt.Var:
     B, T, D = h.shape
-    nll = ChunkedOutputNLL.apply(h.reshape(B * T, D), weight.stop_grad(), targets.reshape(B * T).int32())
+    nll = OutputNLL.apply(h.reshape(B * T, D), weight.stop_grad(), targets.reshape(B * T).int32())
     return nll.reshape(B, T)
 
 
 def plain_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var) -> jt.Var:
-    return plain_token_nll(base_linear(h, weight), targets)
+    log_probs = nn.log_softmax(base_linear(h, weight), dim=-1)  # [B,T,V]
+    return -jt.gather(log_probs, 2, targets.unsqueeze(-1)).squeeze(-1)
 
 
 # -log softmax(h weight^T)[target] without [B,T,V] logits: h [B,T,D] fp32, weight [V,D] frozen,

@@ -5,14 +5,18 @@ An expert's output is added to the projection it sits beside, times its type wei
 last projection fused with the weight (add_projected), so only its narrow input is
 kept for the backward; the FFN's down-projection LoRA reads the SwiGLU hidden
 through gated_projection, which recomputes that [B,T,F] hidden in the backward
-instead of keeping it. Each is a kernels.Kernel beside its plain-Jittor reference.
+instead of keeping it. While decoding, a base projection and its LoRA expert run as one op
+(lora_projection). Each is a kernels.Kernel beside its plain-Jittor reference.
 """
+import math
+
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
 from .fused import SWIGLU_BACKWARD, SWIGLU_FORWARD, silu_gate
 from .kernels import SGEMM_DECLARATION, Kernel, linear
+from .precision import BF16_HEADER, base_linear
 
 ADD_WEIGHTED_FORWARD = """
 #pragma omp parallel for
@@ -186,3 +190,47 @@ def plain_gated_projection(gate, up, A):
 
 # gate, up [..., F], A [R,F] -> hidden = silu(gate) * up [..., F], hidden A^T [..., R]
 gated_projection = Kernel(fused_gated_projection, plain_gated_projection)
+
+
+# y [M,N] = base(x) + w[m] * scale * (x A^T) B^T: the base's weights fp32 or bf16 (x rounded for them
+# as base_linear does), the expert's fp32; inference only. u = x A^T [M,R] is tiny.
+LORA_PROJECTION = """
+const float *x = in0_p, *A = in2_p, *Bw = in3_p, *w = WEIGHT;
+float *y = out0_p;
+if (BASE_BF16) gemv<M>(N, K, rounded(x, M * K).data(), (const uint16_t *)in1_p, y);
+else gemv<M>(N, K, x, (const float *)in1_p, y);
+float u[M * R];
+gemv<M>(R, K, x, A, u);
+for (int64_t m = 0; m < M; m++) for (int64_t r = 0; r < R; r++) u[m * R + r] *= scale * (w ? w[m] : 1.f);
+#pragma omp parallel for if (N * R >= 32768)
+for (int64_t n = 0; n < N; n++)
+    for (int64_t m = 0; m < M; m++) {
+        float sum = 0.f;
+        for (int64_t r = 0; r < R; r++) sum += u[m * R + r] * Bw[n * R + r];
+        y[m * N + n] += sum;
+    }
+"""
+
+
+def fused_lora_projection(x, base_weight, A, B, weight, scale):
+    (N, K), R = base_weight.shape, A.shape[0]
+    rows = x.shape[:-1]
+    M = math.prod(rows)
+    sizes = (f"const int64_t M = {M}, N = {N}, K = {K}, R = {R}; const float scale = {float(scale)!r}f;\n"
+             f"const bool BASE_BF16 = {str(base_weight.dtype == 'bfloat16').lower()};\n"
+             f"#define WEIGHT {'in4_p' if weight is not None else 'nullptr'}\n")
+    inputs = [x.float32().reshape(M, K), base_weight, A, B] + ([weight.float32()] if weight is not None else [])
+    y = jt.code((M, N), "float32", inputs, cpu_header=BF16_HEADER, cpu_src=sizes + LORA_PROJECTION)
+    return y.reshape(*rows, N)
+
+
+def plain_lora_projection(x, base_weight, A, B, weight, scale):
+    base = base_linear(x, base_weight)
+    if weight is None:
+        return base + linear(linear(x, A), B) * scale
+    return add_projected.plain(base, linear(x, A), B, None, weight, scale)
+
+
+# x [..., K] through a frozen base_weight [N,K] (fp32 or bf16) plus a single LoRA expert A [R,K], B [N,R]
+# under its route weight [...] (or None), times scale -> [..., N]; no gradient (decoding)
+lora_projection = Kernel(fused_lora_projection, plain_lora_projection)

@@ -11,6 +11,8 @@ Jittor's CPU `matmul` maps 2-D products to oneDNN, but batched ones
 4-8x slower and dominated our training step, and its softmax is single-threaded.
 FusedAttention calls oneDNN's sgemm per (batch, head) on strided views instead.
 """
+import math
+
 import numpy as np
 
 import Utils.jittor_env  # noqa: F401
@@ -28,6 +30,13 @@ def fused_kernels_on() -> bool:
     """The switch: fused kernels need Jittor's oneDNN (libdnnl found) and a CPU run; a GPU run,
     or a CPU without oneDNN, takes the plain-Jittor references."""
     return jt.compile_extern.mkl_ops is not None and not jt.flags.use_cuda
+
+
+def decoding(x: jt.Var) -> bool:
+    """Fused kernels, no gradient and at most GEMV_ROWS rows of x [..., K]: a decode step, where
+    the cost of each op dominates, so a layer's routing and each base projection with its expert
+    run as one op (Routing.type_weights, fused_experts.lora_projection)."""
+    return jt.flags.no_grad and fused_kernels_on() and math.prod(x.shape[:-1]) <= GEMV_ROWS
 
 
 class Kernel:
@@ -48,6 +57,61 @@ class Kernel:
 # y [M,N] = x [M,K] w [N,K]^T (+ b [N]); the backward gives dx, and dw, db when the weight trains.
 LINEAR_FORWARD = """
 dnnl_sgemm('N', 'T', M, N, K, 1.f, in0_p, K, in1_p, K, 0.f, out0_p, N);
+"""
+
+# The same product for a few rows (decoding): one pass over the weights, a block of weight rows
+# dotted with every row of x in vector registers, threads over the weight rows. sgemm's fixed cost
+# per call was most of a decode step's small products; this runs at memory speed. The weights may
+# be fp32 or bf16 bits (widened as read); vf16 is 16 floats, split by the compiler without AVX-512.
+GEMV_ROWS = 16
+GEMV_HEADER = """
+#include <cstdint>
+#include <cstring>
+static inline float widen(uint16_t b) { uint32_t u = uint32_t(b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+typedef float vf16 __attribute__((vector_size(64)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+static inline vf16 load16(const float *p) { vf16 v; std::memcpy(&v, p, 64); return v; }
+static inline vf16 load16(const uint16_t *p) {
+    vh16 h; std::memcpy(&h, p, 32);
+    const vu16 u = __builtin_convertvector(h, vu16) << 16;
+    vf16 v; std::memcpy(&v, &u, 64); return v;
+}
+static inline float load1(float w) { return w; }
+static inline float load1(uint16_t w) { return widen(w); }
+// Y[m, n0..n0+NB) = X[m] . W[n0..n0+NB) for every m < M
+template <int64_t M, int NB, typename T>
+static inline void gemv_rows(int64_t N, int64_t K, const float *X, const T *W, float *Y, int64_t n0) {
+    vf16 acc[M][NB] = {};
+    const int64_t K16 = K / 16 * 16;
+    for (int64_t k = 0; k < K16; k += 16) {
+        vf16 w[NB];
+        for (int j = 0; j < NB; j++) {
+            w[j] = load16(W + (n0 + j) * K + k);
+            __builtin_prefetch(W + (n0 + j + 2 * NB) * K + k);  // two blocks ahead: 1.5x the bandwidth from DRAM
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const vf16 x = load16(X + m * K + k);
+            for (int j = 0; j < NB; j++) acc[m][j] += x * w[j];
+        }
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int j = 0; j < NB; j++) {
+            float sum = 0.f;
+            for (int i = 0; i < 16; i++) sum += acc[m][j][i];
+            for (int64_t k = K16; k < K; k++) sum += X[m * K + k] * load1(W[(n0 + j) * K + k]);
+            Y[m * N + n0 + j] = sum;
+        }
+}
+// Y [M,N] = X [M,K] W [N,K]^T
+template <int64_t M, typename T>
+static void gemv(int64_t N, int64_t K, const float *X, const T *W, float *Y) {
+    constexpr int NB = M <= 4 ? 4 : M <= 8 ? 2 : 1;  // accumulators M * NB stay in registers
+    const int64_t blocks = N / NB;
+    #pragma omp parallel for schedule(static) if (N * K >= 32768)
+    for (int64_t b = 0; b < blocks; b++) gemv_rows<M, NB>(N, K, X, W, Y, NB * b);
+    for (int64_t n = NB * blocks; n < N; n++) gemv_rows<M, 1>(N, K, X, W, Y, n);
+}
 """
 ADD_BIAS = """
 #pragma omp parallel for
@@ -75,23 +139,32 @@ class FusedLinear(jt.Function):
         self.sizes = f"const int64_t M = {M}, N = {N}, K = {K};\n"
         self.saved = (x if self.trains else None, weight, bias)  # a frozen weight's dx needs no x
         self.x_shape = (M, K)
+        product = "gemv<M>(N, K, in0_p, in1_p, out0_p);\n" if M <= GEMV_ROWS else LINEAR_FORWARD
+        header = SGEMM_DECLARATION + (GEMV_HEADER if M <= GEMV_ROWS else "")
         if bias is None:
-            return jt.code((M, N), "float32", [x, weight], cpu_header=SGEMM_DECLARATION,
-                           cpu_src=self.sizes + LINEAR_FORWARD)
-        return jt.code((M, N), "float32", [x, weight, bias], cpu_header=SGEMM_DECLARATION,
-                       cpu_src=self.sizes + LINEAR_FORWARD + ADD_BIAS)
+            return jt.code((M, N), "float32", [x, weight], cpu_header=header, cpu_src=self.sizes + product)
+        return jt.code((M, N), "float32", [x, weight, bias], cpu_header=header, cpu_src=self.sizes + product + ADD_BIAS)
 
     def grad(self, grad_out):
         x, weight, bias = self.saved
         (M, K), N = self.x_shape, weight.shape[0]
         if not self.trains:  # a frozen weight: no [N,K] gradient buffer at all
-            dx = jt.code((M, K), "float32", [grad_out, weight], cpu_header=SGEMM_DECLARATION,
-                         cpu_src=self.sizes + "const float *W = in1_p;\n" + LINEAR_INPUT_GRAD)
+            dx = fused_linear_input_grad(grad_out, weight)
             return (dx, None, None) if bias is not None else (dx, None)
         dx, dw, db = jt.code([(M, K), (N, K), (N,)], ["float32"] * 3, [grad_out, x, weight],
                              cpu_header=SGEMM_DECLARATION,
                              cpu_src=self.sizes + "const float *W = in2_p;\n" + LINEAR_INPUT_GRAD + LINEAR_WEIGHT_GRAD)
         return (dx, dw, db) if bias is not None else (dx, dw)
+
+
+def fused_linear_input_grad(grad_out: jt.Var, weight: jt.Var) -> jt.Var:
+    (M, N), K = grad_out.shape, weight.shape[1]
+    return jt.code((M, K), "float32", [grad_out, weight], cpu_header=SGEMM_DECLARATION,
+                   cpu_src=f"const int64_t M = {M}, N = {N}, K = {K}; const float *W = in1_p;\n" + LINEAR_INPUT_GRAD)
+
+
+# grad_out [M,N] @ weight [N,K] -> [M,K], fp32: the gradient a linear passes to its input
+linear_input_grad = Kernel(fused_linear_input_grad, lambda grad_out, weight: nn.matmul(grad_out, weight))
 
 
 def fused_linear(x: jt.Var, weight: jt.Var, bias=None) -> jt.Var:

@@ -19,6 +19,7 @@ import jittor as jt
 from .checkpoints import IGNORED_META_KEYS, check_strict
 from .LLaMA_Adapter import LLaMA_adapter
 from .ModelArgs import ModelArgs
+from .precision import cast_to
 from .Tokenizer import Tokenizer
 from .torch_io import CheckpointError, StoredTensor, load_pth
 
@@ -127,7 +128,7 @@ def load_base(model: LLaMA_adapter, ckpt_dir: str):
             parts, dim = plan[name]
             values = [tensor_var(part, fds[part.storage.reader.path], var.dtype) for part in parts]
             value = values[0] if dim is None else jt.concat(values, dim)
-            var.assign(value.cast(var.dtype) if value.dtype != var.dtype else value)
+            var.assign(cast_to(value, var.dtype))
         try:
             jt.sync(list(base.values()))
         except RuntimeError as exc:

@@ -2,15 +2,21 @@
 
 `--precision bf16` stores the frozen base's matrices (projections, embedding,
 output) in bf16; adapters, routers, Gamma, norms, softmax, loss and the optimizer
-stay fp32. A bf16 projection runs `base_linear`, fp32 in and out:
+stay fp32. A bf16 projection runs `base_linear`, fp32 in and out, with one rule
+on every machine: the input is rounded to bf16 (to nearest, ties to even) and
+the products of the two bf16 operands are summed in fp32, which is what torch's
+autocast and a GPU's half matmul do (the authors' bf16 mode); the backward rounds
+the incoming gradient the same way. Only the route differs:
 - a CPU with bf16 units (avx512_bf16 or amx_bf16 in /proc/cpuinfo): oneDNN's
-  gemm_bf16bf16f32, the input rounded to bf16 and the products summed in fp32
-  (what torch's CPU autocast does);
-- any other CPU with oneDNN: the weights widened to fp32 (exact: bf16 is the top
-  half of an fp32) a panel at a time and multiplied by oneDNN's sgemm, so the
-  result is the fp32 product of the stored weights; decoding reads half the bytes;
+  gemm_bf16bf16f32;
+- any other CPU with oneDNN: the rounded input and the weights widened to fp32
+  (exact: bf16 is the top half of an fp32) a panel at a time, through oneDNN's
+  sgemm; decoding reads half the weight bytes;
 - plain Jittor (a GPU, or no oneDNN): on a GPU Jittor's own half-precision matmul,
-  on a CPU the weights widened to fp32.
+  on a CPU the same rounding and widening in Jittor ops.
+Jittor's own CPU cast to bf16 truncates; `to_bf16` rounds to nearest even, and every
+fp32 -> bf16 conversion of the project (set_base_precision, checkpoint loads) goes
+through it.
 """
 import functools
 
@@ -18,67 +24,120 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .kernels import SGEMM_DECLARATION, Kernel, fused_kernels_on, linear
+from .kernels import GEMV_HEADER, GEMV_ROWS, SGEMM_DECLARATION, Kernel, fused_kernels_on, linear, linear_input_grad
 from .ModelArgs import PRECISIONS
 
-BF16_HEADER = SGEMM_DECLARATION + """
-#include <cstring>
+BF16_BITS = GEMV_HEADER + """
+static inline uint16_t narrow(float f) {  // round to nearest, ties to even; NaN stays NaN
+    uint32_t u; std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+"""
+# x rounded to bf16: as bf16 bits (out_type uint16_t) or as the fp32 value of those bits (float)
+ROUND_TO_BF16 = """
+const float *x = in0_p; OUT_TYPE *dst = (OUT_TYPE *)out0_p;
+#pragma omp parallel for
+for (int64_t i = 0; i < n; i++) dst[i] = ROUNDED(narrow(x[i]));
+"""
+
+
+def rounding_op(x: jt.Var, dtype: str) -> jt.Var:
+    out_type, rounded = ("uint16_t", "") if dtype == "bfloat16" else ("float", "widen")
+    return jt.code(x.shape, dtype, [x.float32()], cpu_header=BF16_BITS,
+                   cpu_src=f"const int64_t n = {x.numel()};\n#define OUT_TYPE {out_type}\n#define ROUNDED {rounded}\n"
+                   + ROUND_TO_BF16)
+
+
+def to_bf16(x: jt.Var) -> jt.Var:
+    """x (fp32) as bf16, rounded to nearest even; Jittor's CPU cast truncates. A GPU's cast rounds."""
+    if x.dtype == "bfloat16" or jt.flags.use_cuda:
+        return x.cast("bfloat16")
+    return rounding_op(x, "bfloat16")
+
+
+def rounded_to_bf16(x: jt.Var) -> jt.Var:
+    """x (fp32) rounded to the nearest bf16 value, kept in fp32."""
+    return rounding_op(x, "float32")
+
+
+def cast_to(x: jt.Var, dtype: str) -> jt.Var:
+    """x as `dtype`; fp32 -> bf16 rounds to nearest even (to_bf16)."""
+    if x.dtype == dtype:
+        return x
+    return to_bf16(x) if dtype == "bfloat16" else x.cast(dtype)
+
+
+class PlainBF16Linear(jt.Function):
+    """The plain reference of the bf16 matmul: x [M,K] rounded to bf16 values @ weight [N,K]^T widened,
+    and backwards the gradient rounded the same way @ weight; Jittor's own (fp32) matmuls."""
+
+    def execute(self, x, weight):
+        self.weight = weight
+        return nn.matmul_transpose(rounded_to_bf16(x), weight.float32())
+
+    def grad(self, grad_out):
+        return plain_bf16_input_grad(grad_out, self.weight), None
+
+
+def plain_bf16_input_grad(grad_out: jt.Var, weight: jt.Var) -> jt.Var:
+    return nn.matmul(rounded_to_bf16(grad_out), weight.float32())
+
+
+BF16_HEADER = SGEMM_DECLARATION + BF16_BITS + """
 static const int64_t PANEL = 1024;  // weight rows widened at once: 16 MB at K = 4096
+static const int64_t GEMV_ROWS = """ + str(GEMV_ROWS) + """;
 #include <vector>
 #include <algorithm>
 extern "C" int dnnl_gemm_bf16bf16f32(char transa, char transb, int64_t M, int64_t N, int64_t K, float alpha,
     const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
-static inline float widen(uint16_t b) { uint32_t u = uint32_t(b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-static inline uint16_t narrow(float f) {  // round to nearest, ties to even (inputs are finite activations)
-    uint32_t u; std::memcpy(&u, &f, 4); return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-// C [M,N] = A [M,K] (fp32, rounded to bf16 here, row stride lda) times op(B) (bf16) with fp32 sums, on
-// the CPU's bf16 units; false where this oneDNN cannot (it answers "unimplemented" without them).
-static bool gemm_bf16_units(char transb, int64_t M, int64_t N, int64_t K, const float *a, int64_t lda,
-                            const uint16_t *b, int64_t ldb, float *c, int64_t ldc) {
-    std::vector<uint16_t> ab(M * lda);
+// C [M,N] = A [M,K] (fp32, rounded to bf16 here) times op(B) (bf16) with fp32 sums, on the CPU's
+// bf16 units; false where this oneDNN cannot (it answers "unimplemented" without them).
+static bool gemm_bf16_units(char transb, int64_t M, int64_t N, int64_t K, const float *a,
+                            const uint16_t *b, int64_t ldb, float *c) {
+    std::vector<uint16_t> ab(M * K);
     #pragma omp parallel for
-    for (int64_t i = 0; i < M * lda; i++) ab[i] = narrow(a[i]);
-    return dnnl_gemm_bf16bf16f32('N', transb, M, N, K, 1.f, ab.data(), lda, b, ldb, 0.f, c, ldc) == 0;
+    for (int64_t i = 0; i < M * K; i++) ab[i] = narrow(a[i]);
+    return dnnl_gemm_bf16bf16f32('N', transb, M, N, K, 1.f, ab.data(), K, b, ldb, 0.f, c, N) == 0;
+}
+// The same product without bf16 units: A rounded to bf16 values in fp32, for sgemm on widened panels.
+static std::vector<float> rounded(const float *a, int64_t n) {
+    std::vector<float> r(n);
+    #pragma omp parallel for
+    for (int64_t i = 0; i < n; i++) r[i] = widen(narrow(a[i]));
+    return r;
 }
 """
 
-# y [M,N] = x [M,K] w[N,K]^T. Few rows (decoding): each thread widens 64 weight rows into an
-# L2-sized panel and multiplies it, so the weights cross memory once, in bf16. Many rows
-# (training, prefill): widening is cheap next to the product; PANEL weight rows at a time, each
-# one threaded sgemm, so the fp32 copy stays small (the 8B output matrix widened whole is 2.1 GB).
+# y [M,N] = x [M,K] w[N,K]^T. Few rows (decoding): the GEMV pass, widening each bf16 weight as it
+# is read, so the weights cross memory once, in bf16 (oneDNN's bf16 gemm repacks them every call).
+# Many rows (training, prefill): the bf16 units, else widening is cheap next to the product; PANEL
+# weight rows at a time, each one threaded sgemm, so the fp32 copy stays small (the 8B output matrix
+# widened whole is 2.1 GB).
 BF16_FORWARD = """
-const uint16_t *w = (const uint16_t *)in1_p; const float *x = in0_p; float *y = out0_p;
-const bool done = units && gemm_bf16_units('T', M, N, K, x, K, w, K, y, N);
-if (!done && M >= 64) {
+const uint16_t *w = (const uint16_t *)in1_p; float *y = out0_p;
+if (M <= GEMV_ROWS) {
+    const std::vector<float> xr = rounded(in0_p, M * K);
+    gemv<M>(N, K, xr.data(), w, y);
+} else if (!(units && gemm_bf16_units('T', M, N, K, in0_p, w, K, y))) {
+    const std::vector<float> xr = rounded(in0_p, M * K);
     std::vector<float> wf(std::min(N, PANEL) * K);
     for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
         const int64_t nb = std::min(PANEL, N - n0);
         #pragma omp parallel for
         for (int64_t i = 0; i < nb * K; i++) wf[i] = widen(w[n0 * K + i]);
-        dnnl_sgemm('N', 'T', M, nb, K, 1.f, x, K, wf.data(), K, 0.f, y + n0, N);
-    }
-} else if (!done) {
-    const int64_t NB = 64;
-    #pragma omp parallel
-    {
-        std::vector<float> panel(NB * K);
-        #pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += NB) {
-            const int64_t nb = std::min(NB, N - n0);
-            for (int64_t i = 0; i < nb * K; i++) panel[i] = widen(w[n0 * K + i]);
-            dnnl_sgemm('N', 'T', M, nb, K, 1.f, x, K, panel.data(), K, 0.f, y + n0, N);
-        }
+        dnnl_sgemm('N', 'T', M, nb, K, 1.f, xr.data(), K, wf.data(), K, 0.f, y + n0, N);
     }
 }
 """
 
-# dx [M,K] = dy [M,N] w [N,K]; the weights are frozen, so no weight gradient. Without bf16 units,
-# the sum over N runs PANEL widened weight rows at a time, accumulating into dx.
+# dx [M,K] = dy [M,N] w [N,K] (dy rounded to bf16); the weights are frozen, so no weight gradient.
+# Without bf16 units, the sum over N runs PANEL widened weight rows at a time, accumulating into dx.
 BF16_BACKWARD = """
-const uint16_t *w = (const uint16_t *)in1_p; const float *dy = in0_p; float *dx = out0_p;
-const bool done = units && gemm_bf16_units('N', M, K, N, dy, N, w, K, dx, K);
-if (!done) {
+const uint16_t *w = (const uint16_t *)in1_p; float *dx = out0_p;
+if (!(units && gemm_bf16_units('N', M, K, N, in0_p, w, K, dx))) {
+    const std::vector<float> dyr = rounded(in0_p, M * N);
+    const float *dy = dyr.data();
     std::vector<float> wf(std::min(N, PANEL) * K);
     for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
         const int64_t nb = std::min(PANEL, N - n0);
@@ -101,6 +160,17 @@ def cpu_has_bf16_units() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def bf16_sizes(M: int, N: int, K: int, units: bool) -> str:
+    return f"const int64_t M = {M}, N = {N}, K = {K}; const bool units = {str(units).lower()};\n"
+
+
+def bf16_input_grad(grad_out: jt.Var, weight: jt.Var, units: bool) -> jt.Var:
+    """rounded(grad_out) [M,N] @ weight [N,K] (bf16) -> [M,K] fp32, through the fused kernel."""
+    (M, N), K = grad_out.shape, weight.shape[1]
+    return jt.code((M, K), "float32", [grad_out, weight], cpu_header=BF16_HEADER,
+                   cpu_src=bf16_sizes(M, N, K, units) + BF16_BACKWARD)
+
+
 class BF16Linear(jt.Function):
     """x [M,K] fp32 @ w [N,K]^T bf16 -> [M,N] fp32, gradient to x only. units=None asks the CPU."""
 
@@ -109,24 +179,24 @@ class BF16Linear(jt.Function):
 
     def execute(self, x, weight):
         (M, K), N = x.shape, weight.shape[0]
-        self.sizes = f"const int64_t M = {M}, N = {N}, K = {K}; const bool units = {str(self.units).lower()};\n"
         self.weight = weight
-        return jt.code((M, N), "float32", [x, weight], cpu_header=BF16_HEADER, cpu_src=self.sizes + BF16_FORWARD)
+        return jt.code((M, N), "float32", [x, weight], cpu_header=BF16_HEADER,
+                       cpu_src=bf16_sizes(M, N, K, self.units) + BF16_FORWARD)
 
     def grad(self, grad_out):
-        M, K = grad_out.shape[0], self.weight.shape[1]
-        dx = jt.code((M, K), "float32", [grad_out, self.weight], cpu_header=BF16_HEADER,
-                     cpu_src=self.sizes + BF16_BACKWARD)
-        return dx, None
+        return bf16_input_grad(grad_out, self.weight, self.units), None
 
 
 def base_linear_input_grad(grad_out: jt.Var, weight: jt.Var) -> jt.Var:
-    """grad_out [M,N] @ weight [N,K] -> [M,K] fp32: the gradient a base projection passes to its input."""
-    if weight.dtype == "float32" or not fused_kernels_on():
-        return nn.matmul(grad_out, weight.float32())
-    M, (N, K) = grad_out.shape[0], weight.shape
-    sizes = f"const int64_t M = {M}, N = {N}, K = {K}; const bool units = {str(cpu_has_bf16_units()).lower()};\n"
-    return jt.code((M, K), "float32", [grad_out, weight], cpu_header=BF16_HEADER, cpu_src=sizes + BF16_BACKWARD)
+    """grad_out [M,N] @ weight [N,K] -> [M,K] fp32: the gradient a base projection passes to its input
+    (grad_out rounded to bf16 first when the weight is bf16, as base_linear's backward does)."""
+    if weight.dtype == "float32":
+        return linear_input_grad(grad_out, weight)
+    if fused_kernels_on():
+        return bf16_input_grad(grad_out, weight, cpu_has_bf16_units())
+    if jt.flags.use_cuda:
+        return nn.matmul(grad_out.cast(weight.dtype), weight).float32()
+    return plain_bf16_input_grad(grad_out, weight)
 
 
 def fused_base_linear(x: jt.Var, weight: jt.Var) -> jt.Var:
@@ -140,7 +210,8 @@ def plain_base_linear(x: jt.Var, weight: jt.Var) -> jt.Var:
         return linear(x, weight)  # the fp32 kernel pair
     if jt.flags.use_cuda:  # the GPU's half-precision matmul
         return nn.matmul_transpose(x.cast(weight.dtype), weight).float32()
-    return nn.matmul_transpose(x.float32(), weight.float32())  # Jittor's CPU bf16 matmul is slow: widen
+    rows = x.shape[:-1]  # Jittor's CPU bf16 matmul is slow: rounded and widened operands instead
+    return PlainBF16Linear.apply(x.float32().reshape(-1, x.shape[-1]), weight).reshape(*rows, weight.shape[0])
 
 
 # x [..., K] fp32 @ weight [N,K]^T -> [..., N] fp32; the fused kernel serves bf16 weights
@@ -165,5 +236,5 @@ def set_base_precision(model, precision: str):
     dtype = "bfloat16" if precision == "bf16" else "float32"
     for param in model.base_parameters().values():
         if len(param.shape) == 2 and param.dtype != dtype:
-            param.assign(param.cast(dtype).stop_grad())
+            param.assign(cast_to(param, dtype).stop_grad())
     model.freeze_base()

@@ -7,7 +7,11 @@ three defaults break on an offline CPU machine:
 - Jittor downloads oneDNN on import; we expose Debian's `libdnnl` (package
   libdnnl-dev) in the cache folder Jittor looks in, since its env vars
   `mkl_include_path`/`mkl_lib_path` are broken in 1.3.11;
-- without oneDNN we fall back to `use_mkl=0` (slower, but never a download).
+- without oneDNN we fall back to `use_mkl=0` (slower, but never a download);
+- on a GPU machine Jittor's CUDA import downloads CUTLASS, cuTT and (where mpicc exists)
+  NCCL and wants cuDNN 8, none of which the project uses: they are switched off unless set.
+Jittor 1.3.11 needs three small patches for CUDA 13 (scripts/jittor_cuda13.sh; setup.sh
+applies them where nvcc is 13 or later).
 """
 import glob
 import os
@@ -94,6 +98,13 @@ def prepare():
         return  # too late to change anything; whoever imported it chose
     if "nvcc_path" not in os.environ and not gpu_present():
         os.environ["nvcc_path"] = ""
+    elif gpu_present():
+        # Jittor's CUDA import downloads CUTLASS, cuTT and (whenever mpicc exists) NCCL, and
+        # needs cuDNN 8; none is used here. conv_opt=1 sets up only cuBLAS and cuRAND.
+        for name, value in (("use_cutlass", "0"), ("use_cutt", "0"), ("conv_opt", "1")):
+            os.environ.setdefault(name, value)
+        if "OMPI_COMM_WORLD_SIZE" not in os.environ:  # NCCL only matters across ranks
+            os.environ.setdefault("use_nccl", "0")
     if os.environ.get("use_mkl", "1") == "1" and not ensure_onednn():
         print("[moa] oneDNN not found (apt-get install libdnnl-dev); using Jittor's slower "
               "built-in matmul (use_mkl=0)", file=sys.stderr)

@@ -52,10 +52,10 @@ def sgemm_gflops() -> float:
     """The machine's fp32 matmul peak, as the better of Jittor (oneDNN) and numpy (OpenBLAS)."""
     n = 2048
     a, b = jt.randn(n, n), jt.randn(n, n)
-    (a @ b).sync()
+    (a @ b).sync(True)  # True: wait for the GPU too (CUDA runs asynchronously)
     start = time.perf_counter()
     for _ in range(5):
-        (a @ b).sync()
+        (a @ b).sync(True)
     jittor_rate = 5 * 2 * n ** 3 / (time.perf_counter() - start) / 1e9
     x = np.random.rand(n, n).astype(np.float32)
     x @ x
@@ -70,11 +70,11 @@ def base_matmul_gflops(n: int = GEMM_SIZE) -> float:
     """Our bf16 base matmul (Models/precision.base_linear: fp32 x times bf16 weights, fp32 out) on an
     n^3 product, best of 3 after a warm-up, as bench/torch_gemm.py times torch."""
     x, weight = jt.randn(n, n), jt.randn(n, n).bfloat16().stop_grad()
-    base_linear(x, weight).sync()
+    base_linear(x, weight).sync(True)
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
-        base_linear(x, weight).sync()
+        base_linear(x, weight).sync(True)
         best = min(best, time.perf_counter() - start)
     return 2 * n ** 3 / best / 1e9
 
@@ -90,7 +90,7 @@ def time_training(model: LLaMA_adapter, steps: int = 5, warmup: int = 2):
         loss, _ = model(tokens, mask, with_logits=False)
         optimizer.step(loss)
         loss.sync()
-        jt.sync_all()
+        jt.sync_all(True)  # True: wait for the GPU too
         times.append(time.perf_counter() - start)
     return times[0], float(np.median(times[warmup:]))
 

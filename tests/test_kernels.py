@@ -4,10 +4,13 @@ import pytest
 
 import jittor as jt
 from Models.Block import attention_mask
-from Models.fused import LOGIT_ROWS, output_nll, rms_norm, rope, silu_gate, token_nll
-from Models.fused_experts import add_projected, add_weighted, gated_projection
+from Models import fused
+from Models.fused import logit_rows, output_nll, rms_norm, rope, silu_gate
+from Models.fused_experts import add_projected, add_weighted, gated_projection, lora_projection
 from Models.kernels import attention, fused_kernels_on, linear
-from Models.precision import BF16Linear, base_linear, cpu_has_bf16_units
+from Models.Routing import Gamma, type_router, type_weights
+from Models.precision import BF16Linear, base_linear, cast_to, cpu_has_bf16_units, to_bf16
+from Models.torch_io import bf16_bits_to_float32, float32_to_bf16_bits
 from Models.utils import rope_tables
 
 pytestmark = pytest.mark.skipif(not fused_kernels_on(), reason="fused kernels are off (no libdnnl or a GPU run)")
@@ -43,21 +46,34 @@ def test_rope():
     assert_same(rope, [normal(rng, (2, 5, 3, 8)), cos, sin], [0], atol=1e-6)
 
 
-def test_token_nll():
-    rng = np.random.default_rng(4)
-    targets = jt.array(rng.integers(0, 11, (2, 3)).astype(np.int32))
-    assert_same(token_nll, [normal(rng, (2, 3, 11), 3.0), targets], [0], atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_output_nll_in_chunks(dtype):
-    """The loss through the output matrix, LOGIT_ROWS rows of logits at a time (three chunks, the
-    last partial), equals the loss of the whole [B,T,V] logits, in values and in the gradient."""
+def test_output_nll_in_chunks(dtype, monkeypatch):
+    """The loss through the output matrix, 64 rows of logits at a time (three chunks, the last
+    partial), equals the loss of the whole [B,T,V] logits, in values (also under no_grad, which makes
+    no gradient) and in the gradient, which the forward makes before the loss weight scales it."""
     rng = np.random.default_rng(10)
-    B, T, D, V = 2, LOGIT_ROWS + 7, 16, 1100
-    weight = normal(rng, (V, D), 0.5).cast(dtype).stop_grad()
+    B, T, D, V = 2, 64 + 7, 16, 1100
+    monkeypatch.setattr(fused, "LOGIT_BYTES", 64 * 4 * V)
+    assert logit_rows(V) == 64
+    weight = normal(rng, (V, D), 0.5)
+    weight = (weight if dtype == "float32" else to_bf16(weight)).stop_grad()
     targets = jt.array(rng.integers(0, V, (B, T)).astype(np.int32))
-    assert_same(output_nll, [normal(rng, (B, T, D)), weight, targets], [0], atol=2e-5, rtol=1e-5)
+    h = normal(rng, (B, T, D))
+    if dtype == "float32":
+        assert_same(output_nll, [h, weight, targets], [0], atol=2e-5, rtol=1e-5)
+    with jt.no_grad():
+        np.testing.assert_allclose(output_nll.fused(h, weight, targets).numpy(),
+                                   output_nll.plain(h, weight, targets).numpy(), rtol=1e-5, atol=2e-5)
+    if dtype == "bfloat16":  # softmax - onehot is rounded to bf16 before the loss weight scales it
+        loss_weight = normal(rng, (B, T))
+        got, = jt.grad((output_nll.fused(h, weight, targets) * loss_weight).sum(), [h])
+        w64, h64 = weight.float32().numpy().astype(np.float64), rounded(h.numpy().reshape(-1, D))
+        logits = h64 @ w64.T
+        probs = np.exp(logits - logits.max(1, keepdims=True))
+        probs /= probs.sum(1, keepdims=True)
+        probs[np.arange(B * T), targets.numpy().reshape(-1)] -= 1
+        want = (rounded(probs) @ w64) * loss_weight.numpy().reshape(-1, 1)
+        np.testing.assert_allclose(got.numpy().reshape(-1, D), want, rtol=1e-5, atol=5e-5)
 
 
 def test_silu_gate():
@@ -112,31 +128,83 @@ def test_linear(shape, bias, trains):
 
 
 def bf16_weight(rng, shape):
-    return normal(rng, shape, 0.1).bfloat16().stop_grad()
+    return to_bf16(normal(rng, shape, 0.1)).stop_grad()
+
+
+def rounded(a: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to the nearest bf16 (ties to even), as float64."""
+    return bf16_bits_to_float32(float32_to_bf16_bits(a.astype(np.float32))).astype(np.float64)
+
+
+def test_to_bf16_rounds_to_nearest_even():
+    x = np.random.default_rng(7).standard_normal(10000).astype(np.float32)
+    ties = (np.arange(1, 200, dtype=np.uint32) << 16 | 0x8000).view(np.float32)  # halfway between two bf16
+    x = np.concatenate([x, ties, -ties, [0.0, -0.0, np.inf, -np.inf]]).astype(np.float32)
+    want = float32_to_bf16_bits(x)
+    np.testing.assert_array_equal(to_bf16(jt.array(x)).float32().numpy().view(np.uint32) >> 16, want)
+    np.testing.assert_array_equal(cast_to(jt.array(x), "bfloat16").float32().numpy(), bf16_bits_to_float32(want))
+
+
+units_choices = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not cpu_has_bf16_units(), reason="this CPU has no bf16 units (avx512_bf16 / amx_bf16)"))]
 
 
 # 3 rows: the per-thread panel path of decoding (N=150 is two full 64-row panels and a partial one);
 # 2 x 40 = 80 rows: the path of training and prefill, widening 1024 weight rows at a time (N=2100:
-# two full panels and a partial one, the backward summing over them).
+# two full panels and a partial one, the backward summing over them). units: oneDNN's
+# gemm_bf16bf16f32 on the CPU's bf16 units, else sgemm on widened panels; one rule for both.
+@pytest.mark.parametrize("units", units_choices)
 @pytest.mark.parametrize("shape, N", [((3, 96), 150), ((2, 40, 96), 150), ((2, 40, 96), 2100)])
-def test_bf16_linear(shape, N):
+def test_bf16_linear(shape, N, units):
+    """The input (and, backwards, the gradient) rounded to bf16, products of bf16 values summed in
+    fp32: the same as the plain reference and as float64 on the rounded operands, to fp32 summation."""
     rng = np.random.default_rng(8)
     x, weight = normal(rng, shape), bf16_weight(rng, (N, 96))
     assert base_linear.when(x, weight) and not base_linear.when(x, weight.float32())
-    # fp32 products of the stored bf16 weights: as close as two fp32 summation orders
-    assert_same(base_linear, [x, weight], [0], atol=2e-5, rtol=1e-5)
-    widened = x.numpy().reshape(-1, 96).astype(np.float64) @ weight.float32().numpy().astype(np.float64).T
-    np.testing.assert_allclose(base_linear.fused(x, weight).numpy().reshape(widened.shape), widened, atol=2e-5)
+    flat = x.reshape(-1, 96)
+    fused, plain = BF16Linear(units=units)(flat, weight), base_linear.plain(flat, weight)
+    w64 = weight.float32().numpy().astype(np.float64)
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(fused.numpy(), rounded(flat.numpy()) @ w64.T, rtol=1e-5, atol=2e-5)
+    out_grad = normal(rng, fused.shape)
+    got, = jt.grad((fused * out_grad).sum(), [flat])
+    want, = jt.grad((plain * out_grad).sum(), [flat])
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(got.numpy(), rounded(out_grad.numpy()) @ w64, rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.skipif(not cpu_has_bf16_units(), reason="this CPU has no bf16 units (avx512_bf16 / amx_bf16)")
-def test_bf16_linear_on_bf16_units():
-    """oneDNN's gemm_bf16bf16f32 rounds the input to bf16 (as torch's autocast does): bf16-level agreement."""
-    rng = np.random.default_rng(9)
-    x, weight = normal(rng, (80, 96)), bf16_weight(rng, (150, 96))
-    fused, plain = BF16Linear(units=True)(x, weight), base_linear.plain(x, weight)
-    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=2e-2, atol=2e-2)
-    out_weight = normal(rng, (80, 150))
-    got, = jt.grad((fused * out_weight).sum(), [x])
-    want, = jt.grad((plain * out_weight).sum(), [x])
-    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=2e-2, atol=2e-2)
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_lora_projection(base_dtype, weighted):
+    """A decode step's base projection and its LoRA expert in one op (4 rows, inference)."""
+    rng = np.random.default_rng(12)
+    base = normal(rng, (150, 96), 0.1)
+    base = (base if base_dtype == "float32" else to_bf16(base)).stop_grad()
+    x, A, B = normal(rng, (4, 1, 96)), normal(rng, (8, 96), 0.1), normal(rng, (150, 8), 0.1)
+    weight = jt.array(rng.random((4, 1)).astype(np.float32)) if weighted else None
+    with jt.no_grad():
+        fused = lora_projection.fused(x, base, A, B, weight, 2.0)
+        np.testing.assert_allclose(fused.numpy(), lora_projection.plain(x, base, A, B, weight, 2.0).numpy(),
+                                   rtol=1e-5, atol=2e-5)
+        assert fused.shape == [4, 1, 150]
+
+
+@pytest.mark.parametrize("swi_x, threshold", [(4, "learned"), (0, "learned"), (4, "const"), (4, None)])
+def test_type_weights(swi_x, threshold):
+    """A decode step's routing in one op: router, sigmoid, Gamma and the Sparse selection."""
+    rng = np.random.default_rng(13)
+    router = type_router(32, 7, swi_x)
+    for p in router.parameters():
+        p.assign(normal(rng, p.shape, 0.5))
+    gamma = None if threshold is None else Gamma(32, 0.5, threshold == "const")
+    if threshold == "learned":
+        gamma.bias.assign(normal(rng, (1,)))
+    x = normal(rng, (4, 1, 32))
+    with jt.no_grad():
+        fused, plain = type_weights.fused(x, router, gamma, "authors"), type_weights.plain(x, router, gamma, "authors")
+    np.testing.assert_allclose(fused[0].numpy(), plain[0].numpy(), rtol=1e-5, atol=1e-6)
+    if threshold is not None:
+        np.testing.assert_allclose(fused[1].numpy(), plain[1].numpy(), rtol=1e-5, atol=1e-6)
+        assert 0 < (fused[0].numpy() == 0).sum() < fused[0].numel()  # some types are switched off, not all
+    for got, want in zip(fused[2], plain[2]):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
