@@ -16,7 +16,7 @@ from .Experts import MOELoraLayer
 from .SparseLoRA import SparseLoRAMoE
 from .fused import rms_norm, rope, silu_gate
 from .fused_experts import gated_projection, lora_projection
-from .kernels import attention, decoding
+from .kernels import attention, decoding, prompt_attention
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
 from .precision import BaseLinear
 
@@ -122,15 +122,11 @@ class Attention(nn.Module):
     def prompt_output(self, x: jt.Var, xq: jt.Var, route, start_pos=None) -> jt.Var:
         # x [B,T,D] (the layer's normalised input), xq [B,T,H,hd] (rotated queries) -> [B,T,H,hd]
         B, T, H, hd = xq.shape
-        L = self.prompt.weight.shape[0]
         prompt_k, prompt_v = self.prompt_keys_values(start_pos)  # [L, Hkv*hd]
         if self.expert_num > 1:
             out = self.mixed_prompt_output(x, xq, prompt_k, prompt_v, route)
         else:
-            kv_shape = (B, L, self.n_kv_heads, hd)
-            prompt_k = prompt_k.reshape(1, *kv_shape[1:]).broadcast(kv_shape)
-            prompt_v = prompt_v.reshape(1, *kv_shape[1:]).broadcast(kv_shape)
-            out = attention(xq, prompt_k, prompt_v, jt.zeros((T, L), "float32"))  # [B,T,H,hd]
+            out = prompt_attention(xq, prompt_k, prompt_v)  # [B,T,H,hd]
         out = out * self.prompt_gate.reshape(1, 1, H, 1)
         type_weight = route.weight("PROMPT")
         return out if type_weight is None else out * type_weight.reshape(B, T, 1, 1)

@@ -334,3 +334,81 @@ def repeat_kv(x: jt.Var, n_rep: int) -> jt.Var:
 
 # q [B,T,H,hd], k/v [B,S,Hkv,hd], additive mask [T,S] -> [B,T,H,hd]
 attention = Kernel(fused_attention, plain_attention)
+
+
+# Attention to the learned prompt (Soft MoA's prompt expert): L keys and values shared by the whole
+# batch, no mask. The batch's rows are one matrix per head, so each product is one sgemm over all
+# B*T rows (a few dozen calls per layer) instead of one per (sequence, head, block of 64 queries):
+# with L in the tens, those calls cost more than they computed.
+PROMPT_ATTENTION_FORWARD = """
+for (int64_t h = 0; h < H; h++)
+    dnnl_sgemm('N', 'T', BT, L, hd, scale, in0_p + h * hd, H * hd, in1_p + h / n_rep * hd, Hkv * hd,
+               0.f, out1_p + h * L, H * L);
+#pragma omp parallel for
+for (int64_t row = 0; row < BT * H; row++) {
+    float *p = out1_p + row * L, top = -INFINITY, total = 0.f;
+    for (int64_t s = 0; s < L; s++) top = std::max(top, p[s]);
+    for (int64_t s = 0; s < L; s++) { p[s] = std::exp(p[s] - top); total += p[s]; }
+    for (int64_t s = 0; s < L; s++) p[s] /= total;
+}
+for (int64_t h = 0; h < H; h++)
+    dnnl_sgemm('N', 'N', BT, hd, L, 1.f, out1_p + h * L, H * L, in2_p + h / n_rep * hd, Hkv * hd,
+               0.f, out0_p + h * hd, H * hd);
+"""
+
+PROMPT_ATTENTION_BACKWARD = """
+std::vector<float> ds(BT * H * L);
+for (int64_t h = 0; h < H; h++)
+    dnnl_sgemm('N', 'T', BT, L, hd, 1.f, in4_p + h * hd, H * hd, in2_p + h / n_rep * hd, Hkv * hd,
+               0.f, ds.data() + h * L, H * L);
+#pragma omp parallel for
+for (int64_t row = 0; row < BT * H; row++) {
+    const float *p = in3_p + row * L;
+    float *d = ds.data() + row * L, expected = 0.f;
+    for (int64_t s = 0; s < L; s++) expected += p[s] * d[s];
+    for (int64_t s = 0; s < L; s++) d[s] = p[s] * (d[s] - expected) * scale;
+}
+std::fill(out1_p, out1_p + L * Hkv * hd, 0.f);
+std::fill(out2_p, out2_p + L * Hkv * hd, 0.f);
+for (int64_t h = 0; h < H; h++) {
+    const int64_t g = h / n_rep;
+    dnnl_sgemm('N', 'N', BT, hd, L, 1.f, ds.data() + h * L, H * L, in1_p + g * hd, Hkv * hd, 0.f, out0_p + h * hd, H * hd);
+    dnnl_sgemm('T', 'N', L, hd, BT, 1.f, ds.data() + h * L, H * L, in0_p + h * hd, H * hd, 1.f, out1_p + g * hd, Hkv * hd);
+    dnnl_sgemm('T', 'N', L, hd, BT, 1.f, in3_p + h * L, H * L, in4_p + h * hd, H * hd, 1.f, out2_p + g * hd, Hkv * hd);
+}
+"""
+PROMPT_ATTENTION_HEADER = SGEMM_DECLARATION + "#include <cmath>\n#include <algorithm>\n#include <vector>\n"
+
+
+class PromptAttention(jt.Function):
+    """softmax(q k^T * scale) v over L prompt rows shared by the batch; keeps the probabilities
+    [B,T,H,L] (small) for the backward."""
+
+    def execute(self, q, k, v):
+        # q [B,T,H,hd], k/v [L, Hkv*hd] -> [B,T,H,hd]
+        B, T, H, hd = q.shape
+        L, Hkv = k.shape[0], k.shape[1] // hd
+        self.sizes = (f"const int64_t BT = {B * T}, H = {H}, hd = {hd}, L = {L}, Hkv = {Hkv}, n_rep = {H // Hkv}; "
+                      f"const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n")
+        out, probs = jt.code([(B, T, H, hd), (B, T, H, L)], ["float32", "float32"], [q, k, v],
+                             cpu_header=PROMPT_ATTENTION_HEADER, cpu_src=self.sizes + PROMPT_ATTENTION_FORWARD)
+        self.saved = (q, k, v, probs.detach())
+        return out
+
+    def grad(self, grad_out):
+        q, k, v, probs = self.saved
+        return tuple(jt.code([q.shape, k.shape, v.shape], ["float32"] * 3, [q, k, v, probs, grad_out],
+                             cpu_header=PROMPT_ATTENTION_HEADER, cpu_src=self.sizes + PROMPT_ATTENTION_BACKWARD))
+
+
+def plain_prompt_attention(q: jt.Var, k: jt.Var, v: jt.Var) -> jt.Var:
+    B, T, _, hd = q.shape
+    L, Hkv = k.shape[0], k.shape[1] // hd
+    kv_shape = (B, L, Hkv, hd)
+    keys, values = (t.reshape(1, L, Hkv, hd).broadcast(kv_shape) for t in (k, v))
+    return plain_attention(q, keys, values, jt.zeros((T, L), "float32"))
+
+
+# q [B,T,H,hd], prompt keys/values [L, Hkv*hd] (the same for every sequence) -> [B,T,H,hd]
+prompt_attention = Kernel(lambda q, k, v: PromptAttention.apply(q.float32(), k.float32(), v.float32()),
+                          plain_prompt_attention)

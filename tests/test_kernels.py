@@ -7,7 +7,7 @@ from Models.Block import attention_mask
 from Models import fused
 from Models.fused import logit_rows, output_nll, rms_norm, rope, silu_gate
 from Models.fused_experts import add_projected, add_weighted, gated_projection, lora_projection
-from Models.kernels import attention, fused_kernels_on, linear
+from Models.kernels import attention, fused_kernels_on, linear, prompt_attention
 from Models.Routing import Gamma, type_router, type_weights
 from Models.precision import BF16Linear, base_linear, cast_to, cpu_has_bf16_units, to_bf16
 from Models.torch_io import bf16_bits_to_float32, float32_to_bf16_bits
@@ -38,6 +38,14 @@ def test_attention(H, Hkv, T, S, start):
     rng = np.random.default_rng(H * 100 + T)
     q, k, v = (normal(rng, shape) for shape in [(2, T, H, 8), (2, S, Hkv, 8), (2, S, Hkv, 8)])
     assert_same(attention, [q, k, v, jt.array(attention_mask(T, S, start))], [0, 1, 2], atol=2e-6)
+
+
+@pytest.mark.parametrize("H, Hkv, L", [(8, 4, 10), (4, 4, 3)])
+def test_prompt_attention(H, Hkv, L):
+    """Attention to L prompt keys/values shared by the batch (Soft MoA's prompt expert)."""
+    rng = np.random.default_rng(H + L)
+    q, k, v = normal(rng, (2, 5, H, 8)), normal(rng, (L, Hkv * 8)), normal(rng, (L, Hkv * 8))
+    assert_same(prompt_attention, [q, k, v], [0, 1, 2], atol=2e-6)
 
 
 def test_rope():
