@@ -341,19 +341,33 @@ attention = Kernel(fused_attention, plain_attention)
 # B*T rows (a few dozen calls per layer) instead of one per (sequence, head, block of 64 queries):
 # with L in the tens, those calls cost more than they computed.
 PROMPT_ATTENTION_FORWARD = """
-for (int64_t h = 0; h < H; h++)
-    dnnl_sgemm('N', 'T', BT, L, hd, scale, in0_p + h * hd, H * hd, in1_p + h / n_rep * hd, Hkv * hd,
-               0.f, out1_p + h * L, H * L);
-#pragma omp parallel for
+const bool few_rows = BT <= GEMV_ROWS;  // a decode step: plain loops, no sgemm set-up per head
+for (int64_t h = 0; h < H; h++) {
+    const float *q = in0_p + h * hd, *k = in1_p + h / n_rep * hd;
+    if (!few_rows) dnnl_sgemm('N', 'T', BT, L, hd, scale, q, H * hd, k, Hkv * hd, 0.f, out1_p + h * L, H * L);
+    else for (int64_t r = 0; r < BT; r++) for (int64_t s = 0; s < L; s++) {
+        float dot = 0.f;
+        for (int64_t i = 0; i < hd; i++) dot += q[r * H * hd + i] * k[s * Hkv * hd + i];
+        out1_p[(r * H + h) * L + s] = dot * scale;
+    }
+}
+#pragma omp parallel for if (!few_rows)
 for (int64_t row = 0; row < BT * H; row++) {
     float *p = out1_p + row * L, top = -INFINITY, total = 0.f;
     for (int64_t s = 0; s < L; s++) top = std::max(top, p[s]);
     for (int64_t s = 0; s < L; s++) { p[s] = std::exp(p[s] - top); total += p[s]; }
     for (int64_t s = 0; s < L; s++) p[s] /= total;
 }
-for (int64_t h = 0; h < H; h++)
-    dnnl_sgemm('N', 'N', BT, hd, L, 1.f, out1_p + h * L, H * L, in2_p + h / n_rep * hd, Hkv * hd,
-               0.f, out0_p + h * hd, H * hd);
+for (int64_t h = 0; h < H; h++) {
+    const float *p = out1_p + h * L, *v = in2_p + h / n_rep * hd;
+    if (!few_rows) dnnl_sgemm('N', 'N', BT, hd, L, 1.f, p, H * L, v, Hkv * hd, 0.f, out0_p + h * hd, H * hd);
+    else for (int64_t r = 0; r < BT; r++) {
+        float *o = out0_p + (r * H + h) * hd;
+        for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
+        for (int64_t s = 0; s < L; s++)
+            for (int64_t i = 0; i < hd; i++) o[i] += p[r * H * L + s] * v[s * Hkv * hd + i];
+    }
+}
 """
 
 PROMPT_ATTENTION_BACKWARD = """
@@ -377,7 +391,8 @@ for (int64_t h = 0; h < H; h++) {
     dnnl_sgemm('T', 'N', L, hd, BT, 1.f, in3_p + h * L, H * L, in4_p + h * hd, H * hd, 1.f, out2_p + g * hd, Hkv * hd);
 }
 """
-PROMPT_ATTENTION_HEADER = SGEMM_DECLARATION + "#include <cmath>\n#include <algorithm>\n#include <vector>\n"
+PROMPT_ATTENTION_HEADER = (SGEMM_DECLARATION + f"static const int64_t GEMV_ROWS = {GEMV_ROWS};\n"
+                           "#include <cmath>\n#include <algorithm>\n#include <vector>\n")
 
 
 class PromptAttention(jt.Function):

@@ -40,11 +40,12 @@ def test_attention(H, Hkv, T, S, start):
     assert_same(attention, [q, k, v, jt.array(attention_mask(T, S, start))], [0, 1, 2], atol=2e-6)
 
 
-@pytest.mark.parametrize("H, Hkv, L", [(8, 4, 10), (4, 4, 3)])
-def test_prompt_attention(H, Hkv, L):
+# 2 x 5 rows: a decode step's loops; 2 x 20 rows: one sgemm per head over the batch's rows
+@pytest.mark.parametrize("T, H, Hkv, L", [(5, 8, 4, 10), (5, 4, 4, 3), (20, 8, 4, 10)])
+def test_prompt_attention(T, H, Hkv, L):
     """Attention to L prompt keys/values shared by the batch (Soft MoA's prompt expert)."""
     rng = np.random.default_rng(H + L)
-    q, k, v = normal(rng, (2, 5, H, 8)), normal(rng, (L, Hkv * 8)), normal(rng, (L, Hkv * 8))
+    q, k, v = normal(rng, (2, T, H, 8)), normal(rng, (L, Hkv * 8)), normal(rng, (L, Hkv * 8))
     assert_same(prompt_attention, [q, k, v], [0, 1, 2], atol=2e-6)
 
 
