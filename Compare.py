@@ -42,7 +42,7 @@ def get_args_parser():
     p.add_argument("--recipe", default="demo", help=f"the recipe every method starts from: {', '.join(RECIPES)} "
                    "or a JSON file of settings (default: demo)")
     p.add_argument("--max_steps", type=int, default=800, help="optimizer steps per method, the shared budget; "
-                   "0 = the recipe's epochs (default: 800, past the demo's jump in accuracy)")
+                   "0 = the recipe's epochs (default: 800)")
     p.add_argument("--max_examples", type=int, default=150, help="test examples per data set; 0 = all (default: 150)")
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks per training run (default: 2)")
     p.add_argument("--llama_path", default=None, help="the base model (default: the recipe's, the tiny demo base)")
