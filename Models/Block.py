@@ -12,11 +12,12 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
+from .attention import attention, prompt_attention
 from .Experts import MOELoraLayer
 from .SparseLoRA import SparseLoRAMoE
 from .fused import rms_norm, rope, silu_gate
 from .fused_experts import gated_projection, lora_projection
-from .kernels import attention, decoding, prompt_attention
+from .kernels import decoding
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
 from .precision import BaseLinear
 

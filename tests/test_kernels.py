@@ -7,7 +7,8 @@ from Models.Block import attention_mask
 from Models import fused
 from Models.fused import logit_rows, output_nll, rms_norm, rope, silu_gate
 from Models.fused_experts import add_projected, add_weighted, gated_projection, lora_projection
-from Models.kernels import attention, fused_kernels_on, linear, prompt_attention
+from Models.attention import attention, prompt_attention
+from Models.kernels import fused_kernels_on, linear
 from Models.Routing import Gamma, type_router, type_weights
 from Models.precision import BF16Linear, base_linear, cast_to, cpu_has_bf16_units, to_bf16
 from Models.torch_io import bf16_bits_to_float32, float32_to_bf16_bits

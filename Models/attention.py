@@ -1,0 +1,252 @@
+"""Attention through oneDNN's sgemm: causal (with the KV cache) and to Soft MoA's learned prompt.
+
+Jittor's CPU `matmul` maps 2-D products to oneDNN, but batched ones
+([B,H,T,hd] @ [B,H,hd,S]) fall back to a broadcast-multiply-reduce that ran
+4-8x slower and dominated our training step, and its softmax is single-threaded.
+FusedAttention calls oneDNN's sgemm per (batch, head) on strided views instead.
+Each is a kernels.Kernel beside its plain-Jittor reference.
+"""
+import numpy as np
+
+import Utils.jittor_env  # noqa: F401
+import jittor as jt
+from jittor import nn
+
+from .kernels import GEMV_ROWS, SGEMM_DECLARATION, Kernel
+
+ATTENTION_HEADER = SGEMM_DECLARATION + "#include <cmath>\n#include <algorithm>\n#include <vector>\n"
+
+# Key spans: query t sees keys [0, span[t]) (beyond, the additive mask is -inf), and a
+# block of ROWS queries works on the widest span in it. Causal training then skips
+# the upper triangle block by block, and a decode step reads only the filled cache.
+KEY_SPANS = """
+const int64_t ROWS = 64, n_blocks = (T + ROWS - 1) / ROWS;
+std::vector<int64_t> span(T), width(n_blocks, 0);
+for (int64_t t = 0; t < T; t++) {
+    span[t] = 0;
+    for (int64_t s = 0; s < S; s++) if (mask[t * S + s] > -1e30f) span[t] = s + 1;
+    width[t / ROWS] = std::max(width[t / ROWS], span[t]);
+}
+"""
+
+# The probabilities of a block of queries live in a per-thread scratch: the forward keeps
+# each row's log-sum-exp [B,H,T] and the backward recomputes them from it, so no [B,H,T,S]
+# tensor outlives the op (at 300 tokens and 32 heads, 11.5 MB per layer held for the backward).
+SCORES = "dnnl_sgemm('N', 'T', rows, w, hd, scale, q, H * hd, k, Hkv * hd, 0.f, p, S);\n"
+
+ATTENTION_FORWARD = """
+#pragma omp parallel for collapse(2)
+for (int64_t b = 0; b < B; b++)
+for (int64_t h = 0; h < H; h++) {
+    std::vector<float> scratch(ROWS * S);
+    float *p = scratch.data();
+    const float *k = in1_p + (b * S * Hkv + h / n_rep) * hd, *v = in2_p + (b * S * Hkv + h / n_rep) * hd;
+    for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
+        const int64_t rows = std::min(ROWS, T - t0), w = width[t0 / ROWS];
+        const float *q = in0_p + ((b * T + t0) * H + h) * hd;
+        float *o = out0_p + ((b * T + t0) * H + h) * hd, *lse = out1_p + (b * H + h) * T + t0;
+        if (w > 0) """ + SCORES + """
+        for (int64_t t = 0; t < rows; t++) {
+            float *row = p + t * S, top = -INFINITY, total = 0.f;
+            const float *m = mask + (t0 + t) * S;
+            const int64_t n = span[t0 + t];
+            for (int64_t s = 0; s < n; s++) { row[s] += m[s]; top = std::max(top, row[s]); }
+            for (int64_t s = 0; s < n; s++) { row[s] = std::exp(row[s] - top); total += row[s]; }
+            for (int64_t s = 0; s < n; s++) row[s] /= total;
+            for (int64_t s = n; s < w; s++) row[s] = 0.f;
+            lse[t] = top + std::log(total);
+        }
+        if (w > 0) dnnl_sgemm('N', 'N', rows, hd, w, 1.f, p, S, v, Hkv * hd, 0.f, o, H * hd);
+        else for (int64_t t = 0; t < rows; t++) std::fill(o + t * H * hd, o + t * H * hd + hd, 0.f);
+    }
+}
+"""
+
+ATTENTION_BACKWARD = """
+#pragma omp parallel for collapse(2)
+for (int64_t b = 0; b < B; b++)
+for (int64_t g = 0; g < Hkv; g++) {
+    std::vector<float> scratch(ROWS * S), ds(ROWS * S);
+    float *p = scratch.data();
+    const float *k = in1_p + (b * S * Hkv + g) * hd, *v = in2_p + (b * S * Hkv + g) * hd;
+    float *dk = out1_p + (b * S * Hkv + g) * hd, *dv = out2_p + (b * S * Hkv + g) * hd;
+    for (int64_t s = 0; s < S; s++) {
+        std::fill(dk + s * Hkv * hd, dk + s * Hkv * hd + hd, 0.f);
+        std::fill(dv + s * Hkv * hd, dv + s * Hkv * hd + hd, 0.f);
+    }
+    for (int64_t r = 0; r < n_rep; r++)
+    for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
+        const int64_t h = g * n_rep + r, rows = std::min(ROWS, T - t0), w = width[t0 / ROWS];
+        const float *q = in0_p + ((b * T + t0) * H + h) * hd, *lse = in3_p + (b * H + h) * T + t0;
+        const float *dout = in4_p + ((b * T + t0) * H + h) * hd;
+        float *dq = out0_p + ((b * T + t0) * H + h) * hd;
+        if (w == 0) {
+            for (int64_t t = 0; t < rows; t++) std::fill(dq + t * H * hd, dq + t * H * hd + hd, 0.f);
+            continue;
+        }
+        """ + SCORES + """        for (int64_t t = 0; t < rows; t++) {
+            float *row = p + t * S;
+            const float *m = mask + (t0 + t) * S;
+            const int64_t n = span[t0 + t];
+            for (int64_t s = 0; s < n; s++) row[s] = std::exp(row[s] + m[s] - lse[t]);
+            for (int64_t s = n; s < w; s++) row[s] = 0.f;
+        }
+        dnnl_sgemm('T', 'N', w, hd, rows, 1.f, p, S, dout, H * hd, 1.f, dv, Hkv * hd);
+        dnnl_sgemm('N', 'T', rows, w, hd, 1.f, dout, H * hd, v, Hkv * hd, 0.f, ds.data(), w);
+        for (int64_t t = 0; t < rows; t++) {
+            const float *pr = p + t * S; float *dr = ds.data() + t * w, dot = 0.f;
+            for (int64_t s = 0; s < w; s++) dot += dr[s] * pr[s];
+            for (int64_t s = 0; s < w; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
+        }
+        dnnl_sgemm('N', 'N', rows, hd, w, 1.f, ds.data(), w, k, Hkv * hd, 0.f, dq, H * hd);
+        dnnl_sgemm('T', 'N', w, hd, rows, 1.f, ds.data(), w, q, H * hd, 1.f, dk, Hkv * hd);
+    }
+}
+"""
+
+
+class FusedAttention(jt.Function):
+    """softmax(q k^T * scale + mask) v with grouped kv heads, in the [B,T,heads,hd] layout.
+
+    One C++ loop per (batch, head) calls oneDNN's sgemm with strides instead of
+    transposing, and does the masked softmax in place, a block of 64 queries at a time;
+    the backward recomputes each block's probabilities from the rows' log-sum-exp
+    and accumulates each kv head's gradient over its query group.
+    """
+
+    def execute(self, q, k, v, mask):
+        # q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [T,S] -> out [B,T,H,hd]
+        B, T, H, hd = q.shape
+        S, Hkv = k.shape[1], k.shape[2]
+        sizes = (f"const int64_t B = {B}, T = {T}, H = {H}, hd = {hd}, S = {S}, Hkv = {Hkv}, "
+                 f"n_rep = {H // Hkv}; const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n")
+        out, lse = jt.code([(B, T, H, hd), (B, H, T)], ["float32", "float32"], [q, k, v, mask],
+                           cpu_header=ATTENTION_HEADER,
+                           cpu_src=sizes + "const float *mask = in3_p;\n" + KEY_SPANS + ATTENTION_FORWARD)
+        self.saved = (q, k, v, lse.detach(), mask, sizes)
+        return out
+
+    def grad(self, grad_out):
+        q, k, v, lse, mask, sizes = self.saved
+        dq, dk, dv = jt.code([q.shape, k.shape, v.shape], ["float32"] * 3, [q, k, v, lse, grad_out, mask],
+                             cpu_header=ATTENTION_HEADER,
+                             cpu_src=sizes + "const float *mask = in5_p;\n" + KEY_SPANS + ATTENTION_BACKWARD)
+        return dq, dk, dv, None
+
+
+def fused_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var) -> jt.Var:
+    return FusedAttention.apply(q.float32(), k.float32(), v.float32(), mask)
+
+
+def plain_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var) -> jt.Var:
+    """The same attention in plain Jittor ops."""
+    n_rep = q.shape[2] // k.shape[2]
+    keys = repeat_kv(k, n_rep).transpose(0, 2, 3, 1)  # [B,H,hd,S]
+    values = repeat_kv(v, n_rep).transpose(0, 2, 1, 3)  # [B,H,S,hd]
+    scores = nn.matmul(q.transpose(0, 2, 1, 3), keys) / float(np.sqrt(q.shape[-1])) + mask  # [B,H,T,S]
+    return nn.matmul(nn.softmax(scores.float32(), dim=-1), values).transpose(0, 2, 1, 3)  # [B,T,H,hd]
+
+
+def repeat_kv(x: jt.Var, n_rep: int) -> jt.Var:
+    """[B,S,Hkv,hd] -> [B,S,Hkv*n_rep,hd], each kv head repeated n_rep times in a row."""
+    if n_rep == 1:
+        return x
+    B, S, Hkv, hd = x.shape
+    return x.reshape(B, S, Hkv, 1, hd).broadcast((B, S, Hkv, n_rep, hd)).reshape(B, S, Hkv * n_rep, hd)
+
+
+# q [B,T,H,hd], k/v [B,S,Hkv,hd], additive mask [T,S] -> [B,T,H,hd]
+attention = Kernel(fused_attention, plain_attention)
+
+
+# Attention to the learned prompt (Soft MoA's prompt expert): L keys and values shared by the whole
+# batch, no mask. The batch's rows are one matrix per head, so each product is one sgemm over all
+# B*T rows (a few dozen calls per layer) instead of one per (sequence, head, block of 64 queries):
+# with L in the tens, those calls cost more than they computed.
+PROMPT_ATTENTION_FORWARD = """
+const bool few_rows = BT <= GEMV_ROWS;  // a decode step: plain loops, no sgemm set-up per head
+for (int64_t h = 0; h < H; h++) {
+    const float *q = in0_p + h * hd, *k = in1_p + h / n_rep * hd;
+    if (!few_rows) dnnl_sgemm('N', 'T', BT, L, hd, scale, q, H * hd, k, Hkv * hd, 0.f, out1_p + h * L, H * L);
+    else for (int64_t r = 0; r < BT; r++) for (int64_t s = 0; s < L; s++) {
+        float dot = 0.f;
+        for (int64_t i = 0; i < hd; i++) dot += q[r * H * hd + i] * k[s * Hkv * hd + i];
+        out1_p[(r * H + h) * L + s] = dot * scale;
+    }
+}
+#pragma omp parallel for if (!few_rows)
+for (int64_t row = 0; row < BT * H; row++) {
+    float *p = out1_p + row * L, top = -INFINITY, total = 0.f;
+    for (int64_t s = 0; s < L; s++) top = std::max(top, p[s]);
+    for (int64_t s = 0; s < L; s++) { p[s] = std::exp(p[s] - top); total += p[s]; }
+    for (int64_t s = 0; s < L; s++) p[s] /= total;
+}
+for (int64_t h = 0; h < H; h++) {
+    const float *p = out1_p + h * L, *v = in2_p + h / n_rep * hd;
+    if (!few_rows) dnnl_sgemm('N', 'N', BT, hd, L, 1.f, p, H * L, v, Hkv * hd, 0.f, out0_p + h * hd, H * hd);
+    else for (int64_t r = 0; r < BT; r++) {
+        float *o = out0_p + (r * H + h) * hd;
+        for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
+        for (int64_t s = 0; s < L; s++)
+            for (int64_t i = 0; i < hd; i++) o[i] += p[r * H * L + s] * v[s * Hkv * hd + i];
+    }
+}
+"""
+
+PROMPT_ATTENTION_BACKWARD = """
+std::vector<float> ds(BT * H * L);
+for (int64_t h = 0; h < H; h++)
+    dnnl_sgemm('N', 'T', BT, L, hd, 1.f, in4_p + h * hd, H * hd, in2_p + h / n_rep * hd, Hkv * hd,
+               0.f, ds.data() + h * L, H * L);
+#pragma omp parallel for
+for (int64_t row = 0; row < BT * H; row++) {
+    const float *p = in3_p + row * L;
+    float *d = ds.data() + row * L, expected = 0.f;
+    for (int64_t s = 0; s < L; s++) expected += p[s] * d[s];
+    for (int64_t s = 0; s < L; s++) d[s] = p[s] * (d[s] - expected) * scale;
+}
+std::fill(out1_p, out1_p + L * Hkv * hd, 0.f);
+std::fill(out2_p, out2_p + L * Hkv * hd, 0.f);
+for (int64_t h = 0; h < H; h++) {
+    const int64_t g = h / n_rep;
+    dnnl_sgemm('N', 'N', BT, hd, L, 1.f, ds.data() + h * L, H * L, in1_p + g * hd, Hkv * hd, 0.f, out0_p + h * hd, H * hd);
+    dnnl_sgemm('T', 'N', L, hd, BT, 1.f, ds.data() + h * L, H * L, in0_p + h * hd, H * hd, 1.f, out1_p + g * hd, Hkv * hd);
+    dnnl_sgemm('T', 'N', L, hd, BT, 1.f, in3_p + h * L, H * L, in4_p + h * hd, H * hd, 1.f, out2_p + g * hd, Hkv * hd);
+}
+"""
+PROMPT_ATTENTION_HEADER = (SGEMM_DECLARATION + f"static const int64_t GEMV_ROWS = {GEMV_ROWS};\n"
+                           "#include <cmath>\n#include <algorithm>\n#include <vector>\n")
+
+
+class PromptAttention(jt.Function):
+    """softmax(q k^T * scale) v over L prompt rows shared by the batch; keeps the probabilities
+    [B,T,H,L] (small) for the backward."""
+
+    def execute(self, q, k, v):
+        # q [B,T,H,hd], k/v [L, Hkv*hd] -> [B,T,H,hd]
+        B, T, H, hd = q.shape
+        L, Hkv = k.shape[0], k.shape[1] // hd
+        self.sizes = (f"const int64_t BT = {B * T}, H = {H}, hd = {hd}, L = {L}, Hkv = {Hkv}, n_rep = {H // Hkv}; "
+                      f"const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n")
+        out, probs = jt.code([(B, T, H, hd), (B, T, H, L)], ["float32", "float32"], [q, k, v],
+                             cpu_header=PROMPT_ATTENTION_HEADER, cpu_src=self.sizes + PROMPT_ATTENTION_FORWARD)
+        self.saved = (q, k, v, probs.detach())
+        return out
+
+    def grad(self, grad_out):
+        q, k, v, probs = self.saved
+        return tuple(jt.code([q.shape, k.shape, v.shape], ["float32"] * 3, [q, k, v, probs, grad_out],
+                             cpu_header=PROMPT_ATTENTION_HEADER, cpu_src=self.sizes + PROMPT_ATTENTION_BACKWARD))
+
+
+def plain_prompt_attention(q: jt.Var, k: jt.Var, v: jt.Var) -> jt.Var:
+    B, T, _, hd = q.shape
+    L, Hkv = k.shape[0], k.shape[1] // hd
+    kv_shape = (B, L, Hkv, hd)
+    keys, values = (t.reshape(1, L, Hkv, hd).broadcast(kv_shape) for t in (k, v))
+    return plain_attention(q, keys, values, jt.zeros((T, L), "float32"))
+
+
+# q [B,T,H,hd], prompt keys/values [L, Hkv*hd] (the same for every sequence) -> [B,T,H,hd]
+prompt_attention = Kernel(lambda q, k, v: PromptAttention.apply(q.float32(), k.float32(), v.float32()),
+                          plain_prompt_attention)
