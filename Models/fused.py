@@ -62,29 +62,23 @@ def plain_rope(x: jt.Var, cos: jt.Var, sin: jt.Var) -> jt.Var:
 rope = Kernel(lambda x, cos, sin: Rope.apply(x, cos, sin), plain_rope)
 
 
-CROSS_ENTROPY_FORWARD = """
+# nll [N] = logsumexp(logits [N,V]) - logits[target]; with GRAD an output, also each row's gradient
+# before its loss weight, softmax - onehot [N,V]
+CROSS_ENTROPY = """
+float *grad = GRAD;
 #pragma omp parallel for
 for (int64_t r = 0; r < N; r++) {
     const float *x = in0_p + r * V;
     float top = -INFINITY, total = 0.f;
     for (int64_t v = 0; v < V; v++) top = std::max(top, x[v]);
     for (int64_t v = 0; v < V; v++) total += std::exp(x[v] - top);
-    out1_p[r] = top + std::log(total);
-    out0_p[r] = out1_p[r] - x[in1_p[r]];
-}
-"""
-# the same, and the row's gradient before its loss weight, softmax - onehot
-CROSS_ENTROPY_WITH_GRAD = """
-#pragma omp parallel for
-for (int64_t r = 0; r < N; r++) {
-    const float *x = in0_p + r * V;
-    float *g = out1_p + r * V, top = -INFINITY, total = 0.f;
-    for (int64_t v = 0; v < V; v++) top = std::max(top, x[v]);
-    for (int64_t v = 0; v < V; v++) total += std::exp(x[v] - top);
     const float lse = top + std::log(total);
     out0_p[r] = lse - x[in1_p[r]];
-    for (int64_t v = 0; v < V; v++) g[v] = std::exp(x[v] - lse);
-    g[in1_p[r]] -= 1.f;
+    if (grad) {
+        float *g = grad + r * V;
+        for (int64_t v = 0; v < V; v++) g[v] = std::exp(x[v] - lse);
+        g[in1_p[r]] -= 1.f;
+    }
 }
 """
 
@@ -110,16 +104,13 @@ class OutputNLL(jt.Function):
             for start in range(0, h.shape[0], rows):
                 logits = base_linear(h[start:start + rows], weight)  # [n,V]
                 n, V = logits.shape
-                sizes = f"const int64_t N = {n}, V = {V};\n"
-                header = "#include <cmath>\n#include <algorithm>\n"
+                sizes = f"const int64_t N = {n}, V = {V};\n#define GRAD {'out1_p' if wants_grad else 'nullptr'}\n"
+                outputs = jt.code([(n,)] + ([(n, V)] if wants_grad else []), ["float32"] * (1 + wants_grad),
+                                  [logits, targets[start:start + rows]],
+                                  cpu_header="#include <cmath>\n#include <algorithm>\n", cpu_src=sizes + CROSS_ENTROPY)
+                nll = outputs[0]
                 if wants_grad:
-                    nll, grad_logits = jt.code([(n,), (n, V)], ["float32", "float32"],
-                                               [logits, targets[start:start + rows]],
-                                               cpu_header=header, cpu_src=sizes + CROSS_ENTROPY_WITH_GRAD)
-                    grads.append(base_linear_input_grad(grad_logits, weight))  # [n,D]
-                else:
-                    nll, _ = jt.code([(n,), (n,)], ["float32", "float32"], [logits, targets[start:start + rows]],
-                                     cpu_header=header, cpu_src=sizes + CROSS_ENTROPY_FORWARD)
+                    grads.append(base_linear_input_grad(outputs[1], weight))  # [n,D]
                 jt.sync([nll] + grads[-1:])
                 nlls.append(nll)
         self.grad_h = jt.concat(grads) if len(grads) > 1 else (grads[0] if grads else None)
