@@ -4,6 +4,7 @@ import jittor as jt
 from jittor import nn
 
 from .Block import Attention, FeedForward, RMSNorm, attention_mask
+from .decode_layer import decode_layer, fuses_decode_step
 from .Experts import PAdapterLayer
 from .kernels import Linear
 from .ModelArgs import INSTANCE_METHODS, ModelArgs
@@ -51,8 +52,8 @@ class TransformerBlock(nn.Module):
             if on["PADAPTER"]:
                 self.p_adapter_gate = Linear(args.dim, 1, bias=True)  # never read, see Routing.UNIPEFT_GATES
         self.router_columns = self.type_names or self.gate_names  # the families routed, in the router's order
-        # clamp: the authors' fp16 guard, kept in fp32 by every folder but Sparse MoA's
-        self.clamp = not (self.method == "moa" and self.variant == "sparse")
+        # the bound of the authors' fp16 guard, kept in fp32 by every folder but Sparse MoA's (None)
+        self.clamp = None if self.method == "moa" and self.variant == "sparse" else SOFT_CLAMP
         self._sequence_gates = None  # instance-level decisions of the last prefill
 
     def reset_cache(self):
@@ -102,6 +103,10 @@ class TransformerBlock(nn.Module):
     def execute(self, x, cos, sin, mask, start_pos=None, records=None, aux=None):
         # x [B,T,D] -> [B,T,D]
         record = {"type_weight": None, "threshold": None} if records is not None else None
+        if fuses_decode_step(self, x, start_pos):  # this path is its plain reference
+            if records is not None:
+                records.append(record)
+            return decode_layer(self, x, cos, sin, mask, start_pos, record)
         route = LayerRoute(self.route(x, start_pos, record), record, aux)
         if records is not None:
             records.append(record)
@@ -110,8 +115,8 @@ class TransformerBlock(nn.Module):
         out = h + self.feed_forward(normed, route)
         if self.p_adapter is not None:
             out = self.p_adapter(out, normed, route)
-        if self.clamp:
-            out = jt.clamp(out, -SOFT_CLAMP, SOFT_CLAMP)
+        if self.clamp is not None:
+            out = jt.clamp(out, -self.clamp, self.clamp)
         return out
 
 

@@ -73,49 +73,64 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 static inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
 """
+# One row xm [D] -> probs_row [NT] and gamma (Sparse): the router (SwiGLU when HIDDEN > 0, else
+# Linear), the sigmoid, Gamma and the selection; the weights' names are router_declarations'.
+ROUTE_ROW = """
+float hidden[HIDDEN > 0 ? HIDDEN : 1];
+for (int64_t j = 0; j < HIDDEN; j++) {
+    const float g = dot(xm, W1 + j * D, D) + B1[j], u = dot(xm, W3 + j * D, D) + B3[j];
+    hidden[j] = g * sigmoid(g) * u;
+}
+if (SPARSE) gamma = LEARNED ? MAX_THRESHOLD * sigmoid(dot(xm, GW, D) + GB[0]) : MAX_THRESHOLD;
+for (int64_t i = 0; i < NT; i++) {
+    float p = sigmoid(HIDDEN > 0 ? dot(hidden, W2 + i * HIDDEN, HIDDEN) + B2[i] : dot(xm, W2 + i * D, D) + B2[i]);
+    if (SPARSE && p - gamma < 0.f) p = 0.f;
+    probs_row[i] = p;
+}
+"""
 TYPE_WEIGHTS = """
 for (int64_t m = 0; m < M; m++) {
     const float *xm = in0_p + m * D;
-    float hidden[HIDDEN > 0 ? HIDDEN : 1], gamma = 0.f;
-    for (int64_t j = 0; j < HIDDEN; j++) {
-        const float g = dot(xm, W1 + j * D, D) + B1[j], u = dot(xm, W3 + j * D, D) + B3[j];
-        hidden[j] = g * sigmoid(g) * u;
-    }
-    if (SPARSE) gamma = LEARNED ? MAX_THRESHOLD * sigmoid(dot(xm, GW, D) + GB[0]) : MAX_THRESHOLD;
-    for (int64_t i = 0; i < NT; i++) {
-        float p = sigmoid(HIDDEN > 0 ? dot(hidden, W2 + i * HIDDEN, HIDDEN) + B2[i] : dot(xm, W2 + i * D, D) + B2[i]);
-        if (SPARSE && p - gamma < 0.f) p = 0.f;
-        out0_p[m * NT + i] = p;
-        columns[i][m] = p;
-    }
+    float *probs_row = out0_p + m * NT, gamma = 0.f;
+""" + ROUTE_ROW + """
+    for (int64_t i = 0; i < NT; i++) columns[i][m] = probs_row[i];
     if (SPARSE) out1_p[m] = gamma;
 }
 """
 
 
-def fused_type_weights(x: jt.Var, router: nn.Module, threshold_fn, gamma_grad: str):
-    B, T, D = x.shape
+def router_declarations(router: nn.Module, threshold_fn, first: int):
+    """The router's (and learned Gamma's) weights as ROUTE_ROW reads them: the inputs, from jt.code
+    input number `first`, the C++ declaring them with the router's sizes, and the number of types."""
     swiglu = isinstance(router, SwiGLURouter)
     layers = [router.w1, router.w3, router.w2] if swiglu else [router]
-    inputs = [x.float32().reshape(B * T, D)] + [t for layer in layers for t in (layer.weight, layer.bias)]
+    inputs = [t for layer in layers for t in (layer.weight, layer.bias)]
     names = ["W1", "B1", "W3", "B3", "W2", "B2"] if swiglu else ["W2", "B2"]
     sparse = threshold_fn is not None
     learned = sparse and not threshold_fn.const
     if learned:
         inputs += [threshold_fn.weight, threshold_fn.bias]
         names += ["GW", "GB"]
-    n_types = layers[-1].weight.shape[0]
+    n_types, D = layers[-1].weight.shape[0], router.w1.weight.shape[1] if swiglu else router.weight.shape[1]
+    code = (f"const int64_t D = {D}, NT = {n_types}, HIDDEN = {router.w1.weight.shape[0] if swiglu else 0};\n"
+            f"const bool SPARSE = {str(sparse).lower()}, LEARNED = {str(learned).lower()};\n"
+            f"const float MAX_THRESHOLD = {float(threshold_fn.max_threshold) if sparse else 0.0!r}f;\n"
+            + "".join(f"const float *{name} = in{first + i}_p;\n" for i, name in enumerate(names))
+            + ("const float *W1 = nullptr, *B1 = nullptr, *W3 = nullptr, *B3 = nullptr;\n" if not swiglu else "")
+            + ("const float *GW = nullptr, *GB = nullptr;\n" if not learned else ""))
+    return inputs, code, n_types
+
+
+def fused_type_weights(x: jt.Var, router: nn.Module, threshold_fn, gamma_grad: str):
+    B, T, D = x.shape
+    weights, declarations, n_types = router_declarations(router, threshold_fn, 1)
+    sparse = threshold_fn is not None
     first_column = 2 if sparse else 1
-    sizes = (f"const int64_t M = {B * T}, D = {D}, NT = {n_types}, HIDDEN = {router.w1.weight.shape[0] if swiglu else 0};\n"
-             f"const bool SPARSE = {str(sparse).lower()}, LEARNED = {str(learned).lower()};\n"
-             f"const float MAX_THRESHOLD = {float(threshold_fn.max_threshold) if sparse else 0.0!r}f;\n"
-             + "".join(f"const float *{name} = in{i + 1}_p;\n" for i, name in enumerate(names))
-             + ("const float *W1 = nullptr, *B1 = nullptr, *W3 = nullptr, *B3 = nullptr;\n" if not swiglu else "")
-             + ("const float *GW = nullptr, *GB = nullptr;\n" if not learned else "")
+    sizes = (f"const int64_t M = {B * T};\n" + declarations
              + "float *columns[] = {" + ", ".join(f"out{first_column + i}_p" for i in range(n_types)) + "};\n")
     shapes = [(B * T, n_types)] + ([(B * T, 1)] if sparse else []) + [(B * T,)] * n_types
-    outputs = jt.code(shapes, ["float32"] * len(shapes), inputs, cpu_header=TYPE_WEIGHTS_HEADER,
-                      cpu_src=sizes + TYPE_WEIGHTS)
+    outputs = jt.code(shapes, ["float32"] * len(shapes), [x.float32().reshape(B * T, D)] + weights,
+                      cpu_header=TYPE_WEIGHTS_HEADER, cpu_src=sizes + TYPE_WEIGHTS)
     probs, gamma = outputs[0].reshape(B, T, n_types), (outputs[1].reshape(B, T, 1) if sparse else None)
     return probs, gamma, [column.reshape(B, T) for column in outputs[first_column:]]
 

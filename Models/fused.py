@@ -12,20 +12,23 @@ from jittor import nn
 from .kernels import Kernel
 from .precision import base_linear, base_linear_input_grad
 
-ROTATE_PAIRS = """
-#pragma omp parallel for
-for (int64_t bt = 0; bt < B * T; bt++) {
-    const float *c = in1_p + (bt % T) * half, *s = in2_p + (bt % T) * half;
-    for (int64_t h = 0; h < H; h++) {
-        const float *x = in0_p + (bt * H + h) * 2 * half;
-        float *y = out0_p + (bt * H + h) * 2 * half;
-        for (int64_t i = 0; i < half; i++) {
-            float even = x[2 * i], odd = x[2 * i + 1], sine = sign * s[i];
-            y[2 * i] = even * c[i] - odd * sine;
-            y[2 * i + 1] = even * sine + odd * c[i];
-        }
+# One head vector x [2*half] rotated pairwise by +-angle (sign); y may be x.
+ROTATE_HEADER = """
+#include <cstdint>
+static inline void rotate_pairs_row(const float *x, float *y, const float *c, const float *s, int64_t half, float sign) {
+    for (int64_t i = 0; i < half; i++) {
+        float even = x[2 * i], odd = x[2 * i + 1], sine = sign * s[i];
+        y[2 * i] = even * c[i] - odd * sine;
+        y[2 * i + 1] = even * sine + odd * c[i];
     }
 }
+"""
+ROTATE_PAIRS = """
+#pragma omp parallel for
+for (int64_t bt = 0; bt < B * T; bt++)
+    for (int64_t h = 0; h < H; h++)
+        rotate_pairs_row(in0_p + (bt * H + h) * 2 * half, out0_p + (bt * H + h) * 2 * half,
+                         in1_p + (bt % T) * half, in2_p + (bt % T) * half, half, sign);
 """
 
 
@@ -33,7 +36,7 @@ def rotate_pairs(x: jt.Var, cos: jt.Var, sin: jt.Var, sign: float) -> jt.Var:
     """Rotate each (even, odd) pair of x [B,T,H,hd] by +-angle; cos/sin [T,hd/2]."""
     B, T, H, hd = x.shape
     sizes = f"const int64_t B = {B}, T = {T}, H = {H}, half = {hd // 2}; const float sign = {sign!r}f;\n"
-    return jt.code(x.shape, "float32", [x.float32(), cos, sin], cpu_src=sizes + ROTATE_PAIRS)
+    return jt.code(x.shape, "float32", [x.float32(), cos, sin], cpu_header=ROTATE_HEADER, cpu_src=sizes + ROTATE_PAIRS)
 
 
 class Rope(jt.Function):
@@ -173,13 +176,20 @@ class SiluGate(jt.Function):
 silu_gate = Kernel(lambda gate, up: SiluGate.apply(gate.float32(), up.float32()), lambda gate, up: nn.silu(gate) * up)
 
 
+RMS_HEADER = """
+#include <cmath>
+#include <cstdint>
+static inline float rms_inverse(const float *x, int64_t D, float eps) {  // 1 / sqrt(mean(x^2) + eps)
+    float squares = 0.f;
+    for (int64_t i = 0; i < D; i++) squares += x[i] * x[i];
+    return 1.f / std::sqrt(squares / D + eps);
+}
+"""
 RMS_NORM_FORWARD = """
 #pragma omp parallel for
 for (int64_t r = 0; r < N; r++) {
-    const float *x = in0_p + r * D, *w = in1_p;
-    float *y = out0_p + r * D, squares = 0.f;
-    for (int64_t i = 0; i < D; i++) squares += x[i] * x[i];
-    const float inv = 1.f / std::sqrt(squares / D + eps);
+    const float *x = in0_p + r * D, *w = in1_p, inv = rms_inverse(x, D, eps);
+    float *y = out0_p + r * D;
     out1_p[r] = inv;
     for (int64_t i = 0; i < D; i++) y[i] = x[i] * inv * w[i];
 }
@@ -205,7 +215,7 @@ class FrozenRMSNorm(jt.Function):
         D = x.shape[-1]
         self.sizes = f"const int64_t N = {x.numel() // D}, D = {D}; const float eps = {eps!r}f;\n"
         y, inv = jt.code([x.shape, (x.numel() // D,)], ["float32", "float32"], [x, weight],
-                         cpu_header="#include <cmath>\n", cpu_src=self.sizes + RMS_NORM_FORWARD)
+                         cpu_header=RMS_HEADER, cpu_src=self.sizes + RMS_NORM_FORWARD)
         self.saved = (x, weight, inv.detach())
         return y
 

@@ -193,23 +193,28 @@ gated_projection = Kernel(fused_gated_projection, plain_gated_projection)
 
 
 # y [M,N] = base(x) + w[m] * scale * (x A^T) B^T: the base's weights fp32 or bf16 (x rounded for them
-# as base_linear does), the expert's fp32; inference only. u = x A^T [M,R] is tiny.
-LORA_PROJECTION = """
-const float *x = in0_p, *A = in2_p, *Bw = in3_p, *w = WEIGHT;
-float *y = out0_p;
-if (BASE_BF16) gemv<M>(N, K, rounded(x, M * K).data(), (const uint16_t *)in1_p, y);
-else gemv<M>(N, K, x, (const float *)in1_p, y);
-float u[M * R];
-gemv<M>(R, K, x, A, u);
-for (int64_t m = 0; m < M; m++) for (int64_t r = 0; r < R; r++) u[m * R + r] *= scale * (w ? w[m] : 1.f);
-#pragma omp parallel for if (N * R >= 32768)
-for (int64_t n = 0; n < N; n++)
-    for (int64_t m = 0; m < M; m++) {
-        float sum = 0.f;
-        for (int64_t r = 0; r < R; r++) sum += u[m * R + r] * Bw[n * R + r];
-        y[m * N + n] += sum;
-    }
+# as base_linear does), the expert's fp32 (none when A is null); inference only. u = x A^T [M,R] is
+# tiny. w is read with a stride (a column of the type weights), or null (weight 1).
+LORA_PROJECT_HEADER = BF16_HEADER + """
+template <int64_t M>
+static void lora_project(int64_t N, int64_t K, int64_t R, const float *x, const void *base, bool base_bf16,
+                         const float *A, const float *Bw, const float *w, int64_t w_stride, float scale, float *y) {
+    if (base_bf16) gemv<M>(N, K, rounded(x, M * K).data(), (const uint16_t *)base, y);
+    else gemv<M>(N, K, x, (const float *)base, y);
+    if (!A) return;
+    std::vector<float> u(M * R);
+    gemv<M>(R, K, x, A, u.data());
+    for (int64_t m = 0; m < M; m++) for (int64_t r = 0; r < R; r++) u[m * R + r] *= scale * (w ? w[m * w_stride] : 1.f);
+    #pragma omp parallel for if (N * R >= 32768)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float sum = 0.f;
+            for (int64_t r = 0; r < R; r++) sum += u[m * R + r] * Bw[n * R + r];
+            y[m * N + n] += sum;
+        }
+}
 """
+LORA_PROJECTION = "lora_project<M>(N, K, R, in0_p, in1_p, BASE_BF16, in2_p, in3_p, WEIGHT, 1, scale, out0_p);\n"
 
 
 def fused_lora_projection(x, base_weight, A, B, weight, scale):
@@ -220,7 +225,7 @@ def fused_lora_projection(x, base_weight, A, B, weight, scale):
              f"const bool BASE_BF16 = {str(base_weight.dtype == 'bfloat16').lower()};\n"
              f"#define WEIGHT {'in4_p' if weight is not None else 'nullptr'}\n")
     inputs = [x.float32().reshape(M, K), base_weight, A, B] + ([weight.float32()] if weight is not None else [])
-    y = jt.code((M, N), "float32", inputs, cpu_header=BF16_HEADER, cpu_src=sizes + LORA_PROJECTION)
+    y = jt.code((M, N), "float32", inputs, cpu_header=LORA_PROJECT_HEADER, cpu_src=sizes + LORA_PROJECTION)
     return y.reshape(*rows, N)
 
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DATA, randomize_adapters
+from conftest import DATA, kv_logits, randomize_adapters
 import jittor as jt
 from matplotlib import image as mpimg
 
@@ -23,8 +23,11 @@ from Models.Tokenizer import Tokenizer
 from Data.synthetic import make_splits
 from Models.ModelArgs import ModelArgs
 from Models.checkpoints import export_authors_adapter, save_adapter
+from Models import LLM
 from Models.meta_checkpoint import build_model
 from Models.generate import generate, prefill_length
+from Models.kernels import fused_kernels_on
+from Models.precision import set_base_precision
 from Models.tiny_base import write_random_base
 from Utils import plots
 
@@ -118,6 +121,33 @@ def test_records_match_full_forward(models, tok, prompts, variant):
                 np.testing.assert_allclose(got["token_weight"], want["threshold"].numpy()[0], atol=1e-5)
             else:
                 assert got["token_weight"] is None
+
+
+@pytest.mark.skipif(not fused_kernels_on(), reason="fused kernels are off (no libdnnl or a GPU run)")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["sparse", "soft"])
+def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tok, prompts, variant, precision):
+    """A decode step's layer in two ops (Models/decode_layer.py) against the op-by-op layer, its plain
+    reference, through the KV cache: a prefill of 2 x 3 rows (causal within it) and 2-row steps; layers
+    with and without prompt and adapter, grouped kv heads. fp32: the same numbers to float rounding; bf16:
+    a last-bit difference can round a projection's input to the neighbouring bf16 value, so a looser bound."""
+    args = ModelArgs.from_params_json(base_dir, max_seq_len=64, max_batch_size=2, **MOA[variant])
+    model = build_model(base_dir, args)
+    randomize_adapters(model, seed=7, scale=0.1)
+    set_base_precision(model, precision)
+    model.eval()
+    tokens = np.array([p[:8] for p in prompts[1::2]], np.int32)  # two prompts of >= 8 tokens
+    calls = []
+    fused = LLM.decode_layer
+    monkeypatch.setattr(LLM, "decode_layer", lambda *a: calls.append(1) or fused(*a))
+    with jt.no_grad():
+        got = kv_logits(model.llama, tokens, prefill=3)
+        assert len(calls) == 6 * len(model.llama.layers)  # the prefill and 5 steps, every layer
+        monkeypatch.setattr(LLM, "fuses_decode_step", lambda *a: False)
+        want = kv_logits(model.llama, tokens, prefill=3)
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, atol=2e-5 if precision == "fp32" else 2e-2)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 class StopAt:
