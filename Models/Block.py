@@ -44,11 +44,11 @@ def lora_for(args: ModelArgs, layer_id: int, target: str, in_features: int, out_
 
 
 def with_lora(base: BaseLinear, lora, x: jt.Var, route, target: str) -> jt.Var:
-    """base(x) plus the LoRA expert (or sparse mixture) on `target` under its route weight; while
-    decoding, a single expert and its base projection run as one op."""
+    """base(x) plus the LoRA expert (or sparse mixture) on `target` under its route weight; a single
+    expert and its base projection run as one op (fused_experts.lora_projection)."""
     if lora is None:
         return base(x)
-    if isinstance(lora, MOELoraLayer) and lora.expert_num == 1 and decoding(x):
+    if isinstance(lora, MOELoraLayer) and lora.expert_num == 1:
         return lora_projection(x, base.weight, lora.lora_A.weight, lora.lora_B.weight, route.weight(target),
                                lora.scaling)
     return lora(base(x), x, route, target)

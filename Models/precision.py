@@ -91,14 +91,14 @@ static const int64_t GEMV_ROWS = """ + str(GEMV_ROWS) + """;
 #include <algorithm>
 extern "C" int dnnl_gemm_bf16bf16f32(char transa, char transb, int64_t M, int64_t N, int64_t K, float alpha,
     const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
-// C [M,N] = A [M,K] (fp32, rounded to bf16 here) times op(B) (bf16) with fp32 sums, on the CPU's
-// bf16 units; false where this oneDNN cannot (it answers "unimplemented" without them).
+// C [M,N] = beta C + A [M,K] (fp32, rounded to bf16 here) times op(B) (bf16) with fp32 sums, on the
+// CPU's bf16 units; false where this oneDNN cannot (it answers "unimplemented" without them).
 static bool gemm_bf16_units(char transb, int64_t M, int64_t N, int64_t K, const float *a,
-                            const uint16_t *b, int64_t ldb, float *c) {
+                            const uint16_t *b, int64_t ldb, float beta, float *c) {
     std::vector<uint16_t> ab(M * K);
     #pragma omp parallel for
     for (int64_t i = 0; i < M * K; i++) ab[i] = narrow(a[i]);
-    return dnnl_gemm_bf16bf16f32('N', transb, M, N, K, 1.f, ab.data(), K, b, ldb, 0.f, c, N) == 0;
+    return dnnl_gemm_bf16bf16f32('N', transb, M, N, K, 1.f, ab.data(), K, b, ldb, beta, c, N) == 0;
 }
 // The same product without bf16 units: A rounded to bf16 values in fp32, for sgemm on widened panels.
 static std::vector<float> rounded(const float *a, int64_t n) {
@@ -107,46 +107,48 @@ static std::vector<float> rounded(const float *a, int64_t n) {
     for (int64_t i = 0; i < n; i++) r[i] = widen(narrow(a[i]));
     return r;
 }
-"""
 
-# y [M,N] = x [M,K] w[N,K]^T. Few rows (decoding): the GEMV pass, widening each bf16 weight as it
-# is read, so the weights cross memory once, in bf16 (oneDNN's bf16 gemm repacks them every call).
-# Many rows (training, prefill): the bf16 units, else widening is cheap next to the product; PANEL
-# weight rows at a time, each one threaded sgemm, so the fp32 copy stays small (the 8B output matrix
-# widened whole is 2.1 GB).
-BF16_FORWARD = """
-const uint16_t *w = (const uint16_t *)in1_p; float *y = out0_p;
-if (M <= GEMV_ROWS) {
-    const std::vector<float> xr = rounded(in0_p, M * K);
-    gemv<M>(N, K, xr.data(), w, y);
-} else if (!(units && gemm_bf16_units('T', M, N, K, in0_p, w, K, y))) {
-    const std::vector<float> xr = rounded(in0_p, M * K);
+// y [M,N] = beta y + x [M,K] w [N,K]^T (beta 0 or 1). Few rows (decoding): the GEMV pass, widening
+// each bf16 weight as it is read, so the weights cross memory once, in bf16 (oneDNN's bf16 gemm
+// repacks them every call). Many rows (training, prefill): the bf16 units, else widening is cheap
+// next to the product; PANEL weight rows at a time, each one threaded sgemm, so the fp32 copy stays
+// small (the 8B output matrix widened whole is 2.1 GB).
+template <int64_t M>
+static void bf16_forward(int64_t N, int64_t K, const float *x, const uint16_t *w, bool units, float beta, float *y) {
+    if (M <= GEMV_ROWS) {
+        const std::vector<float> xr = rounded(x, M * K);
+        std::vector<float> product(beta == 0.f ? 0 : M * N);
+        gemv<M>(N, K, xr.data(), w, beta == 0.f ? y : product.data());
+        if (beta != 0.f) for (int64_t i = 0; i < M * N; i++) y[i] += product[i];
+    } else if (!(units && gemm_bf16_units('T', M, N, K, x, w, K, beta, y))) {
+        const std::vector<float> xr = rounded(x, M * K);
+        std::vector<float> wf(std::min(N, PANEL) * K);
+        for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
+            const int64_t nb = std::min(PANEL, N - n0);
+            #pragma omp parallel for
+            for (int64_t i = 0; i < nb * K; i++) wf[i] = widen(w[n0 * K + i]);
+            dnnl_sgemm('N', 'T', M, nb, K, 1.f, xr.data(), K, wf.data(), K, beta, y + n0, N);
+        }
+    }
+}
+
+// dx [M,K] = beta dx + dy [M,N] w [N,K] (dy rounded to bf16); the weights are frozen, so no weight
+// gradient. Without bf16 units, the sum over N runs PANEL widened weight rows at a time into dx.
+static void bf16_backward(int64_t M, int64_t N, int64_t K, const float *dy, const uint16_t *w, bool units, float beta,
+                          float *dx) {
+    if (units && gemm_bf16_units('N', M, K, N, dy, w, K, beta, dx)) return;
+    const std::vector<float> dyr = rounded(dy, M * N);
     std::vector<float> wf(std::min(N, PANEL) * K);
     for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
         const int64_t nb = std::min(PANEL, N - n0);
         #pragma omp parallel for
         for (int64_t i = 0; i < nb * K; i++) wf[i] = widen(w[n0 * K + i]);
-        dnnl_sgemm('N', 'T', M, nb, K, 1.f, xr.data(), K, wf.data(), K, 0.f, y + n0, N);
+        dnnl_sgemm('N', 'N', M, K, nb, 1.f, dyr.data() + n0, N, wf.data(), K, n0 ? 1.f : beta, dx, K);
     }
 }
 """
-
-# dx [M,K] = dy [M,N] w [N,K] (dy rounded to bf16); the weights are frozen, so no weight gradient.
-# Without bf16 units, the sum over N runs PANEL widened weight rows at a time, accumulating into dx.
-BF16_BACKWARD = """
-const uint16_t *w = (const uint16_t *)in1_p; float *dx = out0_p;
-if (!(units && gemm_bf16_units('N', M, K, N, in0_p, w, K, dx))) {
-    const std::vector<float> dyr = rounded(in0_p, M * N);
-    const float *dy = dyr.data();
-    std::vector<float> wf(std::min(N, PANEL) * K);
-    for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
-        const int64_t nb = std::min(PANEL, N - n0);
-        #pragma omp parallel for
-        for (int64_t i = 0; i < nb * K; i++) wf[i] = widen(w[n0 * K + i]);
-        dnnl_sgemm('N', 'N', M, K, nb, 1.f, dy + n0, N, wf.data(), K, n0 ? 1.f : 0.f, dx, K);
-    }
-}
-"""
+BF16_FORWARD = "bf16_forward<M>(N, K, in0_p, (const uint16_t *)in1_p, units, 0.f, out0_p);\n"
+BF16_BACKWARD = "bf16_backward(M, N, K, in0_p, (const uint16_t *)in1_p, units, 0.f, out0_p);\n"
 
 
 @functools.lru_cache(maxsize=None)

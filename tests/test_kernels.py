@@ -199,6 +199,23 @@ def test_lora_projection(base_dtype, weighted):
         assert fused.shape == [4, 1, 150]
 
 
+# 2 x 40 rows: training's sgemm (or bf16 units) path; 3 rows: a short batch with gradients, whose bf16
+# forward adds the base's GEMV pass onto the expert's output
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("rows", [(2, 40), (3, 1)])
+def test_lora_projection_with_gradients(base_dtype, weighted, rows):
+    """The base projection and its LoRA expert as one op with its backward (training): dx, dA, dB and
+    the type weight's gradient as the op-by-op reference gives them."""
+    rng = np.random.default_rng(14)
+    base = normal(rng, (150, 96), 0.1)
+    base = (base if base_dtype == "float32" else to_bf16(base)).stop_grad()
+    x, A, B = normal(rng, (*rows, 96)), normal(rng, (8, 96), 0.1), normal(rng, (150, 8), 0.1)
+    weight = jt.array(rng.random(rows).astype(np.float32)) if weighted else None
+    assert_same(lora_projection, [x, base, A, B, weight, 2.0], [0, 2, 3] + ([4] if weighted else []),
+                atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("swi_x, threshold", [(4, "learned"), (0, "learned"), (4, "const"), (4, None)])
 def test_type_weights(swi_x, threshold):
     """A decode step's routing in one op: router, sigmoid, Gamma and the Sparse selection."""
