@@ -106,7 +106,7 @@ class Attention(nn.Module):
         keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
         out = attention(xq, keys, values, mask)  # [B,T,H,hd]
         if self.has_prompt:
-            out = out + self.prompt_output(x, xq, route, start_pos)
+            out = self.add_prompt_output(out, x, xq, route, start_pos)
         out = out.reshape(B, T, H * hd)  # [B,T,D]
         return with_lora(self.wo, self.lora_O, out, route, "O")
 
@@ -120,17 +120,16 @@ class Attention(nn.Module):
             self._prompt_kv = kv
         return kv
 
-    def prompt_output(self, x: jt.Var, xq: jt.Var, route, start_pos=None) -> jt.Var:
-        # x [B,T,D] (the layer's normalised input), xq [B,T,H,hd] (rotated queries) -> [B,T,H,hd]
+    def add_prompt_output(self, out: jt.Var, x: jt.Var, xq: jt.Var, route, start_pos=None) -> jt.Var:
+        """out plus the prompt expert's output, times its per-head gate and its type weight."""
+        # out [B,T,H,hd] (attention), x [B,T,D] (the layer's normalised input), xq [B,T,H,hd] (rotated queries)
         B, T, H, hd = xq.shape
         prompt_k, prompt_v = self.prompt_keys_values(start_pos)  # [L, Hkv*hd]
-        if self.expert_num > 1:
-            out = self.mixed_prompt_output(x, xq, prompt_k, prompt_v, route)
-        else:
-            out = prompt_attention(xq, prompt_k, prompt_v)  # [B,T,H,hd]
-        out = out * self.prompt_gate.reshape(1, 1, H, 1)
         type_weight = route.weight("PROMPT")
-        return out if type_weight is None else out * type_weight.reshape(B, T, 1, 1)
+        if self.expert_num == 1:
+            return prompt_attention(xq, prompt_k, prompt_v, self.prompt_gate.reshape(H), type_weight, out)
+        mixed = self.mixed_prompt_output(x, xq, prompt_k, prompt_v, route) * self.prompt_gate.reshape(1, 1, H, 1)
+        return out + (mixed if type_weight is None else mixed * type_weight.reshape(B, T, 1, 1))
 
     def mixed_prompt_output(self, x, xq, prompt_k, prompt_v, route) -> jt.Var:
         """Several prompt experts, as the authors mix them: ONE softmax over all experts'

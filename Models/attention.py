@@ -162,9 +162,12 @@ attention = Kernel(fused_attention, plain_attention)
 # Attention to the learned prompt (Soft MoA's prompt expert): L keys and values shared by the whole
 # batch, no mask. The batch's rows are one matrix per head, so each product is one sgemm over all
 # B*T rows (a few dozen calls per layer) instead of one per (sequence, head, block of 64 queries):
-# with L in the tens, those calls cost more than they computed.
+# with L in the tens, those calls cost more than they computed. The op also weighs the result by
+# the head's gate and the row's type weight and adds it to `base` (the causal attention's output):
+# built from Jittor ops, those products and their gradients' reductions were a dozen more passes.
 PROMPT_ATTENTION_FORWARD = """
 const bool few_rows = BT <= GEMV_ROWS;  // a decode step: plain loops, no sgemm set-up per head
+const float *gate = in3_p, *tw = in4_p, *base = in5_p;
 for (int64_t h = 0; h < H; h++) {
     const float *q = in0_p + h * hd, *k = in1_p + h / n_rep * hd;
     if (!few_rows) dnnl_sgemm('N', 'T', BT, L, hd, scale, q, H * hd, k, Hkv * hd, 0.f, out1_p + h * L, H * L);
@@ -181,29 +184,44 @@ for (int64_t row = 0; row < BT * H; row++) {
     for (int64_t s = 0; s < L; s++) { p[s] = std::exp(p[s] - top); total += p[s]; }
     for (int64_t s = 0; s < L; s++) p[s] /= total;
 }
-for (int64_t h = 0; h < H; h++) {
-    const float *p = out1_p + h * L, *v = in2_p + h / n_rep * hd;
-    if (!few_rows) dnnl_sgemm('N', 'N', BT, hd, L, 1.f, p, H * L, v, Hkv * hd, 0.f, out0_p + h * hd, H * hd);
-    else for (int64_t r = 0; r < BT; r++) {
-        float *o = out0_p + (r * H + h) * hd;
-        for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
-        for (int64_t s = 0; s < L; s++)
-            for (int64_t i = 0; i < hd; i++) o[i] += p[r * H * L + s] * v[s * Hkv * hd + i];
-    }
+attend_prompt(out1_p, in2_p, BT, H, hd, L, Hkv, n_rep, out0_p);
+#pragma omp parallel for if (!few_rows)
+for (int64_t row = 0; row < BT * H; row++) {
+    const float c = gate[row % H] * tw[row / H];
+    for (int64_t i = 0; i < hd; i++) out0_p[row * hd + i] = base[row * hd + i] + c * out0_p[row * hd + i];
 }
 """
 
+# g = grad_out; the prompt's own output raw = probs v is rebuilt (L is small), then
+# dgate[h] = sum_bt tw[bt] (g . raw), dtw[bt] = sum_h gate[h] (g . raw), and the attention's
+# backward runs on g * gate * tw.
 PROMPT_ATTENTION_BACKWARD = """
-std::vector<float> ds(BT * H * L);
+const float *gate = in5_p, *tw = in6_p;
+std::vector<float> raw(BT * H * hd), dout(BT * H * hd), dots(BT * H), ds(BT * H * L);
+attend_prompt(in3_p, in2_p, BT, H, hd, L, Hkv, n_rep, raw.data());
+#pragma omp parallel for
+for (int64_t row = 0; row < BT * H; row++) {
+    const float *g = in4_p + row * hd, *r = raw.data() + row * hd, c = gate[row % H] * tw[row / H];
+    float dot = 0.f;
+    for (int64_t i = 0; i < hd; i++) { dot += g[i] * r[i]; dout[row * hd + i] = g[i] * c; }
+    dots[row] = dot;
+}
+for (int64_t h = 0; h < H; h++) out3_p[h] = 0.f;
+for (int64_t bt = 0; bt < BT; bt++) {
+    float sum = 0.f;
+    for (int64_t h = 0; h < H; h++) { sum += gate[h] * dots[bt * H + h]; out3_p[h] += tw[bt] * dots[bt * H + h]; }
+    out4_p[bt] = sum;
+}
+const float *d = dout.data();
 for (int64_t h = 0; h < H; h++)
-    dnnl_sgemm('N', 'T', BT, L, hd, 1.f, in4_p + h * hd, H * hd, in2_p + h / n_rep * hd, Hkv * hd,
+    dnnl_sgemm('N', 'T', BT, L, hd, 1.f, d + h * hd, H * hd, in2_p + h / n_rep * hd, Hkv * hd,
                0.f, ds.data() + h * L, H * L);
 #pragma omp parallel for
 for (int64_t row = 0; row < BT * H; row++) {
     const float *p = in3_p + row * L;
-    float *d = ds.data() + row * L, expected = 0.f;
-    for (int64_t s = 0; s < L; s++) expected += p[s] * d[s];
-    for (int64_t s = 0; s < L; s++) d[s] = p[s] * (d[s] - expected) * scale;
+    float *dr = ds.data() + row * L, expected = 0.f;
+    for (int64_t s = 0; s < L; s++) expected += p[s] * dr[s];
+    for (int64_t s = 0; s < L; s++) dr[s] = p[s] * (dr[s] - expected) * scale;
 }
 std::fill(out1_p, out1_p + L * Hkv * hd, 0.f);
 std::fill(out2_p, out2_p + L * Hkv * hd, 0.f);
@@ -211,42 +229,70 @@ for (int64_t h = 0; h < H; h++) {
     const int64_t g = h / n_rep;
     dnnl_sgemm('N', 'N', BT, hd, L, 1.f, ds.data() + h * L, H * L, in1_p + g * hd, Hkv * hd, 0.f, out0_p + h * hd, H * hd);
     dnnl_sgemm('T', 'N', L, hd, BT, 1.f, ds.data() + h * L, H * L, in0_p + h * hd, H * hd, 1.f, out1_p + g * hd, Hkv * hd);
-    dnnl_sgemm('T', 'N', L, hd, BT, 1.f, in3_p + h * L, H * L, in4_p + h * hd, H * hd, 1.f, out2_p + g * hd, Hkv * hd);
+    dnnl_sgemm('T', 'N', L, hd, BT, 1.f, in3_p + h * L, H * L, d + h * hd, H * hd, 1.f, out2_p + g * hd, Hkv * hd);
 }
 """
 PROMPT_ATTENTION_HEADER = (SGEMM_DECLARATION + f"static const int64_t GEMV_ROWS = {GEMV_ROWS};\n"
-                           "#include <cmath>\n#include <algorithm>\n#include <vector>\n")
+                           "#include <cmath>\n#include <algorithm>\n#include <vector>\n" + """
+// out [BT,H,hd] = probs [BT,H,L] v [L,Hkv*hd], kv head h / n_rep serving query head h
+static void attend_prompt(const float *probs, const float *v, int64_t BT, int64_t H, int64_t hd, int64_t L,
+                          int64_t Hkv, int64_t n_rep, float *out) {
+    if (BT > GEMV_ROWS) {
+        for (int64_t h = 0; h < H; h++)
+            dnnl_sgemm('N', 'N', BT, hd, L, 1.f, probs + h * L, H * L, v + h / n_rep * hd, Hkv * hd, 0.f, out + h * hd, H * hd);
+        return;
+    }
+    for (int64_t r = 0; r < BT; r++) for (int64_t h = 0; h < H; h++) {  // a decode step: plain loops
+        float *o = out + (r * H + h) * hd;
+        const float *p = probs + (r * H + h) * L, *vh = v + h / n_rep * hd;
+        for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
+        for (int64_t s = 0; s < L; s++) for (int64_t i = 0; i < hd; i++) o[i] += p[s] * vh[s * Hkv * hd + i];
+    }
+}
+""")
 
 
 class PromptAttention(jt.Function):
-    """softmax(q k^T * scale) v over L prompt rows shared by the batch; keeps the probabilities
-    [B,T,H,L] (small) for the backward."""
+    """base + gate[h] * type_weight[b,t] * softmax(q k^T * scale) v over L prompt rows shared by the
+    batch; keeps the probabilities [B,T,H,L] (small) for the backward."""
 
-    def execute(self, q, k, v):
-        # q [B,T,H,hd], k/v [L, Hkv*hd] -> [B,T,H,hd]
+    def execute(self, q, k, v, gate, type_weight, base):
+        # q [B,T,H,hd], k/v [L, Hkv*hd], gate [H], type_weight [B,T], base [B,T,H,hd] -> [B,T,H,hd]
         B, T, H, hd = q.shape
         L, Hkv = k.shape[0], k.shape[1] // hd
         self.sizes = (f"const int64_t BT = {B * T}, H = {H}, hd = {hd}, L = {L}, Hkv = {Hkv}, n_rep = {H // Hkv}; "
                       f"const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n")
-        out, probs = jt.code([(B, T, H, hd), (B, T, H, L)], ["float32", "float32"], [q, k, v],
+        out, probs = jt.code([(B, T, H, hd), (B, T, H, L)], ["float32", "float32"], [q, k, v, gate, type_weight, base],
                              cpu_header=PROMPT_ATTENTION_HEADER, cpu_src=self.sizes + PROMPT_ATTENTION_FORWARD)
-        self.saved = (q, k, v, probs.detach())
+        self.saved = (q, k, v, probs.detach(), gate, type_weight)
         return out
 
     def grad(self, grad_out):
-        q, k, v, probs = self.saved
-        return tuple(jt.code([q.shape, k.shape, v.shape], ["float32"] * 3, [q, k, v, probs, grad_out],
-                             cpu_header=PROMPT_ATTENTION_HEADER, cpu_src=self.sizes + PROMPT_ATTENTION_BACKWARD))
+        q, k, v, probs, gate, type_weight = self.saved
+        dq, dk, dv, dgate, dweight = jt.code([q.shape, k.shape, v.shape, gate.shape, type_weight.shape], ["float32"] * 5,
+                                             [q, k, v, probs, grad_out, gate, type_weight],
+                                             cpu_header=PROMPT_ATTENTION_HEADER,
+                                             cpu_src=self.sizes + PROMPT_ATTENTION_BACKWARD)
+        return dq, dk, dv, dgate, dweight, grad_out
 
 
-def plain_prompt_attention(q: jt.Var, k: jt.Var, v: jt.Var) -> jt.Var:
-    B, T, _, hd = q.shape
+def fused_prompt_attention(q, k, v, gate, type_weight, base):
+    B, T = q.shape[:2]
+    if type_weight is None:  # not routed: weight 1
+        type_weight = jt.ones((B, T), "float32").stop_grad()
+    return PromptAttention.apply(q.float32(), k.float32(), v.float32(), gate.float32(), type_weight.float32(),
+                                 base.float32())
+
+
+def plain_prompt_attention(q, k, v, gate, type_weight, base):
+    B, T, H, hd = q.shape
     L, Hkv = k.shape[0], k.shape[1] // hd
     kv_shape = (B, L, Hkv, hd)
     keys, values = (t.reshape(1, L, Hkv, hd).broadcast(kv_shape) for t in (k, v))
-    return plain_attention(q, keys, values, jt.zeros((T, L), "float32"))
+    out = plain_attention(q, keys, values, jt.zeros((T, L), "float32")) * gate.reshape(1, 1, H, 1)
+    return base + (out if type_weight is None else out * type_weight.reshape(B, T, 1, 1))
 
 
-# q [B,T,H,hd], prompt keys/values [L, Hkv*hd] (the same for every sequence) -> [B,T,H,hd]
-prompt_attention = Kernel(lambda q, k, v: PromptAttention.apply(q.float32(), k.float32(), v.float32()),
-                          plain_prompt_attention)
+# base [B,T,H,hd] + gate [H] * type_weight [B,T] (or None) * attention of q [B,T,H,hd] to the prompt's
+# keys/values [L, Hkv*hd] (the same for every sequence) -> [B,T,H,hd]
+prompt_attention = Kernel(fused_prompt_attention, plain_prompt_attention)

@@ -44,10 +44,13 @@ def test_attention(H, Hkv, T, S, start):
 # 2 x 5 rows: a decode step's loops; 2 x 20 rows: one sgemm per head over the batch's rows
 @pytest.mark.parametrize("T, H, Hkv, L", [(5, 8, 4, 10), (5, 4, 4, 3), (20, 8, 4, 10)])
 def test_prompt_attention(T, H, Hkv, L):
-    """Attention to L prompt keys/values shared by the batch (Soft MoA's prompt expert)."""
+    """Attention to L prompt keys/values shared by the batch (Soft MoA's prompt expert), under its
+    per-head gate and its type weight (or none), added to the causal attention's output."""
     rng = np.random.default_rng(H + L)
     q, k, v = normal(rng, (2, T, H, 8)), normal(rng, (L, Hkv * 8)), normal(rng, (L, Hkv * 8))
-    assert_same(prompt_attention, [q, k, v], [0, 1, 2], atol=2e-6)
+    gate, type_weight, base = normal(rng, (H,)), jt.array(rng.random((2, T)).astype(np.float32)), normal(rng, q.shape)
+    assert_same(prompt_attention, [q, k, v, gate, type_weight, base], [0, 1, 2, 3, 4, 5], atol=2e-6)
+    assert_same(prompt_attention, [q, k, v, gate, None, base], [0, 1, 2, 3, 5], atol=2e-6)
 
 
 def test_rope():
