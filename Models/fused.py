@@ -139,21 +139,24 @@ def plain_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var) -> jt.Var:
 output_nll = Kernel(fused_output_nll, plain_output_nll)
 
 
+# The SwiGLU product silu(g) * u of one element, and its gradients for an incoming d.
+SWIGLU_HEADER = """
+#include <cmath>
+static inline float swiglu(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
+static inline void swiglu_grads(float g, float u, float d, float *dg, float *du) {
+    const float s = 1.f / (1.f + std::exp(-g));
+    *dg = d * u * s * (1.f + g * (1.f - s));
+    *du = d * g * s;
+}
+"""
 SWIGLU_FORWARD = """
 #pragma omp parallel for simd
-for (int64_t i = 0; i < N; i++) {
-    const float g = in0_p[i];
-    out0_p[i] = g / (1.f + std::exp(-g)) * in1_p[i];
-}
+for (int64_t i = 0; i < N; i++) out0_p[i] = swiglu(in0_p[i], in1_p[i]);
 """
 
 SWIGLU_BACKWARD = """
 #pragma omp parallel for simd
-for (int64_t i = 0; i < N; i++) {
-    const float g = in0_p[i], u = in1_p[i], d = in2_p[i], s = 1.f / (1.f + std::exp(-g));
-    out0_p[i] = d * u * s * (1.f + g * (1.f - s));
-    out1_p[i] = d * g * s;
-}
+for (int64_t i = 0; i < N; i++) swiglu_grads(in0_p[i], in1_p[i], in2_p[i], out0_p + i, out1_p + i);
 """
 
 
@@ -163,13 +166,13 @@ class SiluGate(jt.Function):
     def execute(self, gate, up):
         self.saved = (gate, up)
         self.sizes = f"const int64_t N = {gate.numel()};\n"
-        return jt.code(gate.shape, "float32", [gate, up], cpu_header="#include <cmath>\n",
+        return jt.code(gate.shape, "float32", [gate, up], cpu_header=SWIGLU_HEADER,
                        cpu_src=self.sizes + SWIGLU_FORWARD)
 
     def grad(self, grad_out):
         gate, up = self.saved
         return jt.code([gate.shape, up.shape], ["float32", "float32"], [gate, up, grad_out],
-                       cpu_header="#include <cmath>\n", cpu_src=self.sizes + SWIGLU_BACKWARD)
+                       cpu_header=SWIGLU_HEADER, cpu_src=self.sizes + SWIGLU_BACKWARD)
 
 
 # silu(gate) * up for two fp32 tensors of one shape
