@@ -9,7 +9,7 @@ from Models.fused import logit_rows, output_nll, rms_norm, rope, silu_gate
 from Models.fused_experts import add_projected, add_weighted, gated_projection, lora_projection
 from Models.attention import attention, prompt_attention
 from Models.kernels import fused_kernels_on, linear
-from Models.Routing import Gamma, type_router, type_weights
+from Models.Routing import Gamma, swiglu_router, type_router, type_weights
 from Models.precision import BF16Linear, base_linear, cast_to, cpu_has_bf16_units, to_bf16
 from Models.torch_io import bf16_bits_to_float32, float32_to_bf16_bits
 from Models.utils import rope_tables
@@ -217,6 +217,14 @@ def test_lora_projection_with_gradients(base_dtype, weighted, rows):
     weight = jt.array(rng.random(rows).astype(np.float32)) if weighted else None
     assert_same(lora_projection, [x, base, A, B, weight, 2.0], [0, 2, 3] + ([4] if weighted else []),
                 atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [(2, 40), (3, 1)])
+def test_swiglu_router(rows):
+    """The SwiGLU type router as one op each way: logits and the gradients of x and all six parameters."""
+    rng = np.random.default_rng(15)
+    params = [normal(rng, shape, 0.3) for shape in [(12, 32), (12,), (12, 32), (12,), (5, 12), (5,)]]
+    assert_same(swiglu_router, [normal(rng, (*rows, 32))] + params, list(range(7)), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("swi_x, threshold", [(4, "learned"), (0, "learned"), (4, "const"), (4, None)])
