@@ -16,7 +16,8 @@ from .attention import attention, prompt_attention
 from .Experts import MOELoraLayer
 from .SparseLoRA import SparseLoRAMoE
 from .fused import rms_norm, rope, silu_gate
-from .fused_experts import gated_projection, lora_projection
+from .fused_experts import gated_projection
+from .projections import lora_projections
 from .kernels import decoding
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
 from .precision import BaseLinear
@@ -43,15 +44,23 @@ def lora_for(args: ModelArgs, layer_id: int, target: str, in_features: int, out_
                         args.expert_num, args.hydra_moe)
 
 
+def single_expert(lora) -> bool:
+    """No expert, or one LoRA expert (not a mixture): the projection can run inside lora_projections."""
+    return lora is None or (isinstance(lora, MOELoraLayer) and lora.expert_num == 1)
+
+
+def with_loras(x: jt.Var, projections, route) -> list:
+    """[base(x) plus the LoRA expert (or mixture) on target under its route weight, for each (base, lora,
+    target) of `projections`]: the projections with no expert or a single one run as one op."""
+    if all(single_expert(lora) for _, lora, _ in projections):
+        return lora_projections(x, [(base.weight, None, None, None, None) if lora is None else
+                                    (base.weight, lora.lora_A.weight, lora.lora_B.weight, route.weight(target),
+                                     lora.scaling) for base, lora, target in projections])
+    return [base(x) if lora is None else lora(base(x), x, route, target) for base, lora, target in projections]
+
+
 def with_lora(base: BaseLinear, lora, x: jt.Var, route, target: str) -> jt.Var:
-    """base(x) plus the LoRA expert (or sparse mixture) on `target` under its route weight; a single
-    expert and its base projection run as one op (fused_experts.lora_projection)."""
-    if lora is None:
-        return base(x)
-    if isinstance(lora, MOELoraLayer) and lora.expert_num == 1:
-        return lora_projection(x, base.weight, lora.lora_A.weight, lora.lora_B.weight, route.weight(target),
-                               lora.scaling)
-    return lora(base(x), x, route, target)
+    return with_loras(x, [(base, lora, target)], route)[0]
 
 
 class Attention(nn.Module):
@@ -99,9 +108,9 @@ class Attention(nn.Module):
         # x [B,T,D]; cos/sin [T,hd/2]; mask [T,S] additive; start_pos None (no cache) or int
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        xq = with_lora(self.wq, self.lora_Q, x, route, "Q").reshape(B, T, H, hd)
-        xk = with_lora(self.wk, self.lora_K, x, route, "K").reshape(B, T, Hkv, hd)
-        xv = with_lora(self.wv, self.lora_V, x, route, "V").reshape(B, T, Hkv, hd)
+        xq, xk, xv = with_loras(x, [(self.wq, self.lora_Q, "Q"), (self.wk, self.lora_K, "K"),
+                                    (self.wv, self.lora_V, "V")], route)
+        xq, xk, xv = xq.reshape(B, T, H, hd), xk.reshape(B, T, Hkv, hd), xv.reshape(B, T, Hkv, hd)
         xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
         keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
         out = attention(xq, keys, values, mask)  # [B,T,H,hd]
@@ -167,8 +176,7 @@ class FeedForward(nn.Module):
 
     def execute(self, x: jt.Var, route) -> jt.Var:
         # x [B,T,D] -> [B,T,D]; hidden [B,T,F]
-        gate = with_lora(self.w1, self.lora_GATE, x, route, "FFN_GATE")
-        up = with_lora(self.w3, self.lora_UP, x, route, "FFN_UP")
+        gate, up = with_loras(x, [(self.w1, self.lora_GATE, "FFN_GATE"), (self.w3, self.lora_UP, "FFN_UP")], route)
         lora, weight = self.lora_DOWN, route.weight("FFN_DOWN")
         if isinstance(lora, MOELoraLayer) and lora.fuses(weight) and not decoding(x):
             # the hidden and the LoRA's A view of it in one op that rebuilds the hidden in the

@@ -15,8 +15,8 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from .fused import RMS_HEADER, ROTATE_HEADER
-from .fused_experts import LORA_PROJECT_HEADER
-from .kernels import decoding
+from .kernels import CodeInputs, decoding
+from .projections import LORA_PROJECT_HEADER
 from .Routing import ROUTE_ROW, TYPE_WEIGHTS_HEADER, router_declarations
 
 LAYER_HEADER = (LORA_PROJECT_HEADER + RMS_HEADER + ROTATE_HEADER + TYPE_WEIGHTS_HEADER + """
@@ -104,24 +104,6 @@ if (CLAMP) for (int64_t i = 0; i < M * D; i++) y[i] = std::min(std::max(y[i], -C
 """
 
 
-class Inputs:
-    """A jt.code op's inputs, each declared by name in its C++ (absent ones as nullptr)."""
-
-    def __init__(self):
-        self.vars, self.code = [], ""
-
-    def add(self, name: str, var, ctype: str = "const float *"):
-        if var is None:
-            self.code += f"{ctype}{name} = nullptr;\n"
-        else:
-            self.code += f"{ctype}{name} = (const {ctype.split()[1]} *)in{len(self.vars)}_p;\n"
-            self.vars.append(var)
-
-    def lora(self, target: str, lora):
-        self.add(f"A_{target}", None if lora is None else lora.lora_A.weight)
-        self.add(f"B_{target}", None if lora is None else lora.lora_B.weight)
-
-
 def columns(block, families: dict) -> str:
     """COL_<name> = the type router's column of each family (-1: not routed, weight 1)."""
     return "".join(f"const int64_t COL_{name} = {block.type_names.index(f) if f in block.type_names else -1};\n"
@@ -147,7 +129,7 @@ def layer_input(block, x, cos, sin):
     B, T, D = x.shape
     M, attn = B * T, block.attention
     H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    inputs = Inputs()
+    inputs = CodeInputs()
     inputs.add("x", x.float32().reshape(M, D))
     inputs.add("ATTENTION_NORM", block.attention_norm.weight)
     routed = block.adapter_type_router is not None
@@ -164,7 +146,7 @@ def layer_input(block, x, cos, sin):
     for name, base in (("WQ", attn.wq), ("WK", attn.wk), ("WV", attn.wv)):
         inputs.add(name, base.weight, "const void *")
     for target, lora in (("Q", attn.lora_Q), ("K", attn.lora_K), ("V", attn.lora_V)):
-        inputs.lora(target, lora)
+        inputs.lora_expert(target, lora)
     inputs.add("COS", cos)
     inputs.add("SIN", sin)
     sparse = block.adapter_threshold_fn is not None
@@ -185,7 +167,7 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
     B, T, D = x.shape
     M, attn, ffn = B * T, block.attention, block.feed_forward
     H, Hkv, hd, S = attn.n_heads, attn.n_kv_heads, attn.head_dim, cache_k.shape[1]
-    inputs = Inputs()
+    inputs = CodeInputs()
     for name, var in (("x", x.float32().reshape(M, D)), ("q", q), ("cache_k", cache_k), ("cache_v", cache_v),
                       ("mask", mask), ("probs", probs)):
         inputs.add(name, var)
@@ -199,12 +181,12 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
     else:
         inputs.code += "const float *PROMPT_K = nullptr, *PROMPT_V = nullptr, *PROMPT_GATE = nullptr;\n"
     inputs.add("WO", attn.wo.weight, "const void *")
-    inputs.lora("O", attn.lora_O)
+    inputs.lora_expert("O", attn.lora_O)
     inputs.add("FFN_NORM", block.ffn_norm.weight)
     for name, base in (("W1", ffn.w1), ("W3", ffn.w3), ("W2", ffn.w2)):
         inputs.add(name, base.weight, "const void *")
     for target, lora in (("GATE", ffn.lora_GATE), ("UP", ffn.lora_UP), ("DOWN", ffn.lora_DOWN)):
-        inputs.lora(target, lora)
+        inputs.lora_expert(target, lora)
     adapter = block.p_adapter
     for name, layer, part in (("PA_DOWN_W", "down_proj", "weight"), ("PA_DOWN_B", "down_proj", "bias"),
                               ("PA_UP_W", "up_proj", "weight"), ("PA_UP_B", "up_proj", "bias")):

@@ -5,18 +5,15 @@ An expert's output is added to the projection it sits beside, times its type wei
 last projection fused with the weight (add_projected), so only its narrow input is
 kept for the backward; the FFN's down-projection LoRA reads the SwiGLU hidden
 through gated_projection, which recomputes that [B,T,F] hidden in the backward
-instead of keeping it. While decoding, a base projection and its LoRA expert run as one op
-(lora_projection). Each is a kernels.Kernel beside its plain-Jittor reference.
+instead of keeping it. A base projection and its LoRA expert as one op is Models/projections.py.
+Each is a kernels.Kernel beside its plain-Jittor reference.
 """
-import math
-
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
 from .fused import SWIGLU_FORWARD, SWIGLU_HEADER, silu_gate
-from .kernels import GEMV_ROWS, SGEMM_DECLARATION, Kernel, linear
-from .precision import BF16_HEADER, base_linear, cpu_has_bf16_units
+from .kernels import SGEMM_DECLARATION, Kernel, linear
 
 ADD_WEIGHTED_FORWARD = """
 #pragma omp parallel for
@@ -211,140 +208,3 @@ def plain_gated_projection(gate, up, A):
 
 # gate, up [..., F], A [R,F] -> hidden = silu(gate) * up [..., F], hidden A^T [..., R]
 gated_projection = Kernel(fused_gated_projection, plain_gated_projection)
-
-
-# y [M,N] = base(x) + w[m] * scale * (x A^T) B^T: the base's weights fp32 or bf16 (x rounded for them
-# as base_linear does), the expert's fp32 (none when A is null); inference only. u = x A^T [M,R] is
-# tiny. w is read with a stride (a column of the type weights), or null (weight 1).
-LORA_PROJECT_HEADER = BF16_HEADER + """
-template <int64_t M>
-static void lora_project(int64_t N, int64_t K, int64_t R, const float *x, const void *base, bool base_bf16,
-                         const float *A, const float *Bw, const float *w, int64_t w_stride, float scale, float *y) {
-    if (base_bf16) gemv<M>(N, K, rounded(x, M * K).data(), (const uint16_t *)base, y);
-    else gemv<M>(N, K, x, (const float *)base, y);
-    if (!A) return;
-    std::vector<float> u(M * R);
-    gemv<M>(R, K, x, A, u.data());
-    for (int64_t m = 0; m < M; m++) for (int64_t r = 0; r < R; r++) u[m * R + r] *= scale * (w ? w[m * w_stride] : 1.f);
-    #pragma omp parallel for if (N * R >= 32768)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++) {
-            float sum = 0.f;
-            for (int64_t r = 0; r < R; r++) sum += u[m * R + r] * Bw[n * R + r];
-            y[m * N + n] += sum;
-        }
-}
-"""
-LORA_PROJECTION = "lora_project<M>(N, K, R, in0_p, in1_p, BASE_BF16, in2_p, in3_p, WEIGHT, 1, scale, out0_p);\n"
-
-
-def lora_sizes(M, N, K, R, scale, base_weight) -> str:
-    return (f"const int64_t M = {M}, N = {N}, K = {K}, R = {R}; const float scale = {float(scale)!r}f;\n"
-            f"const bool BASE_BF16 = {str(base_weight.dtype == 'bfloat16').lower()}, "
-            f"units = {str(cpu_has_bf16_units()).lower()};\n")
-
-
-def decode_lora_projection(x, base_weight, A, B, weight, scale):
-    (N, K), R = base_weight.shape, A.shape[0]
-    M = x.shape[0]
-    sizes = lora_sizes(M, N, K, R, scale, base_weight) + f"#define WEIGHT {'in4_p' if weight is not None else 'nullptr'}\n"
-    inputs = [x, base_weight, A, B] + ([weight] if weight is not None else [])
-    return jt.code((M, N), "float32", inputs, cpu_header=LORA_PROJECT_HEADER, cpu_src=sizes + LORA_PROJECTION)
-
-
-# The same with gradients (training): x [M,K] -> y [M,N] and u = x A^T [M,R], kept for the backward,
-# which gives dx (the expert's part, then the base's added by the same product), dA, dB and dw; the
-# expert's output and its dx never exist as tensors of their own.
-LORA_LINEAR_HEADER = LORA_PROJECT_HEADER + """
-// y [M,N] = beta y + x [M,K] w [N,K]^T, w fp32 or bf16 (base_linear's rule)
-template <int64_t M>
-static void base_forward(int64_t N, int64_t K, const float *x, const void *w, bool bf16, bool units, float beta, float *y) {
-    if (bf16) bf16_forward<M>(N, K, x, (const uint16_t *)w, units, beta, y);
-    else dnnl_sgemm('N', 'T', M, N, K, 1.f, x, K, (const float *)w, K, beta, y, N);
-}
-// dx [M,K] = beta dx + dy [M,N] w [N,K], dy rounded to bf16 for bf16 weights
-static void base_backward(int64_t M, int64_t N, int64_t K, const float *dy, const void *w, bool bf16, bool units,
-                          float beta, float *dx) {
-    if (bf16) bf16_backward(M, N, K, dy, (const uint16_t *)w, units, beta, dx);
-    else dnnl_sgemm('N', 'N', M, K, N, 1.f, dy, N, (const float *)w, K, beta, dx, K);
-}
-"""
-LORA_LINEAR_FORWARD = """
-const float *x = in0_p, *A = in2_p, *Bw = in3_p, *w = WEIGHT;
-std::vector<float> uw(M * R);
-dnnl_sgemm('N', 'T', M, R, K, 1.f, x, K, A, K, 0.f, out1_p, R);
-for (int64_t m = 0; m < M; m++) for (int64_t r = 0; r < R; r++) uw[m * R + r] = out1_p[m * R + r] * scale * (w ? w[m] : 1.f);
-dnnl_sgemm('N', 'T', M, N, R, 1.f, uw.data(), R, Bw, R, 0.f, out0_p, N);
-base_forward<M>(N, K, x, in1_p, BASE_BF16, units, 1.f, out0_p);
-"""
-LORA_LINEAR_BACKWARD = """
-const float *x = in0_p, *A = in2_p, *Bw = in3_p, *u = in4_p, *g = in5_p, *w = WEIGHT;
-float *dw = WEIGHT_GRAD;
-std::vector<float> gu(M * R), du(M * R), uw(M * R);
-dnnl_sgemm('N', 'N', M, R, N, 1.f, g, N, Bw, R, 0.f, gu.data(), R);
-for (int64_t m = 0; m < M; m++) {
-    const float ws = scale * (w ? w[m] : 1.f);
-    float dot = 0.f;
-    for (int64_t r = 0; r < R; r++) {
-        dot += gu[m * R + r] * u[m * R + r];
-        du[m * R + r] = gu[m * R + r] * ws;
-        uw[m * R + r] = u[m * R + r] * ws;
-    }
-    if (dw) dw[m] = dot * scale;
-}
-dnnl_sgemm('T', 'N', N, R, M, 1.f, g, N, uw.data(), R, 0.f, out2_p, R);
-dnnl_sgemm('T', 'N', R, K, M, 1.f, du.data(), R, x, K, 0.f, out1_p, K);
-dnnl_sgemm('N', 'N', M, K, R, 1.f, du.data(), R, A, K, 0.f, out0_p, K);
-base_backward(M, N, K, g, in1_p, BASE_BF16, units, 1.f, out0_p);
-"""
-
-
-class LoRALinear(jt.Function):
-    """base(x) + w * scale * (x A^T) B^T with its gradients: the frozen projection and its single
-    LoRA expert under the type weight w [M] (or none) as one op forward and one backward."""
-
-    def execute(self, x, base_weight, A, B, scale, weight=None):
-        (M, K), (N, R) = x.shape, B.shape
-        self.sizes = lora_sizes(M, N, K, R, scale, base_weight)
-        inputs = [x, base_weight, A, B] + ([weight] if weight is not None else [])
-        y, u = jt.code([(M, N), (M, R)], ["float32", "float32"], inputs, cpu_header=LORA_LINEAR_HEADER,
-                       cpu_src=self.sizes + f"#define WEIGHT {'in4_p' if weight is not None else 'nullptr'}\n"
-                       + LORA_LINEAR_FORWARD)
-        self.saved = (x, base_weight, A, B, u.detach(), weight)
-        return y
-
-    def grad(self, grad_out):
-        x, base_weight, A, B, u, weight = self.saved
-        weighted = weight is not None
-        shapes = [x.shape, A.shape, B.shape] + ([weight.shape] if weighted else [])
-        grads = jt.code(shapes, ["float32"] * len(shapes), [x, base_weight, A, B, u, grad_out] + ([weight] if weighted else []),
-                        cpu_header=LORA_LINEAR_HEADER,
-                        cpu_src=self.sizes + (f"#define WEIGHT {'in6_p' if weighted else 'nullptr'}\n"
-                                              f"#define WEIGHT_GRAD {'out3_p' if weighted else 'nullptr'}\n")
-                        + LORA_LINEAR_BACKWARD)
-        return (grads[0], None, grads[1], grads[2], None) + ((grads[3],) if weighted else ())
-
-
-def fused_lora_projection(x, base_weight, A, B, weight, scale):
-    rows, (N, K) = x.shape[:-1], base_weight.shape
-    flat = x.float32().reshape(-1, K)
-    flat_weight = None if weight is None else weight.float32().reshape(-1)
-    if jt.flags.no_grad and flat.shape[0] <= GEMV_ROWS:
-        y = decode_lora_projection(flat, base_weight, A, B, flat_weight, scale)
-    elif weight is None:
-        y = LoRALinear.apply(flat, base_weight, A, B, scale)
-    else:
-        y = LoRALinear.apply(flat, base_weight, A, B, scale, flat_weight)
-    return y.reshape(*rows, N)
-
-
-def plain_lora_projection(x, base_weight, A, B, weight, scale):
-    base = base_linear(x, base_weight)
-    if weight is None:
-        return base + linear(linear(x, A), B) * scale
-    return add_projected.plain(base, linear(x, A), B, None, weight, scale)
-
-
-# x [..., K] through a frozen base_weight [N,K] (fp32 or bf16) plus a single LoRA expert A [R,K], B [N,R]
-# under its route weight [...] (or None), times scale -> [..., N]; a GEMV pass for a decode step's rows
-lora_projection = Kernel(fused_lora_projection, plain_lora_projection)

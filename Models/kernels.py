@@ -30,7 +30,7 @@ def fused_kernels_on() -> bool:
 def decoding(x: jt.Var) -> bool:
     """Fused kernels, no gradient and at most GEMV_ROWS rows of x [..., K]: a decode step, where
     the cost of each op dominates, so a layer's routing and each base projection with its expert
-    run as one op (Routing.type_weights, fused_experts.lora_projection)."""
+    run as one op (Routing.type_weights, projections.lora_projections, decode_layer)."""
     return jt.flags.no_grad and fused_kernels_on() and math.prod(x.shape[:-1]) <= GEMV_ROWS
 
 
@@ -184,3 +184,22 @@ class Linear(nn.Linear):
     def execute(self, x: jt.Var) -> jt.Var:
         # x [..., in] -> [..., out]
         return linear(x, self.weight, self.bias)
+
+
+class CodeInputs:
+    """A jt.code op's inputs, each declared by name in its C++ (absent ones as nullptr)."""
+
+    def __init__(self):
+        self.vars, self.code = [], ""
+
+    def add(self, name: str, var, ctype: str = "const float *"):
+        if var is None:
+            self.code += f"{ctype}{name} = nullptr;\n"
+        else:
+            self.code += f"{ctype}{name} = (const {ctype.split()[1]} *)in{len(self.vars)}_p;\n"
+            self.vars.append(var)
+
+    def lora_expert(self, target: str, lora):
+        """A_<target> and B_<target>: a single LoRA expert's matrices, or nullptr without one."""
+        self.add(f"A_{target}", None if lora is None else lora.lora_A.weight)
+        self.add(f"B_{target}", None if lora is None else lora.lora_B.weight)

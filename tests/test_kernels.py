@@ -6,7 +6,8 @@ import jittor as jt
 from Models.Block import attention_mask
 from Models import fused
 from Models.fused import logit_rows, output_nll, rms_norm, rope, silu_gate
-from Models.fused_experts import add_projected, add_weighted, gated_projection, lora_projection
+from Models.fused_experts import add_projected, add_weighted, gated_projection
+from Models.projections import lora_projections
 from Models.attention import attention, prompt_attention
 from Models.kernels import fused_kernels_on, linear
 from Models.Routing import Gamma, swiglu_router, type_router, type_weights
@@ -186,37 +187,45 @@ def test_bf16_linear(shape, N, units):
     np.testing.assert_allclose(got.numpy(), rounded(out_grad.numpy()) @ w64, rtol=1e-5, atol=2e-5)
 
 
+def projections_case(rng, base_dtype, rows):
+    """x and three projections of it: a LoRA expert under a type weight, one unweighted, none."""
+    def base(n):
+        weight = normal(rng, (n, 96), 0.1)
+        return (weight if base_dtype == "float32" else to_bf16(weight)).stop_grad()
+    x = normal(rng, (*rows, 96))
+    A1, B1, A2, B2 = normal(rng, (8, 96), 0.1), normal(rng, (150, 8), 0.1), normal(rng, (4, 96), 0.1), normal(rng, (40, 4), 0.1)
+    weight = jt.array(rng.random(rows).astype(np.float32))
+    projections = [(base(150), A1, B1, weight, 2.0), (base(40), A2, B2, None, 0.5), (base(70), None, None, None, None)]
+    return x, projections, [A1, B1, weight, A2, B2]
+
+
 @pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("weighted", [True, False])
-def test_lora_projection(base_dtype, weighted):
-    """A decode step's base projection and its LoRA expert in one op (4 rows, inference)."""
-    rng = np.random.default_rng(12)
-    base = normal(rng, (150, 96), 0.1)
-    base = (base if base_dtype == "float32" else to_bf16(base)).stop_grad()
-    x, A, B = normal(rng, (4, 1, 96)), normal(rng, (8, 96), 0.1), normal(rng, (150, 8), 0.1)
-    weight = jt.array(rng.random((4, 1)).astype(np.float32)) if weighted else None
+def test_lora_projections_decoding(base_dtype):
+    """A decode step's base projections with their LoRA experts: GEMV passes (4 rows, inference)."""
+    x, projections, _ = projections_case(np.random.default_rng(12), base_dtype, (4, 1))
     with jt.no_grad():
-        fused = lora_projection.fused(x, base, A, B, weight, 2.0)
-        np.testing.assert_allclose(fused.numpy(), lora_projection.plain(x, base, A, B, weight, 2.0).numpy(),
-                                   rtol=1e-5, atol=2e-5)
-        assert fused.shape == [4, 1, 150]
+        for got, want in zip(lora_projections.fused(x, projections), lora_projections.plain(x, projections)):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=2e-5)
+            assert got.shape == want.shape == [4, 1, want.shape[-1]]
 
 
 # 2 x 40 rows: training's sgemm (or bf16 units) path; 3 rows: a short batch with gradients, whose bf16
 # forward adds the base's GEMV pass onto the expert's output
 @pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("rows", [(2, 40), (3, 1)])
-def test_lora_projection_with_gradients(base_dtype, weighted, rows):
-    """The base projection and its LoRA expert as one op with its backward (training): dx, dA, dB and
-    the type weight's gradient as the op-by-op reference gives them."""
+def test_lora_projections_with_gradients(base_dtype, rows):
+    """Projections of one input with their LoRA experts as one op each way (training): the outputs,
+    and dx (summed over the projections), dA, dB and the type weight's gradient as the op-by-op
+    reference gives them."""
     rng = np.random.default_rng(14)
-    base = normal(rng, (150, 96), 0.1)
-    base = (base if base_dtype == "float32" else to_bf16(base)).stop_grad()
-    x, A, B = normal(rng, (*rows, 96)), normal(rng, (8, 96), 0.1), normal(rng, (150, 8), 0.1)
-    weight = jt.array(rng.random(rows).astype(np.float32)) if weighted else None
-    assert_same(lora_projection, [x, base, A, B, weight, 2.0], [0, 2, 3] + ([4] if weighted else []),
-                atol=2e-5, rtol=1e-5)
+    x, projections, trained = projections_case(rng, base_dtype, rows)
+    fused, plain = lora_projections.fused(x, projections), lora_projections.plain(x, projections)
+    out_grads = [normal(rng, out.shape) for out in plain]
+    for got, want in zip(fused, plain):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=2e-5)
+    loss = [sum((out * g).sum() for out, g in zip(outputs, out_grads)) for outputs in (fused, plain)]
+    for got, want in zip(jt.grad(loss[0], [x] + trained), jt.grad(loss[1], [x] + trained)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("rows", [(2, 40), (3, 1)])
