@@ -113,7 +113,7 @@ class Attention(nn.Module):
         xq, xk, xv = xq.reshape(B, T, H, hd), xk.reshape(B, T, Hkv, hd), xv.reshape(B, T, Hkv, hd)
         xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
         keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
-        out = attention(xq, keys, values, mask)  # [B,T,H,hd]
+        out = attention(xq, keys, values, mask, self.wq.weight.dtype == "bfloat16")  # [B,T,H,hd]
         if self.has_prompt:
             out = self.add_prompt_output(out, x, xq, route, start_pos)
         out = out.reshape(B, T, H * hd)  # [B,T,D]

@@ -22,7 +22,8 @@ PRECISIONS = ("bf16", "fp32")
 PRECISION_HELP = ("storage of the frozen base's matrices. bf16 halves the base's memory (what an 8B model needs), "
                   "runs on the CPU's bf16 units (avx512_bf16/AMX) or the GPU's half matmul, and loses nothing on "
                   "Meta's bf16 checkpoints; fp32 gives the authors' fp32 numbers. Adapters, routers, norms, "
-                  "softmax, loss and optimizer are fp32 either way")
+                  "softmax, loss and optimizer are fp32 either way; in bf16 the base's products and, in training "
+                  "and prefill, attention's take bf16 operands with fp32 sums, as autocast does")
 META_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                "ffn_dim_multiplier", "norm_eps", "rope_theta", "use_scaled_rope")
 

@@ -13,8 +13,38 @@ import jittor as jt
 from jittor import nn
 
 from .kernels import GEMV_ROWS, SGEMM_DECLARATION, Kernel
+from .precision import BF16_HEADER, cpu_has_bf16_units
 
-ATTENTION_HEADER = SGEMM_DECLARATION + "#include <cmath>\n#include <algorithm>\n#include <vector>\n"
+# The products in the base's precision. fp32: the fp32 operands through sgemm. bf16 (training and
+# prefill of a bf16 base, as autocast does): q, k, v, the probabilities and, backwards, the incoming
+# gradient and the scores' gradient rounded to bf16, products summed in fp32: bf16 bits on the bf16
+# units (E = uint16_t), else their fp32 values through sgemm (E = float, ROUND). Softmax, the
+# log-sum-exp and every output stay fp32.
+ATTENTION_HEADER = BF16_HEADER + """
+#include <cmath>
+static inline void gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                        const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+static inline void gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A, int64_t lda,
+                        const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    dnnl_gemm_bf16bf16f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+// rows x cols of x (row stride ld) as operands: x itself in fp32, else a rounded copy in buf
+static const float *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool round, std::vector<float> &buf) {
+    if (!round) return x;
+    buf.resize(rows * ld);
+    #pragma omp parallel for if (rows * cols > 65536)
+    for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) buf[r * ld + c] = widen(narrow(x[r * ld + c]));
+    return buf.data();
+}
+static const uint16_t *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool, std::vector<uint16_t> &buf) {
+    buf.resize(rows * ld);
+    #pragma omp parallel for if (rows * cols > 65536)
+    for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) buf[r * ld + c] = narrow(x[r * ld + c]);
+    return buf.data();
+}
+"""
 
 # Key spans: query t sees keys [0, span[t]) (beyond, the additive mask is -inf), and a
 # block of ROWS queries works on the widest span in it. Causal training then skips
@@ -27,23 +57,27 @@ for (int64_t t = 0; t < T; t++) {
     for (int64_t s = 0; s < S; s++) if (mask[t * S + s] > -1e30f) span[t] = s + 1;
     width[t / ROWS] = std::max(width[t / ROWS], span[t]);
 }
+std::vector<E> q_buf, k_buf, v_buf;
+const E *qe = operands(in0_p, B * T * H, hd, hd, ROUND, q_buf), *ke = operands(in1_p, B * S * Hkv, hd, hd, ROUND, k_buf),
+        *ve = operands(in2_p, B * S * Hkv, hd, hd, ROUND, v_buf);
 """
 
 # The probabilities of a block of queries live in a per-thread scratch: the forward keeps
 # each row's log-sum-exp [B,H,T] and the backward recomputes them from it, so no [B,H,T,S]
 # tensor outlives the op (at 300 tokens and 32 heads, 11.5 MB per layer held for the backward).
-SCORES = "dnnl_sgemm('N', 'T', rows, w, hd, scale, q, H * hd, k, Hkv * hd, 0.f, p, S);\n"
+SCORES = "gemm('N', 'T', rows, w, hd, scale, q, H * hd, k, Hkv * hd, 0.f, p, S);\n"
 
 ATTENTION_FORWARD = """
 #pragma omp parallel for collapse(2)
 for (int64_t b = 0; b < B; b++)
 for (int64_t h = 0; h < H; h++) {
     std::vector<float> scratch(ROWS * S);
+    std::vector<E> p_buf;
     float *p = scratch.data();
-    const float *k = in1_p + (b * S * Hkv + h / n_rep) * hd, *v = in2_p + (b * S * Hkv + h / n_rep) * hd;
+    const E *k = ke + (b * S * Hkv + h / n_rep) * hd, *v = ve + (b * S * Hkv + h / n_rep) * hd;
     for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
         const int64_t rows = std::min(ROWS, T - t0), w = width[t0 / ROWS];
-        const float *q = in0_p + ((b * T + t0) * H + h) * hd;
+        const E *q = qe + ((b * T + t0) * H + h) * hd;
         float *o = out0_p + ((b * T + t0) * H + h) * hd, *lse = out1_p + (b * H + h) * T + t0;
         if (w > 0) """ + SCORES + """
         for (int64_t t = 0; t < rows; t++) {
@@ -56,19 +90,22 @@ for (int64_t h = 0; h < H; h++) {
             for (int64_t s = n; s < w; s++) row[s] = 0.f;
             lse[t] = top + std::log(total);
         }
-        if (w > 0) dnnl_sgemm('N', 'N', rows, hd, w, 1.f, p, S, v, Hkv * hd, 0.f, o, H * hd);
+        if (w > 0) gemm('N', 'N', rows, hd, w, 1.f, operands(p, rows, w, S, ROUND, p_buf), S, v, Hkv * hd, 0.f, o, H * hd);
         else for (int64_t t = 0; t < rows; t++) std::fill(o + t * H * hd, o + t * H * hd + hd, 0.f);
     }
 }
 """
 
 ATTENTION_BACKWARD = """
+std::vector<E> dout_buf;
+const E *dout_e = operands(in4_p, B * T * H, hd, hd, ROUND, dout_buf);
 #pragma omp parallel for collapse(2)
 for (int64_t b = 0; b < B; b++)
 for (int64_t g = 0; g < Hkv; g++) {
     std::vector<float> scratch(ROWS * S), ds(ROWS * S);
+    std::vector<E> p_buf, ds_buf;
     float *p = scratch.data();
-    const float *k = in1_p + (b * S * Hkv + g) * hd, *v = in2_p + (b * S * Hkv + g) * hd;
+    const E *k = ke + (b * S * Hkv + g) * hd, *v = ve + (b * S * Hkv + g) * hd;
     float *dk = out1_p + (b * S * Hkv + g) * hd, *dv = out2_p + (b * S * Hkv + g) * hd;
     for (int64_t s = 0; s < S; s++) {
         std::fill(dk + s * Hkv * hd, dk + s * Hkv * hd + hd, 0.f);
@@ -77,8 +114,8 @@ for (int64_t g = 0; g < Hkv; g++) {
     for (int64_t r = 0; r < n_rep; r++)
     for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
         const int64_t h = g * n_rep + r, rows = std::min(ROWS, T - t0), w = width[t0 / ROWS];
-        const float *q = in0_p + ((b * T + t0) * H + h) * hd, *lse = in3_p + (b * H + h) * T + t0;
-        const float *dout = in4_p + ((b * T + t0) * H + h) * hd;
+        const E *q = qe + ((b * T + t0) * H + h) * hd, *dout = dout_e + ((b * T + t0) * H + h) * hd;
+        const float *lse = in3_p + (b * H + h) * T + t0;
         float *dq = out0_p + ((b * T + t0) * H + h) * hd;
         if (w == 0) {
             for (int64_t t = 0; t < rows; t++) std::fill(dq + t * H * hd, dq + t * H * hd + hd, 0.f);
@@ -91,35 +128,46 @@ for (int64_t g = 0; g < Hkv; g++) {
             for (int64_t s = 0; s < n; s++) row[s] = std::exp(row[s] + m[s] - lse[t]);
             for (int64_t s = n; s < w; s++) row[s] = 0.f;
         }
-        dnnl_sgemm('T', 'N', w, hd, rows, 1.f, p, S, dout, H * hd, 1.f, dv, Hkv * hd);
-        dnnl_sgemm('N', 'T', rows, w, hd, 1.f, dout, H * hd, v, Hkv * hd, 0.f, ds.data(), w);
+        gemm('T', 'N', w, hd, rows, 1.f, operands(p, rows, w, S, ROUND, p_buf), S, dout, H * hd, 1.f, dv, Hkv * hd);
+        gemm('N', 'T', rows, w, hd, 1.f, dout, H * hd, v, Hkv * hd, 0.f, ds.data(), w);
         for (int64_t t = 0; t < rows; t++) {
             const float *pr = p + t * S; float *dr = ds.data() + t * w, dot = 0.f;
             for (int64_t s = 0; s < w; s++) dot += dr[s] * pr[s];
             for (int64_t s = 0; s < w; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
         }
-        dnnl_sgemm('N', 'N', rows, hd, w, 1.f, ds.data(), w, k, Hkv * hd, 0.f, dq, H * hd);
-        dnnl_sgemm('T', 'N', w, hd, rows, 1.f, ds.data(), w, q, H * hd, 1.f, dk, Hkv * hd);
+        const E *dse = operands(ds.data(), rows, w, w, ROUND, ds_buf);
+        gemm('N', 'N', rows, hd, w, 1.f, dse, w, k, Hkv * hd, 0.f, dq, H * hd);
+        gemm('T', 'N', w, hd, rows, 1.f, dse, w, q, H * hd, 1.f, dk, Hkv * hd);
     }
 }
 """
 
 
+def operand_type(bf16: bool) -> str:
+    """The C++ operand type of the products: fp32, bf16 bits on the bf16 units, else rounded fp32."""
+    if not bf16:
+        return "typedef float E; const bool ROUND = false;\n"
+    if cpu_has_bf16_units():
+        return "typedef uint16_t E; const bool ROUND = true;\n"
+    return "typedef float E; const bool ROUND = true;\n"
+
+
 class FusedAttention(jt.Function):
     """softmax(q k^T * scale + mask) v with grouped kv heads, in the [B,T,heads,hd] layout.
 
-    One C++ loop per (batch, head) calls oneDNN's sgemm with strides instead of
+    One C++ loop per (batch, head) calls oneDNN's gemm with strides instead of
     transposing, and does the masked softmax in place, a block of 64 queries at a time;
     the backward recomputes each block's probabilities from the rows' log-sum-exp
-    and accumulates each kv head's gradient over its query group.
+    and accumulates each kv head's gradient over its query group. bf16: the products'
+    operands rounded to bf16 (see ATTENTION_HEADER).
     """
 
-    def execute(self, q, k, v, mask):
+    def execute(self, q, k, v, mask, bf16=False):
         # q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [T,S] -> out [B,T,H,hd]
         B, T, H, hd = q.shape
         S, Hkv = k.shape[1], k.shape[2]
         sizes = (f"const int64_t B = {B}, T = {T}, H = {H}, hd = {hd}, S = {S}, Hkv = {Hkv}, "
-                 f"n_rep = {H // Hkv}; const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n")
+                 f"n_rep = {H // Hkv}; const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n" + operand_type(bf16))
         out, lse = jt.code([(B, T, H, hd), (B, H, T)], ["float32", "float32"], [q, k, v, mask],
                            cpu_header=ATTENTION_HEADER,
                            cpu_src=sizes + "const float *mask = in3_p;\n" + KEY_SPANS + ATTENTION_FORWARD)
@@ -131,15 +179,17 @@ class FusedAttention(jt.Function):
         dq, dk, dv = jt.code([q.shape, k.shape, v.shape], ["float32"] * 3, [q, k, v, lse, grad_out, mask],
                              cpu_header=ATTENTION_HEADER,
                              cpu_src=sizes + "const float *mask = in5_p;\n" + KEY_SPANS + ATTENTION_BACKWARD)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
-def fused_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var) -> jt.Var:
-    return FusedAttention.apply(q.float32(), k.float32(), v.float32(), mask)
+def fused_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var, bf16: bool = False) -> jt.Var:
+    # a decode step's few queries stay fp32: rounding would cost a pass over the whole cache
+    bf16 = bf16 and q.shape[0] * q.shape[1] > GEMV_ROWS
+    return FusedAttention.apply(q.float32(), k.float32(), v.float32(), mask, bf16)
 
 
-def plain_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var) -> jt.Var:
-    """The same attention in plain Jittor ops."""
+def plain_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var, bf16: bool = False) -> jt.Var:
+    """The same attention in plain Jittor ops, fp32 products (bf16 is the fused kernels' rule only)."""
     n_rep = q.shape[2] // k.shape[2]
     keys = repeat_kv(k, n_rep).transpose(0, 2, 3, 1)  # [B,H,hd,S]
     values = repeat_kv(v, n_rep).transpose(0, 2, 1, 3)  # [B,H,S,hd]
@@ -155,7 +205,7 @@ def repeat_kv(x: jt.Var, n_rep: int) -> jt.Var:
     return x.reshape(B, S, Hkv, 1, hd).broadcast((B, S, Hkv, n_rep, hd)).reshape(B, S, Hkv * n_rep, hd)
 
 
-# q [B,T,H,hd], k/v [B,S,Hkv,hd], additive mask [T,S] -> [B,T,H,hd]
+# q [B,T,H,hd], k/v [B,S,Hkv,hd], additive mask [T,S], bf16 (the products' rule) -> [B,T,H,hd]
 attention = Kernel(fused_attention, plain_attention)
 
 

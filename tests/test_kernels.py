@@ -187,6 +187,39 @@ def test_bf16_linear(shape, N, units):
     np.testing.assert_allclose(got.numpy(), rounded(out_grad.numpy()) @ w64, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("units", units_choices)
+def test_bf16_attention(units, monkeypatch):
+    """Attention of a bf16 base (training, prefill): q, k, v and the probabilities rounded to bf16, sums
+    in fp32 (float64 on the rounded operands gives the same but where a probability rounds the other
+    way); backwards the same rule on the units and without them, and within bf16's rounding of the
+    fp32 gradients."""
+    import Models.attention as attention_module
+    monkeypatch.setattr(attention_module, "cpu_has_bf16_units", lambda: units)
+    rng = np.random.default_rng(16)
+    B, T, H, Hkv, hd = 2, 150, 4, 2, 8  # causal over three 64-query blocks, grouped kv heads
+    q, k, v = (normal(rng, shape) for shape in [(B, T, H, hd), (B, T, Hkv, hd), (B, T, Hkv, hd)])
+    mask = jt.array(attention_mask(T, T, 0))
+    out = attention.fused(q, k, v, mask, True)
+    qr, kr, vr = (np.repeat(rounded(t.numpy()), H // Hkv, axis=2) if t is not q else rounded(t.numpy()) for t in (q, k, v))
+    scores = np.einsum("bthd,bshd->bhts", qr, kr) / np.sqrt(hd) + attention_mask(T, T, 0)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.einsum("bhts,bshd->bthd", rounded(probs.astype(np.float32)), vr)
+    # a probability next to a bf16 rounding boundary may round the other way from its float64 twin
+    off = np.abs(out.numpy() - want) > 2e-5 + 1e-4 * np.abs(want)
+    assert off.mean() < 0.01 and np.abs(out.numpy() - want).max() < 2e-3
+    out_grad = normal(rng, out.shape)
+    grads = jt.grad((out * out_grad).sum(), [q, k, v])
+    monkeypatch.setattr(attention_module, "cpu_has_bf16_units", lambda: not units)
+    other = jt.grad((attention.fused(q, k, v, mask, True) * out_grad).sum(), [q, k, v])
+    fp32 = jt.grad((attention.fused(q, k, v, mask, False) * out_grad).sum(), [q, k, v])
+    for got, same_rule, exact in zip(grads, other, fp32):
+        if cpu_has_bf16_units():  # the units path exists: both routes give one rule's numbers
+            np.testing.assert_allclose(got.numpy(), same_rule.numpy(), rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(got.numpy(), exact.numpy(), rtol=0.05, atol=0.05)
+        assert np.abs(got.numpy() - exact.numpy()).max() > 0  # rounded, not the fp32 products
+
+
 def projections_case(rng, base_dtype, rows):
     """x and three projections of it: a LoRA expert under a type weight, one unweighted, none."""
     def base(n):
