@@ -10,7 +10,7 @@ import jittor as jt
 from jittor import nn
 
 from .kernels import Kernel
-from .precision import base_linear, base_linear_input_grad
+from .precision import BF16_BITS, base_linear, base_linear_input_grad, bf16_bits_input_grad
 
 # One head vector x [2*half] rotated pairwise by +-angle (sign); y may be x.
 ROTATE_HEADER = """
@@ -66,9 +66,17 @@ rope = Kernel(lambda x, cos, sin: Rope.apply(x, cos, sin), plain_rope)
 
 
 # nll [N] = logsumexp(logits [N,V]) - logits[target]; with GRAD an output, also each row's gradient
-# before its loss weight, softmax - onehot [N,V]
+# before its loss weight, softmax - onehot [N,V], as GRAD_T: fp32, or bf16 bits for a bf16 output
+# matrix (the product that reads it rounds it to bf16 anyway: written so, it is half the bytes and
+# the product has no rounding pass)
+CROSS_ENTROPY_HEADER = BF16_BITS + """
+#include <cmath>
+#include <algorithm>
+static inline void store(float *d, float v) { *d = v; }
+static inline void store(uint16_t *d, float v) { *d = narrow(v); }
+"""
 CROSS_ENTROPY = """
-float *grad = GRAD;
+GRAD_T *grad = (GRAD_T *)GRAD;
 #pragma omp parallel for
 for (int64_t r = 0; r < N; r++) {
     const float *x = in0_p + r * V;
@@ -76,11 +84,11 @@ for (int64_t r = 0; r < N; r++) {
     for (int64_t v = 0; v < V; v++) top = std::max(top, x[v]);
     for (int64_t v = 0; v < V; v++) total += std::exp(x[v] - top);
     const float lse = top + std::log(total);
-    out0_p[r] = lse - x[in1_p[r]];
+    const int64_t target = in1_p[r];
+    out0_p[r] = lse - x[target];
     if (grad) {
-        float *g = grad + r * V;
-        for (int64_t v = 0; v < V; v++) g[v] = std::exp(x[v] - lse);
-        g[in1_p[r]] -= 1.f;
+        GRAD_T *g = grad + r * V;
+        for (int64_t v = 0; v < V; v++) store(g + v, std::exp(x[v] - lse) - (v == target ? 1.f : 0.f));
     }
 }
 """
@@ -102,18 +110,22 @@ class OutputNLL(jt.Function):
     def execute(self, h, weight, targets):
         wants_grad = not jt.flags.no_grad and not h.is_stop_grad()
         rows = logit_rows(weight.shape[0])
+        bits = weight.dtype == "bfloat16"
         nlls, grads = [], []
         with jt.no_grad():
             for start in range(0, h.shape[0], rows):
                 logits = base_linear(h[start:start + rows], weight)  # [n,V]
                 n, V = logits.shape
-                sizes = f"const int64_t N = {n}, V = {V};\n#define GRAD {'out1_p' if wants_grad else 'nullptr'}\n"
-                outputs = jt.code([(n,)] + ([(n, V)] if wants_grad else []), ["float32"] * (1 + wants_grad),
+                sizes = (f"const int64_t N = {n}, V = {V};\n#define GRAD {'out1_p' if wants_grad else 'nullptr'}\n"
+                         f"typedef {'uint16_t' if bits else 'float'} GRAD_T;\n")
+                outputs = jt.code([(n,)] + ([(n, V)] if wants_grad else []),
+                                  ["float32"] + (["bfloat16" if bits else "float32"] if wants_grad else []),
                                   [logits, targets[start:start + rows]],
-                                  cpu_header="#include <cmath>\n#include <algorithm>\n", cpu_src=sizes + CROSS_ENTROPY)
+                                  cpu_header=CROSS_ENTROPY_HEADER, cpu_src=sizes + CROSS_ENTROPY)
                 nll = outputs[0]
-                if wants_grad:
-                    grads.append(base_linear_input_grad(outputs[1], weight))  # [n,D]
+                if wants_grad:  # [n,D]
+                    grads.append(bf16_bits_input_grad(outputs[1], weight) if bits else
+                                 base_linear_input_grad(outputs[1], weight))
                 jt.sync([nll] + grads[-1:])
                 nlls.append(nll)
         self.grad_h = jt.concat(grads) if len(grads) > 1 else (grads[0] if grads else None)

@@ -133,19 +133,31 @@ static void bf16_forward(int64_t N, int64_t K, const float *x, const uint16_t *w
     }
 }
 
-// dx [M,K] = beta dx + dy [M,N] w [N,K] (dy rounded to bf16); the weights are frozen, so no weight
-// gradient. Without bf16 units, the sum over N runs PANEL widened weight rows at a time into dx.
-static void bf16_backward(int64_t M, int64_t N, int64_t K, const float *dy, const uint16_t *w, bool units, float beta,
-                          float *dx) {
-    if (units && gemm_bf16_units('N', M, K, N, dy, w, K, beta, dx)) return;
-    const std::vector<float> dyr = rounded(dy, M * N);
+// dx [M,K] = beta dx + dyr [M,N] w [N,K] for dy's bf16 values dyr in fp32, without bf16 units: the sum
+// over N runs PANEL widened weight rows at a time into dx.
+static void widened_backward(int64_t M, int64_t N, int64_t K, const float *dyr, const uint16_t *w, float beta, float *dx) {
     std::vector<float> wf(std::min(N, PANEL) * K);
     for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
         const int64_t nb = std::min(PANEL, N - n0);
         #pragma omp parallel for
         for (int64_t i = 0; i < nb * K; i++) wf[i] = widen(w[n0 * K + i]);
-        dnnl_sgemm('N', 'N', M, K, nb, 1.f, dyr.data() + n0, N, wf.data(), K, n0 ? 1.f : beta, dx, K);
+        dnnl_sgemm('N', 'N', M, K, nb, 1.f, dyr + n0, N, wf.data(), K, n0 ? 1.f : beta, dx, K);
     }
+}
+// dx [M,K] = beta dx + dy [M,N] w [N,K] (dy rounded to bf16); the weights are frozen, so no weight gradient.
+static void bf16_backward(int64_t M, int64_t N, int64_t K, const float *dy, const uint16_t *w, bool units, float beta,
+                          float *dx) {
+    if (units && gemm_bf16_units('N', M, K, N, dy, w, K, beta, dx)) return;
+    widened_backward(M, N, K, rounded(dy, M * N).data(), w, beta, dx);
+}
+// The same for a dy given as bf16 bits (the loss writes its gradient so, in one pass)
+static void bf16_backward_bits(int64_t M, int64_t N, int64_t K, const uint16_t *dy, const uint16_t *w, bool units,
+                               float beta, float *dx) {
+    if (units && dnnl_gemm_bf16bf16f32('N', 'N', M, K, N, 1.f, dy, N, w, K, beta, dx, K) == 0) return;
+    std::vector<float> dyr(M * N);
+    #pragma omp parallel for
+    for (int64_t i = 0; i < M * N; i++) dyr[i] = widen(dy[i]);
+    widened_backward(M, N, K, dyr.data(), w, beta, dx);
 }
 """
 BF16_FORWARD = "bf16_forward<M>(N, K, in0_p, (const uint16_t *)in1_p, units, 0.f, out0_p);\n"
@@ -188,6 +200,14 @@ class BF16Linear(jt.Function):
 
     def grad(self, grad_out):
         return bf16_input_grad(grad_out, self.weight, self.units), None
+
+
+def bf16_bits_input_grad(grad_bits: jt.Var, weight: jt.Var) -> jt.Var:
+    """grad_bits [M,N] (bf16, already rounded) @ weight [N,K] (bf16) -> [M,K] fp32, through the fused kernel."""
+    (M, N), K = grad_bits.shape, weight.shape[1]
+    return jt.code((M, K), "float32", [grad_bits, weight], cpu_header=BF16_HEADER,
+                   cpu_src=bf16_sizes(M, N, K, cpu_has_bf16_units())
+                   + "bf16_backward_bits(M, N, K, (const uint16_t *)in0_p, (const uint16_t *)in1_p, units, 0.f, out0_p);\n")
 
 
 def base_linear_input_grad(grad_out: jt.Var, weight: jt.Var) -> jt.Var:
