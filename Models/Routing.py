@@ -143,8 +143,7 @@ def plain_type_weights(x: jt.Var, router: nn.Module, threshold_fn, gamma_grad: s
 
 # The same for a few rows and no gradient (a decode step): every output in one op, per row the
 # router (SwiGLU or Linear), the sigmoid, Gamma and the selection, instead of about thirty ops.
-TYPE_WEIGHTS_HEADER = """
-#include <cmath>
+TYPE_WEIGHTS_HEADER = SWIGLU_HEADER + """
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.f;
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
@@ -158,7 +157,7 @@ ROUTE_ROW = """
 float hidden[HIDDEN > 0 ? HIDDEN : 1];
 for (int64_t j = 0; j < HIDDEN; j++) {
     const float g = dot(xm, W1 + j * D, D) + B1[j], u = dot(xm, W3 + j * D, D) + B3[j];
-    hidden[j] = g * sigmoid(g) * u;
+    hidden[j] = swiglu(g, u);
 }
 if (SPARSE) gamma = LEARNED ? MAX_THRESHOLD * sigmoid(dot(xm, GW, D) + GB[0]) : MAX_THRESHOLD;
 for (int64_t i = 0; i < NT; i++) {
@@ -178,31 +177,32 @@ for (int64_t m = 0; m < M; m++) {
 """
 
 
-def router_declarations(router: nn.Module, threshold_fn, first: int):
+def router_declarations(router, threshold_fn, first: int, dim: int):
     """The router's (and learned Gamma's) weights as ROUTE_ROW reads them: the inputs, from jt.code
-    input number `first`, the C++ declaring them with the router's sizes, and the number of types."""
+    input number `first`, the C++ declaring them with the router's sizes, and the number of types.
+    router None (a layer without experts): no inputs and zero types."""
     swiglu = isinstance(router, SwiGLURouter)
-    layers = [router.w1, router.w3, router.w2] if swiglu else [router]
+    layers = [router.w1, router.w3, router.w2] if swiglu else [router] if router is not None else []
     inputs = [t for layer in layers for t in (layer.weight, layer.bias)]
-    names = ["W1", "B1", "W3", "B3", "W2", "B2"] if swiglu else ["W2", "B2"]
+    names = (["W1", "B1", "W3", "B3"] if swiglu else []) + (["W2", "B2"] if layers else [])
     sparse = threshold_fn is not None
     learned = sparse and not threshold_fn.const
     if learned:
         inputs += [threshold_fn.weight, threshold_fn.bias]
         names += ["GW", "GB"]
-    n_types, D = layers[-1].weight.shape[0], router.w1.weight.shape[1] if swiglu else router.weight.shape[1]
-    code = (f"const int64_t D = {D}, NT = {n_types}, HIDDEN = {router.w1.weight.shape[0] if swiglu else 0};\n"
+    n_types = layers[-1].weight.shape[0] if layers else 0
+    code = (f"const int64_t D = {dim}, NT = {n_types}, HIDDEN = {router.w1.weight.shape[0] if swiglu else 0};\n"
             f"const bool SPARSE = {str(sparse).lower()}, LEARNED = {str(learned).lower()};\n"
             f"const float MAX_THRESHOLD = {float(threshold_fn.max_threshold) if sparse else 0.0!r}f;\n"
             + "".join(f"const float *{name} = in{first + i}_p;\n" for i, name in enumerate(names))
-            + ("const float *W1 = nullptr, *B1 = nullptr, *W3 = nullptr, *B3 = nullptr;\n" if not swiglu else "")
-            + ("const float *GW = nullptr, *GB = nullptr;\n" if not learned else ""))
+            + "".join(f"const float *{name} = nullptr;\n" for name in ("W1", "B1", "W3", "B3", "W2", "B2", "GW", "GB")
+                      if name not in names))
     return inputs, code, n_types
 
 
 def fused_type_weights(x: jt.Var, router: nn.Module, threshold_fn, gamma_grad: str):
     B, T, D = x.shape
-    weights, declarations, n_types = router_declarations(router, threshold_fn, 1)
+    weights, declarations, n_types = router_declarations(router, threshold_fn, 1, D)
     sparse = threshold_fn is not None
     first_column = 2 if sparse else 1
     sizes = (f"const int64_t M = {B * T};\n" + declarations

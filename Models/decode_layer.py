@@ -4,7 +4,7 @@ output side (attention over the cache and the prompt, O, the FFN, the parallel a
 A decode step has at most GEMV_ROWS rows, so a layer's cost is its ops, not their arithmetic:
 built op by op it is about 25 ops, each a few microseconds of Python and of Jittor's executor.
 Here it is four: these two, and the two cache writes between them. Each projection is
-fused_experts.lora_project (a GEMV pass over the base's weights and its LoRA expert under its type
+projections.lora_project (a GEMV pass over the base's weights and its LoRA expert under its type
 weight), so the numbers are those of the op-by-op path, which stays the plain reference
 (TransformerBlock.execute) and serves everything else: training, scoring, a GPU, mixtures of
 several experts per family and the baselines.
@@ -83,7 +83,7 @@ for (int64_t m = 0; m < M; m++) {
 }
 lora_project<M>(F, D, R, hn.data(), W1, BASE_BF16, A_GATE, B_GATE, COL_GATE < 0 ? nullptr : probs + COL_GATE, NT, lora_scale, gate.data());
 lora_project<M>(F, D, R, hn.data(), W3, BASE_BF16, A_UP, B_UP, COL_UP < 0 ? nullptr : probs + COL_UP, NT, lora_scale, up.data());
-for (int64_t i = 0; i < M * F; i++) gate[i] = gate[i] * sigmoid(gate[i]) * up[i];
+for (int64_t i = 0; i < M * F; i++) gate[i] = swiglu(gate[i], up[i]);
 float *y = out0_p;
 lora_project<M>(D, F, R, gate.data(), W2, BASE_BF16, A_DOWN, B_DOWN, COL_DOWN < 0 ? nullptr : probs + COL_DOWN, NT, lora_scale, y);
 for (int64_t i = 0; i < M * D; i++) y[i] += h[i];
@@ -132,17 +132,10 @@ def layer_input(block, x, cos, sin):
     inputs = CodeInputs()
     inputs.add("x", x.float32().reshape(M, D))
     inputs.add("ATTENTION_NORM", block.attention_norm.weight)
-    routed = block.adapter_type_router is not None
-    if routed:
-        weights, declarations, n_types = router_declarations(block.adapter_type_router, block.adapter_threshold_fn,
-                                                             len(inputs.vars))
-        inputs.vars += weights
-        inputs.code += declarations
-    else:
-        n_types = 0
-        inputs.code += ("const int64_t D = %d, NT = 0, HIDDEN = 0; const bool SPARSE = false, LEARNED = false;\n"
-                        "const float MAX_THRESHOLD = 0.f, *W1 = nullptr, *B1 = nullptr, *W3 = nullptr, *B3 = nullptr, "
-                        "*W2 = nullptr, *B2 = nullptr, *GW = nullptr, *GB = nullptr;\n" % D)
+    weights, declarations, n_types = router_declarations(block.adapter_type_router, block.adapter_threshold_fn,
+                                                         len(inputs.vars), D)
+    inputs.vars += weights
+    inputs.code += declarations
     for name, base in (("WQ", attn.wq), ("WK", attn.wk), ("WV", attn.wv)):
         inputs.add(name, base.weight, "const void *")
     for target, lora in (("Q", attn.lora_Q), ("K", attn.lora_K), ("V", attn.lora_V)):

@@ -1,7 +1,7 @@
 """A frozen base projection and its single LoRA expert as one op: y = base(x) + w * scale * (x A^T) B^T.
 
 Decoding (no gradient, a few rows): one GEMV pass over the base's weights and the expert's, per
-projection (lora_projection). Training: the projections that read one input (Q, K and V; the FFN's
+projection (lora_project). Training: the projections that read one input (Q, K and V; the FFN's
 gate and up) are one op forward and one backward (lora_projections): each expert's output is
 written first and the base's product adds onto it (beta 1), and backward every projection's share
 of dx, the experts' and the bases', accumulates into one dx. No expert output, no per-projection
@@ -191,9 +191,4 @@ def plain_lora_projections(x, projections):
 # A [R,K], B [N,R] under its route weight w [...] (or None), times scale, or with none (A None):
 # projections = [(W, A, B, w, scale), ...] -> [[..., N], ...]
 lora_projections = Kernel(fused_lora_projections, plain_lora_projections)
-
-
-def lora_projection(x, base_weight, A, B, weight, scale):
-    """One projection of lora_projections."""
-    return lora_projections(x, [(base_weight, A, B, weight, scale)])[0]
 
