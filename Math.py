@@ -30,12 +30,13 @@ import jittor as jt
 
 from Data.dataset import FinetuneDataset, load_examples, split_validation
 from Data.synthetic import make_splits
-from engine_finetune import NonFiniteLoss, Progress, RunContext, build_optimizer, log_line, train
+from engine_finetune import NonFiniteLoss, Progress, RunContext, log_line, train
 from Models.checkpoints import load_adapter, restore_checkpoint, resume_signature, save_adapter
 from Models.meta_checkpoint import build_model, open_tokenizer
 from Models.ModelArgs import INSTANCE_METHODS, ModelArgs
 from Models.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
+from Utils.adamw import build_optimizer
 from Utils.misc import EarlyStopper, all_reduce_sum, print_main
 from Utils.jittor_env import StopFlag
 from Utils.settings import (GenerationArgs, TrainArgs, add_arguments, given, recipe_values, recipes_help,

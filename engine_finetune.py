@@ -1,4 +1,4 @@
-"""The fine-tuning loop: lr schedule, AdamW, one epoch of training, validation, checkpoints.
+"""The fine-tuning loop: lr schedule, one epoch of training, validation, checkpoints (AdamW: Utils/adamw.py).
 
 Loss across ranks and accumulation steps is exact: an optimizer step sees the
 accum_iter global batches G, holding N = sum(mask) target tokens in all. Rank r
@@ -22,8 +22,6 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-import numpy as np
-
 import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
 import jittor as jt
 
@@ -44,72 +42,6 @@ def lr_at(step, total_steps, warmup_steps, lr, min_lr):
         return min_lr
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-class AdamW(jt.optim.AdamW):
-    """jittor.optim.AdamW with bias correction counted in optimizer updates.
-
-    Jittor's own AdamW takes the step count from `n_step`, which backward()
-    increments, so under gradient accumulation its bias correction runs ahead.
-    Everything else is Jittor's: decoupled weight decay p *= 1 - lr * wd per
-    param group, and gradients averaged over MPI ranks inside backward().
-    """
-
-    def __init__(self, params, lr, eps=1e-8, betas=(0.9, 0.95), weight_decay=0.0):
-        super().__init__(params, lr, eps=eps, betas=betas, weight_decay=weight_decay)
-        self.updates = 0
-
-    def step(self, loss=None, retain_graph=False):
-        self.pre_step(loss, retain_graph)
-        self.updates += 1
-        n = float(self.updates)
-        for pg in self.param_groups:
-            lr, eps = pg.get("lr", self.lr), pg.get("eps", self.eps)
-            weight_decay = pg.get("weight_decay", self.weight_decay)
-            b0, b1 = pg.get("betas", self.betas)
-            for p, g, v, m in zip(pg["params"], pg["grads"], pg["values"], pg["m"]):
-                if p.is_stop_grad():
-                    continue
-                p.update(p * (1 - lr * weight_decay))
-                m.update(b0 * m + (1 - b0) * g)
-                v.update(b1 * v + (1 - b1) * g * g)
-                denom = jt.sqrt(v) / math.sqrt(1 - b1 ** n) + eps
-                p.update(p - (lr / (1 - b0 ** n)) * m / denom)
-        self.post_step()
-
-    def named_slots(self):
-        """name -> (param, m, v) over all groups."""
-        return {name: (p, m, v) for pg in self.param_groups
-                for name, p, m, v in zip(pg["names"], pg["params"], pg["m"], pg["values"])}
-
-    def state_arrays(self):
-        """{'updates', 'm': {name: array}, 'v': {name: array}}; call on every rank."""
-        slots = self.named_slots()
-        return {"updates": self.updates,
-                "m": {name: m.numpy().copy() for name, (_, m, _) in slots.items()},
-                "v": {name: v.numpy().copy() for name, (_, _, v) in slots.items()}}
-
-    def load_state_arrays(self, state, source):
-        slots = self.named_slots()
-        for key in ("m", "v"):
-            if set(state[key]) != set(slots):
-                raise ValueError(f"{source}: optimizer state names differ from the model's adapter parameters")
-        for name, (p, m, v) in slots.items():
-            for var, array in ((m, state["m"][name]), (v, state["v"][name])):
-                if tuple(array.shape) != tuple(p.shape):
-                    raise ValueError(f"{source}: optimizer state of '{name}' has shape {list(array.shape)}")
-                var.update(jt.array(np.asarray(array, dtype=np.float32)))
-        self.updates = int(state["updates"])
-
-
-def build_optimizer(model, lr, weight_decay):
-    """AdamW over the adapter parameters: weight decay on matrices only, not on 1-D params or biases."""
-    decay, no_decay = {}, {}
-    for name, p in model.adapter_parameters().items():
-        (no_decay if p.ndim < 2 or name.endswith(".bias") else decay)[name] = p
-    groups = [{"names": list(g), "params": list(g.values()), "weight_decay": wd}
-              for g, wd in ((decay, weight_decay), (no_decay, 0.0)) if g]
-    return AdamW(groups, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
 def clip_gradients(optimizer, max_norm):

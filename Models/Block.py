@@ -15,7 +15,7 @@ from jittor import nn
 from .attention import attention, prompt_attention
 from .Experts import MOELoraLayer
 from .SparseLoRA import SparseLoRAMoE
-from .fused import rms_norm, rope, silu_gate
+from .fused import rms_norm, rms_norm_branches, rope, silu_gate
 from .fused_experts import gated_projection
 from .projections import lora_projections
 from .kernels import decoding
@@ -31,6 +31,10 @@ class RMSNorm(nn.Module):
     def execute(self, x: jt.Var) -> jt.Var:
         # x [..., D] -> [..., D], statistics in fp32
         return rms_norm(x, self.weight, self.eps)
+
+    def with_branches(self, x: jt.Var, n: int) -> tuple:
+        """(the normed x, then x itself n times for its other readers): one backward sums them all."""
+        return rms_norm_branches(x, self.weight, self.eps, n)
 
 
 def lora_for(args: ModelArgs, layer_id: int, target: str, in_features: int, out_features: int):

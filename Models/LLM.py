@@ -6,13 +6,14 @@ from jittor import nn
 from .Block import Attention, FeedForward, RMSNorm, attention_mask
 from .decode_layer import decode_layer, fuses_decode_step
 from .Experts import PAdapterLayer
+from .fused import branches, residual_add
 from .kernels import Linear
 from .ModelArgs import INSTANCE_METHODS, ModelArgs
 from .precision import BaseLinear
 from .Routing import UNIPEFT_GATES, Gamma, LayerRoute, sequence_mean, type_router, type_weights
 from .utils import rope_tables
 
-SOFT_CLAMP = 65500.0  # the authors' fp16 guard, applied in fp32 too (not by Sparse MoA)
+SOFT_CLAMP = 65500.0  # the authors' fp16 guard, applied in fp32 too (not by Sparse MoA, not in bf16)
 
 
 class TransformerBlock(nn.Module):
@@ -52,8 +53,10 @@ class TransformerBlock(nn.Module):
             if on["PADAPTER"]:
                 self.p_adapter_gate = Linear(args.dim, 1, bias=True)  # never read, see Routing.UNIPEFT_GATES
         self.router_columns = self.type_names or self.gate_names  # the families routed, in the router's order
-        # the bound of the authors' fp16 guard, kept in fp32 by every folder but Sparse MoA's (None)
-        self.clamp = None if self.method == "moa" and self.variant == "sparse" else SOFT_CLAMP
+        # the bound of the authors' fp16 guard: every folder but Sparse MoA's clamps in fp32, and none
+        # in their bf16 mode (`if not self.bf16`), which --precision bf16 is (None: no clamp)
+        unclamped = (self.method == "moa" and self.variant == "sparse") or args.precision == "bf16"
+        self.clamp = None if unclamped else SOFT_CLAMP
         self._sequence_gates = None  # instance-level decisions of the last prefill
 
     def reset_cache(self):
@@ -107,14 +110,19 @@ class TransformerBlock(nn.Module):
             if records is not None:
                 records.append(record)
             return decode_layer(self, x, cos, sin, mask, start_pos, record)
-        route = LayerRoute(self.route(x, start_pos, record), record, aux)
+        # x, h and the FFN's normed input each have several readers; the norms hand x and h on to
+        # theirs, and `branches` the normed input, so each sums its readers' gradients in one pass.
+        # residual_add: x + y in one threaded pass (Jittor's add runs on one thread)
+        attention_input, route_input, x = self.attention_norm.with_branches(x, 2)
+        route = LayerRoute(self.route(route_input, start_pos, record), record, aux)
         if records is not None:
             records.append(record)
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, route, start_pos)
-        normed = self.ffn_norm(h)
-        out = h + self.feed_forward(normed, route)
+        h = residual_add(x, self.attention(attention_input, cos, sin, mask, route, start_pos))
+        normed, h = self.ffn_norm.with_branches(h, 1)
+        ffn_input, adapter_input = branches(normed, 2) if self.p_adapter is not None else (normed, None)
+        out = residual_add(h, self.feed_forward(ffn_input, route))
         if self.p_adapter is not None:
-            out = self.p_adapter(out, normed, route)
+            out = self.p_adapter(out, adapter_input, route)
         if self.clamp is not None:
             out = jt.clamp(out, -self.clamp, self.clamp)
         return out

@@ -217,27 +217,73 @@ for (int64_t r = 0; r < N; r++) {
     float *dx = out0_p + r * D, dot = 0.f;
     for (int64_t i = 0; i < D; i++) dot += d[i] * w[i] * x[i];
     const float k = inv * inv * inv * dot / D;
-    for (int64_t i = 0; i < D; i++) dx[i] = d[i] * w[i] * inv - x[i] * k;
+    for (int64_t i = 0; i < D; i++) dx[i] = d[i] * w[i] * inv - x[i] * k BRANCH_GRADS;
 }
 """
 
 
 class FrozenRMSNorm(jt.Function):
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim; the gradient reaches x only
-    (the norm weights belong to the frozen base)."""
+    (the norm weights belong to the frozen base).
 
-    def execute(self, x, weight, eps):
+    With branches=n it also returns x itself n times, for the other readers of x (the residual
+    add, the router): the backward adds their gradients into dx in its own pass. Jittor would sum
+    the gradients of a var read n + 1 times with n adds of its own, each one pass on one thread."""
+
+    def execute(self, x, weight, eps, branches=0):
         D = x.shape[-1]
         self.sizes = f"const int64_t N = {x.numel() // D}, D = {D}; const float eps = {eps!r}f;\n"
         y, inv = jt.code([x.shape, (x.numel() // D,)], ["float32", "float32"], [x, weight],
                          cpu_header=RMS_HEADER, cpu_src=self.sizes + RMS_NORM_FORWARD)
         self.saved = (x, weight, inv.detach())
-        return y
+        return (y, *(x.reshape(x.shape) for _ in range(branches))) if branches else y
+
+    def grad(self, grad_out, *branch_grads):
+        x, weight, inv = self.saved
+        present = [g for g in branch_grads if g is not None]
+        if grad_out is None:  # only the branches were read
+            return (sum_of(present) if present else None), None, None, None
+        added = "".join(f" + in{4 + i}_p[r * D + i]" for i in range(len(present)))
+        dx = jt.code(x.shape, "float32", [x, weight, inv, grad_out] + present,
+                     cpu_src=self.sizes + RMS_NORM_BACKWARD.replace("BRANCH_GRADS", added))
+        return dx, None, None, None
+
+
+SUM_OF = """
+#pragma omp parallel for simd
+for (int64_t i = 0; i < N; i++) out0_p[i] = TERMS;
+"""
+
+
+def sum_of(terms: list) -> jt.Var:
+    """The elementwise sum of fp32 tensors of one shape, in one threaded pass."""
+    if len(terms) == 1:
+        return terms[0]
+    added = " + ".join(f"in{i}_p[i]" for i in range(len(terms)))
+    return jt.code(terms[0].shape, "float32", terms,
+                   cpu_src=f"const int64_t N = {terms[0].numel()};\n" + SUM_OF.replace("TERMS", added))
+
+
+class Sum(jt.Function):
+    """a + b in one threaded pass (Jittor's add is one thread); the gradient reaches both as it is."""
+
+    def execute(self, a, b):
+        return sum_of([a, b])
 
     def grad(self, grad_out):
-        x, weight, inv = self.saved
-        dx = jt.code(x.shape, "float32", [x, weight, inv, grad_out], cpu_src=self.sizes + RMS_NORM_BACKWARD)
-        return dx, None, None
+        return grad_out, grad_out
+
+
+class Branches(jt.Function):
+    """x returned n times for n readers, their gradients summed in one threaded pass (Jittor's own
+    sum of a var's gradients is an add per extra reader, each on one thread)."""
+
+    def execute(self, x, n):
+        return tuple(x.reshape(x.shape) for _ in range(n))
+
+    def grad(self, *grads):
+        present = [g for g in grads if g is not None]
+        return (sum_of(present) if present else None), None
 
 
 def plain_rms_norm(x: jt.Var, weight: jt.Var, eps: float) -> jt.Var:
@@ -247,5 +293,27 @@ def plain_rms_norm(x: jt.Var, weight: jt.Var, eps: float) -> jt.Var:
 
 
 # x [..., D] -> [..., D], statistics in fp32; the fused pass only for fp32 input and a frozen weight
-rms_norm = Kernel(lambda x, weight, eps: FrozenRMSNorm.apply(x, weight, eps), plain_rms_norm,
+rms_norm = Kernel(lambda x, weight, eps: FrozenRMSNorm.apply(x, weight, eps, 0), plain_rms_norm,
                   when=lambda x, weight, eps: x.dtype == "float32" and not weight.requires_grad)
+
+
+def fused_rms_norm_branches(x, weight, eps, n):
+    return FrozenRMSNorm.apply(x, weight, eps, n)
+
+
+def plain_rms_norm_branches(x, weight, eps, n):
+    return (rms_norm(x, weight, eps), *([x] * n))
+
+
+def training_fp32(x, weight, *_):
+    return not jt.flags.no_grad and x.dtype == "float32" and not weight.requires_grad
+
+
+# (rms_norm(x), x, ..., x): the norm and n more readers of x [..., D], one backward for all
+rms_norm_branches = Kernel(fused_rms_norm_branches, plain_rms_norm_branches, when=training_fp32)
+# a + b, two fp32 tensors of one shape (the residual stream's adds)
+residual_add = Kernel(lambda a, b: Sum.apply(a, b), lambda a, b: a + b,
+                      when=lambda a, b: a.dtype == b.dtype == "float32" and a.shape == b.shape)
+# x [...] fp32 for n readers: (x, ..., x), one backward for all
+branches = Kernel(lambda x, n: Branches.apply(x, n), lambda x, n: (x,) * n,
+                  when=lambda x, n: not jt.flags.no_grad and x.dtype == "float32")

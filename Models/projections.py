@@ -22,7 +22,7 @@ LORA_PROJECT_HEADER = BF16_HEADER + """
 template <int64_t M>
 static void lora_project(int64_t N, int64_t K, int64_t R, const float *x, const void *base, bool base_bf16,
                          const float *A, const float *Bw, const float *w, int64_t w_stride, float scale, float *y) {
-    if (base_bf16) gemv<M>(N, K, rounded(x, M * K).data(), (const uint16_t *)base, y);
+    if (base_bf16) gemv<M>(N, K, rounded(x, M * K).get(), (const uint16_t *)base, y);
     else gemv<M>(N, K, x, (const float *)base, y);
     if (!A) return;
     std::vector<float> u(M * R);
@@ -43,20 +43,22 @@ LORA_PROJECTION = "lora_project<M>(N, K, R, in0_p, in1_p, BASE_BF16, in2_p, in3_
 # Backward: dx = beta dx + g W (+ du A) with du = (g B) w scale, dA = du^T x, dB = g^T (u w scale),
 # dw = scale (g B . u).
 PROJECTIONS_HEADER = LORA_PROJECT_HEADER + """
+// xb: x narrowed to bf16 once for all the op's base products (bf16 units), or null
 template <int64_t M>
-static void base_forward(int64_t N, int64_t K, const float *x, const void *W, bool bf16, bool units, float beta, float *y) {
-    if (bf16) bf16_forward<M>(N, K, x, (const uint16_t *)W, units, beta, y);
+static void base_forward(int64_t N, int64_t K, const float *x, const uint16_t *xb, const void *W, bool bf16, bool units,
+                         float beta, float *y) {
+    if (bf16) bf16_forward<M>(N, K, x, (const uint16_t *)W, units, beta, y, xb);
     else dnnl_sgemm('N', 'T', M, N, K, 1.f, x, K, (const float *)W, K, beta, y, N);
 }
 template <int64_t M>
-static void project_forward(int64_t N, int64_t K, int64_t R, const float *x, const void *W, bool bf16, bool units,
-                            const float *A, const float *Bw, const float *w, float scale, float *y, float *u) {
-    if (!A) { base_forward<M>(N, K, x, W, bf16, units, 0.f, y); return; }
+static void project_forward(int64_t N, int64_t K, int64_t R, const float *x, const uint16_t *xb, const void *W, bool bf16,
+                            bool units, const float *A, const float *Bw, const float *w, float scale, float *y, float *u) {
+    if (!A) { base_forward<M>(N, K, x, xb, W, bf16, units, 0.f, y); return; }
     std::vector<float> uw(M * R);
     dnnl_sgemm('N', 'T', M, R, K, 1.f, x, K, A, K, 0.f, u, R);
     for (int64_t m = 0; m < M; m++) for (int64_t r = 0; r < R; r++) uw[m * R + r] = u[m * R + r] * scale * (w ? w[m] : 1.f);
     dnnl_sgemm('N', 'T', M, N, R, 1.f, uw.data(), R, Bw, R, 0.f, y, N);
-    base_forward<M>(N, K, x, W, bf16, units, 1.f, y);
+    base_forward<M>(N, K, x, xb, W, bf16, units, 1.f, y);
 }
 static void project_backward(int64_t M, int64_t N, int64_t K, int64_t R, const float *x, const void *W, bool bf16,
                              bool units, const float *A, const float *Bw, const float *w, float scale, const float *u,
@@ -85,6 +87,13 @@ static void project_backward(int64_t M, int64_t N, int64_t K, int64_t R, const f
 """
 
 
+NARROW_ONCE = """
+std::unique_ptr<uint16_t[]> x_bits;
+if (BF16 && units && M > GEMV_ROWS) x_bits = narrowed(in0_p, M * K);
+const uint16_t *xb = x_bits.get();
+"""
+
+
 class LoRAProjections(jt.Function):
     """Projections of one x [M,K]: y_i = base_i(x) + w_i * scale_i * (x A_i^T) B_i^T for those with an
     expert, base_i(x) for the others; one op forward (keeping x and each u_i = x A_i^T) and one
@@ -102,13 +111,13 @@ class LoRAProjections(jt.Function):
         shapes = [(M, b.shape[0]) for b in bases] + [(M, e[0].shape[0]) for e in experts if e]
         self.sizes = (f"const int64_t M = {M}, K = {K}; const bool BF16 = {str(bases[0].dtype == 'bfloat16').lower()}, "
                       f"units = {str(cpu_has_bf16_units()).lower()};\n")
-        code, index, u_out = "", 1 + n, n
+        code, index, u_out = NARROW_ONCE, 1 + n, n
         for i, (base, expert, (_, weighted, scale)) in enumerate(zip(bases, experts, layout)):
             if expert is None:
-                code += f"project_forward<M>({base.shape[0]}, K, 0, in0_p, in{1 + i}_p, BF16, units, nullptr, nullptr, nullptr, 0.f, out{i}_p, nullptr);\n"
+                code += f"project_forward<M>({base.shape[0]}, K, 0, in0_p, xb, in{1 + i}_p, BF16, units, nullptr, nullptr, nullptr, 0.f, out{i}_p, nullptr);\n"
                 continue
             w = f"in{index + 2}_p" if weighted else "nullptr"
-            code += (f"project_forward<M>({base.shape[0]}, K, {expert[0].shape[0]}, in0_p, in{1 + i}_p, BF16, units, "
+            code += (f"project_forward<M>({base.shape[0]}, K, {expert[0].shape[0]}, in0_p, xb, in{1 + i}_p, BF16, units, "
                      f"in{index}_p, in{index + 1}_p, {w}, {float(scale)!r}f, out{i}_p, out{u_out}_p);\n")
             index += 3 if weighted else 2
             u_out += 1

@@ -102,6 +102,32 @@ def test_rms_norm():
     assert not rms_norm.when(normal(rng, (3, 5, 16)), jt.ones(16), 1e-5), "a trainable norm weight needs the plain path"
 
 
+@pytest.mark.parametrize("n, read", [(2, (0, 1, 2)), (1, (0, 1)), (2, (1, 2)), (2, (0, 2))])
+def test_branches_sum_their_gradients(n, read):
+    """rms_norm_branches and branches: their outputs and, summed in their own backward, the gradients
+    of whichever outputs are read (a method without routing leaves the router's branch unread)."""
+    rng = np.random.default_rng(9)
+    x = normal(rng, (3, 5, 16))
+    scale = jt.array((1 + 0.1 * rng.standard_normal(16)).astype(np.float32)).stop_grad()
+    weights = [normal(rng, (3, 5, 16)) for _ in range(n + 1)]
+    cases = [(fused.rms_norm_branches, (x, scale, 1e-5, n)), (fused.branches, (x, n + 1))]
+    for kernel, args in cases:
+        results = []
+        for run in (kernel.fused, kernel.plain):
+            outs = run(*args)
+            assert len(outs) == n + 1
+            loss = sum((outs[i] * weights[i]).sum() + (outs[i] ** 2).sum() for i in read)
+            results.append([o.numpy() for o in outs] + [jt.grad(loss, x).numpy()])
+        for got, want in zip(*results):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert np.abs(results[0][-1]).max() > 1.0
+
+
+def test_residual_add():
+    rng = np.random.default_rng(10)
+    assert_same(fused.residual_add, [normal(rng, (2, 5, 12)), normal(rng, (2, 5, 12))], [0, 1], atol=1e-6)
+
+
 def test_add_weighted():
     rng = np.random.default_rng(7)
     router_weight = jt.array(rng.random((2, 5)).astype(np.float32))

@@ -20,6 +20,7 @@ from engine_finetune import lr_at
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
 from Models.torch_io import load_pth
+from Utils.adamw import AdamW, adamw_update, build_optimizer
 
 PYTHON = sys.executable
 
@@ -60,7 +61,7 @@ def test_lr_schedule():
 def test_weight_decay_groups():
     model = LLaMA_adapter(ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=61, multiple_of=16,
                                     lora_layers="0-1", p_adapter_layers="0-1", p_adapter_size=8, swi_x=2))
-    decay, no_decay = engine_finetune.build_optimizer(model, 1e-3, 0.02).param_groups
+    decay, no_decay = build_optimizer(model, 1e-3, 0.02).param_groups
     assert decay["weight_decay"] == 0.02 and no_decay["weight_decay"] == 0.0
     assert all(p.ndim >= 2 and not n.endswith(".bias") for n, p in zip(decay["names"], decay["params"]))
     assert all(p.ndim < 2 for p in no_decay["params"]) and any(n.endswith(".bias") for n in no_decay["names"])
@@ -72,7 +73,7 @@ def test_adamw_counts_updates_not_backward_calls():
     start = np.arange(6, dtype=np.float32).reshape(2, 3) / 10
     coef = np.array([[1.0, -2.0, 0.5], [3.0, -0.1, 1.0]], dtype=np.float32)
     p = jt.array(start)
-    optimizer = engine_finetune.AdamW([{"names": ["p"], "params": [p], "weight_decay": 0.1}], lr=0.01)
+    optimizer = AdamW([{"names": ["p"], "params": [p], "weight_decay": 0.1}], lr=0.01)
     ref, m, v = start.astype(np.float64), 0.0, 0.0
     for t in range(1, 4):
         grad = coef * t  # a gradient that changes from update to update
@@ -83,6 +84,28 @@ def test_adamw_counts_updates_not_backward_calls():
         ref = ref * (1 - 0.01 * 0.1) - 0.01 / (1 - 0.9 ** t) * m / (np.sqrt(v) / np.sqrt(1 - 0.95 ** t) + 1e-8)
     np.testing.assert_allclose(p.numpy(), ref, rtol=0, atol=1e-6)
     assert optimizer.updates == 3
+
+
+def test_adamw_one_op_equals_per_parameter_update():
+    """The one-op step against Jittor's per-parameter update: three updates of tensors of several
+    sizes in two groups (weight decay on one), lr changing between updates."""
+    rng = np.random.default_rng(0)
+    shapes, decays = [(3, 5), (7,), (64, 33), (1,)], [0.1, 0.0, 0.1, 0.0]
+    start = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    results = []
+    for update in (adamw_update.fused, adamw_update.plain):
+        params = [jt.array(a) for a in start]
+        moments = [(jt.zeros(s), jt.zeros(s)) for s in shapes]
+        for t, step_grads in enumerate(grads, 1):
+            lr = 0.01 / t
+            slots = [(p, jt.array(g), m, v, lr, wd, (0.9, 0.95), 1e-8)
+                     for p, g, (m, v), wd in zip(params, step_grads, moments, decays)]
+            update(slots, t)
+        results.append([p.numpy() for p in params] + [x.numpy() for mv in moments for x in mv])
+    assert not np.allclose(results[0][2], start[2])
+    for fused, plain in zip(*results):  # an ulp apart where the compiler fuses a multiply-add
+        np.testing.assert_allclose(fused, plain, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow
