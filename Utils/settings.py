@@ -124,10 +124,10 @@ _PAPER_TRAINING = dict(precision="bf16", blr=6e-3, batch_size=32, accum_iter=1, 
 _SOFT_PROMPTS = dict(prompt_layers="all", prompt_len=10)
 RECIPES = {
     "demo": dict(
-        doc="the tiny demo: shipped base, synthetic math, 2 epochs (Math.py's default)",
+        doc="the tiny demo: shipped base, synthetic math, 3 epochs (Math.py's default)",
         settings=dict(variant="sparse", lora_layers="all", lora_rank=16, lora_alpha=16.0,
                       lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN", p_adapter_layers="all", p_adapter_size=16,
-                      swi_x=4, max_threshold=0.5, blr=4e-2, batch_size=16, accum_iter=1, epochs=2,
+                      swi_x=4, max_threshold=0.5, blr=4e-2, batch_size=16, accum_iter=1, epochs=3,
                       warmup_epochs=0.05, weight_decay=0.02, clip_grad=1.0, val_fraction=0.05, seed=0,
                       max_seq_len=192, max_gen_len=200, temperature=0.0),
         soft=_SOFT_PROMPTS, sparse={}),
