@@ -2,7 +2,7 @@
 the whole step as one op.
 
 Jittor's AdamW builds one small fused op per parameter (about 70 at the bench's small config, a
-few hundred at 8B), each run alone on one core; here one op walks every parameter on all cores.
+few hundred at 8B), each run alone on one core; here one op walks up to 64 parameters on all cores.
 The plain reference is Jittor's per-parameter update, kept next to it (kernels.Kernel switches).
 """
 import math
@@ -34,8 +34,16 @@ def step_numbers(slot, updates: int) -> list:
     return [1 - lr * weight_decay, b0, 1 - b0, b1, 1 - b1, lr / (1 - b0 ** updates), math.sqrt(1 - b1 ** updates), eps]
 
 
+SLOTS_PER_OP = 64  # Jittor's code op fails to compile with a thousand inputs (4 per parameter)
+
+
 def fused_adamw_update(slots: list, updates: int):
-    """One op: every (p, g, m, v) in slots updated in place (Var.update) with their numbers."""
+    """One op per SLOTS_PER_OP parameters: each (p, g, m, v) in slots updated (Var.update) with their numbers."""
+    for start in range(0, len(slots), SLOTS_PER_OP):
+        adamw_op(slots[start:start + SLOTS_PER_OP], updates)
+
+
+def adamw_op(slots: list, updates: int):
     hyper = jt.array(np.array([step_numbers(s, updates) for s in slots], dtype=np.float32))
     inputs, sizes = [hyper], []
     for p, g, m, v, *_ in slots:
