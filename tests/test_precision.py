@@ -39,6 +39,18 @@ def test_parity_models_are_fp32():
     assert set(dtypes(model).values()) == {"float32"}
 
 
+@pytest.mark.parametrize("method, variant", [("moa", "soft"), ("moa", "sparse"), ("moe", "soft")])
+def test_block_clamp_as_the_authors_folders(method, variant):
+    """Their fp16 guard (out.clamp(+-65500)) runs in fp32 in every folder but Sparse MoA's, and in none
+    in their bf16 mode (`if not self.bf16`)."""
+    from Models.LLM import SOFT_CLAMP, TransformerBlock
+    for precision in ("fp32", "bf16"):
+        args = ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=61, multiple_of=16, method=method,
+                         variant=variant, precision=precision)
+        clamps = precision == "fp32" and not (method == "moa" and variant == "sparse")
+        assert TransformerBlock(0, args).clamp == (SOFT_CLAMP if clamps else None)
+
+
 def test_greedy_tokens_of_the_demo_base_agree():
     """The shipped pretrained tiny base continues 4 texts greedily for 32 tokens in each precision."""
     tokenizer = Tokenizer(os.path.join(DEFAULT_BASE_DIR, "tokenizer.model"))
