@@ -33,6 +33,7 @@ from Models.meta_checkpoint import build_model  # noqa: E402
 from Models.ModelArgs import ModelArgs  # noqa: E402
 from Models.torch_io import float32_to_bf16_bits  # noqa: E402
 from Models.torch_write import TensorSource, save_pth  # noqa: E402
+from Utils.adamw import build_optimizer  # noqa: E402
 from Utils.settings import recipe_values  # noqa: E402
 
 LLAMA_31_8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3,
@@ -113,7 +114,7 @@ def run_variant(llama_dir: str, variant: str, out_dir: str, roofline: float) -> 
     print(f"[{variant}] loaded in {load_s:.1f} s, peak RSS {peak_rss_gb():.2f} GB", flush=True)
 
     rng = np.random.default_rng(0)
-    optimizer = jt.optim.AdamW(list(model.adapter_parameters().values()), lr=6e-3, betas=(0.9, 0.95))
+    optimizer = build_optimizer(model, lr=6e-3, weight_decay=0.02)  # Math.py's, the math recipe's decay
     mask = jt.ones((BATCH, SEQ))
     step_s, losses = [], []
     for step in range(STEPS):
