@@ -49,17 +49,16 @@ def adamw_op(slots: list, updates: int):
     for p, g, m, v, *_ in slots:
         inputs += [p, g, m, v]
         sizes.append(p.numel())
-    pointers = ", ".join
     n = len(slots)
-    src = (f"const int64_t S = {n}, sizes[S] = {{{pointers(str(s) for s in sizes)}}};\n"
-           f"const float *params[S] = {{{pointers(f'in{1 + 4 * i}_p' for i in range(n))}}};\n"
-           f"const float *grads[S] = {{{pointers(f'in{2 + 4 * i}_p' for i in range(n))}}};\n"
-           f"const float *ms[S] = {{{pointers(f'in{3 + 4 * i}_p' for i in range(n))}}};\n"
-           f"const float *vs[S] = {{{pointers(f'in{4 + 4 * i}_p' for i in range(n))}}};\n"
-           f"float *params_out[S] = {{{pointers(f'out{3 * i}_p' for i in range(n))}}};\n"
-           f"float *ms_out[S] = {{{pointers(f'out{1 + 3 * i}_p' for i in range(n))}}};\n"
-           f"float *vs_out[S] = {{{pointers(f'out{2 + 3 * i}_p' for i in range(n))}}};\n"
-           """
+
+    def array(declaration: str, items) -> str:  # a C array of n items
+        return f"{declaration}[S] = {{{', '.join(items)}}};\n"
+    src = (f"const int64_t S = {n};\n" + array("const int64_t sizes", map(str, sizes))
+           + "".join(array(f"const float *{name}", (f"in{1 + k + 4 * i}_p" for i in range(n)))
+                     for k, name in enumerate(("params", "grads", "ms", "vs")))
+           + "".join(array(f"float *{name}", (f"out{k + 3 * i}_p" for i in range(n)))
+                     for k, name in enumerate(("params_out", "ms_out", "vs_out")))
+           + """
 #pragma omp parallel
 for (int64_t s = 0; s < S; s++) {
     const float *h = in0_p + s * """ + str(HYPER) + """;
