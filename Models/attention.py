@@ -30,20 +30,21 @@ static inline void gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float
                         const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     dnnl_gemm_bf16bf16f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
-// rows x cols of x (row stride ld) as operands: x itself in fp32, else a rounded copy in buf
-static const float *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool round, std::vector<float> &buf) {
+// rows x cols of x (row stride ld) as operands: x itself in fp32, else a rounded copy in buf (rows * ld)
+static const float *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool round, float *buf) {
     if (!round) return x;
-    buf.resize(rows * ld);
     #pragma omp parallel for if (rows * cols > 65536)
     for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) buf[r * ld + c] = widen(narrow(x[r * ld + c]));
-    return buf.data();
+    return buf;
 }
-static const uint16_t *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool, std::vector<uint16_t> &buf) {
-    buf.resize(rows * ld);
+static const uint16_t *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool, uint16_t *buf) {
     #pragma omp parallel for if (rows * cols > 65536)
     for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) buf[r * ld + c] = narrow(x[r * ld + c]);
-    return buf.data();
+    return buf;
 }
+// a buffer for operands(): n elements where they are rounded copies, none where fp32 operands are read in place
+template <typename E>
+static std::unique_ptr<E[]> operand_buffer(bool round, int64_t n) { return scratch<E>(round ? n : 0); }
 """
 
 # Key spans: query t sees keys [0, span[t]) (beyond, the additive mask is -inf), and a
@@ -52,14 +53,18 @@ static const uint16_t *operands(const float *x, int64_t rows, int64_t cols, int6
 KEY_SPANS = """
 const int64_t ROWS = 64, n_blocks = (T + ROWS - 1) / ROWS;
 std::vector<int64_t> span(T), width(n_blocks, 0);
-for (int64_t t = 0; t < T; t++) {
-    span[t] = 0;
-    for (int64_t s = 0; s < S; s++) if (mask[t * S + s] > -1e30f) span[t] = s + 1;
-    width[t / ROWS] = std::max(width[t / ROWS], span[t]);
+#pragma omp parallel for
+for (int64_t t = 0; t < T; t++) {  // from the end: a causal row stops at its first unmasked key
+    int64_t s = S;
+    while (s > 0 && !(mask[t * S + s - 1] > -1e30f)) s--;
+    span[t] = s;
 }
-std::vector<E> q_buf, k_buf, v_buf;
-const E *qe = operands(in0_p, B * T * H, hd, hd, ROUND, q_buf), *ke = operands(in1_p, B * S * Hkv, hd, hd, ROUND, k_buf),
-        *ve = operands(in2_p, B * S * Hkv, hd, hd, ROUND, v_buf);
+for (int64_t t = 0; t < T; t++) width[t / ROWS] = std::max(width[t / ROWS], span[t]);
+const auto q_buf = operand_buffer<E>(ROUND, B * T * H * hd), k_buf = operand_buffer<E>(ROUND, B * S * Hkv * hd),
+           v_buf = operand_buffer<E>(ROUND, B * S * Hkv * hd);
+const E *qe = operands(in0_p, B * T * H, hd, hd, ROUND, q_buf.get()),
+        *ke = operands(in1_p, B * S * Hkv, hd, hd, ROUND, k_buf.get()),
+        *ve = operands(in2_p, B * S * Hkv, hd, hd, ROUND, v_buf.get());
 """
 
 # The probabilities of a block of queries live in a per-thread scratch: the forward keeps
@@ -71,9 +76,9 @@ ATTENTION_FORWARD = """
 #pragma omp parallel for collapse(2)
 for (int64_t b = 0; b < B; b++)
 for (int64_t h = 0; h < H; h++) {
-    std::vector<float> scratch(ROWS * S);
-    std::vector<E> p_buf;
-    float *p = scratch.data();
+    const auto scores = scratch<float>(ROWS * S);
+    const auto p_buf = operand_buffer<E>(ROUND, ROWS * S);
+    float *p = scores.get();
     const E *k = ke + (b * S * Hkv + h / n_rep) * hd, *v = ve + (b * S * Hkv + h / n_rep) * hd;
     for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
         const int64_t rows = std::min(ROWS, T - t0), w = width[t0 / ROWS];
@@ -90,21 +95,21 @@ for (int64_t h = 0; h < H; h++) {
             for (int64_t s = n; s < w; s++) row[s] = 0.f;
             lse[t] = top + std::log(total);
         }
-        if (w > 0) gemm('N', 'N', rows, hd, w, 1.f, operands(p, rows, w, S, ROUND, p_buf), S, v, Hkv * hd, 0.f, o, H * hd);
+        if (w > 0) gemm('N', 'N', rows, hd, w, 1.f, operands(p, rows, w, S, ROUND, p_buf.get()), S, v, Hkv * hd, 0.f, o, H * hd);
         else for (int64_t t = 0; t < rows; t++) std::fill(o + t * H * hd, o + t * H * hd + hd, 0.f);
     }
 }
 """
 
 ATTENTION_BACKWARD = """
-std::vector<E> dout_buf;
-const E *dout_e = operands(in4_p, B * T * H, hd, hd, ROUND, dout_buf);
+const auto dout_buf = operand_buffer<E>(ROUND, B * T * H * hd);
+const E *dout_e = operands(in4_p, B * T * H, hd, hd, ROUND, dout_buf.get());
 #pragma omp parallel for collapse(2)
 for (int64_t b = 0; b < B; b++)
 for (int64_t g = 0; g < Hkv; g++) {
-    std::vector<float> scratch(ROWS * S), ds(ROWS * S);
-    std::vector<E> p_buf, ds_buf;
-    float *p = scratch.data();
+    const auto scores = scratch<float>(ROWS * S), ds = scratch<float>(ROWS * S);
+    const auto p_buf = operand_buffer<E>(ROUND, ROWS * S), ds_buf = operand_buffer<E>(ROUND, ROWS * S);
+    float *p = scores.get();
     const E *k = ke + (b * S * Hkv + g) * hd, *v = ve + (b * S * Hkv + g) * hd;
     float *dk = out1_p + (b * S * Hkv + g) * hd, *dv = out2_p + (b * S * Hkv + g) * hd;
     for (int64_t s = 0; s < S; s++) {
@@ -128,14 +133,14 @@ for (int64_t g = 0; g < Hkv; g++) {
             for (int64_t s = 0; s < n; s++) row[s] = std::exp(row[s] + m[s] - lse[t]);
             for (int64_t s = n; s < w; s++) row[s] = 0.f;
         }
-        gemm('T', 'N', w, hd, rows, 1.f, operands(p, rows, w, S, ROUND, p_buf), S, dout, H * hd, 1.f, dv, Hkv * hd);
-        gemm('N', 'T', rows, w, hd, 1.f, dout, H * hd, v, Hkv * hd, 0.f, ds.data(), w);
+        gemm('T', 'N', w, hd, rows, 1.f, operands(p, rows, w, S, ROUND, p_buf.get()), S, dout, H * hd, 1.f, dv, Hkv * hd);
+        gemm('N', 'T', rows, w, hd, 1.f, dout, H * hd, v, Hkv * hd, 0.f, ds.get(), w);
         for (int64_t t = 0; t < rows; t++) {
-            const float *pr = p + t * S; float *dr = ds.data() + t * w, dot = 0.f;
+            const float *pr = p + t * S; float *dr = ds.get() + t * w, dot = 0.f;
             for (int64_t s = 0; s < w; s++) dot += dr[s] * pr[s];
             for (int64_t s = 0; s < w; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
         }
-        const E *dse = operands(ds.data(), rows, w, w, ROUND, ds_buf);
+        const E *dse = operands(ds.get(), rows, w, w, ROUND, ds_buf.get());
         gemm('N', 'N', rows, hd, w, 1.f, dse, w, k, Hkv * hd, 0.f, dq, H * hd);
         gemm('T', 'N', w, hd, rows, 1.f, dse, w, q, H * hd, 1.f, dk, Hkv * hd);
     }

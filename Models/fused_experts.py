@@ -84,7 +84,7 @@ for (int64_t m = 0; m < M; m++) {
     if (bias) for (int64_t n = 0; n < N; n++) dot += g[m * N + n] * bias[n];
     out2_p[m] = dot * scale;
 }
-dnnl_sgemm('T', 'N', N, R, M, 1.f, g, N, uw.data(), R, 0.f, out1_p, R);
+narrow_weight_grad(M, N, R, g, uw.data(), out1_p);
 """
 ADD_PROJECTED_BIAS_GRAD = """
 std::vector<float> ws(M);

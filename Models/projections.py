@@ -76,7 +76,7 @@ static void project_backward(int64_t M, int64_t N, int64_t K, int64_t R, const f
             }
             if (dw) dw[m] = dot * scale;
         }
-        dnnl_sgemm('T', 'N', N, R, M, 1.f, g, N, uw.data(), R, 0.f, dB, R);
+        narrow_weight_grad(M, N, R, g, uw.data(), dB);
         dnnl_sgemm('T', 'N', R, K, M, 1.f, du.data(), R, x, K, 0.f, dA, K);
         dnnl_sgemm('N', 'N', M, K, R, 1.f, du.data(), R, A, K, beta, dx, K);
         beta = 1.f;
