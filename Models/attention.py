@@ -45,6 +45,10 @@ static const uint16_t *operands(const float *x, int64_t rows, int64_t cols, int6
 // a buffer for operands(): n elements where they are rounded copies, none where fp32 operands are read in place
 template <typename E>
 static std::unique_ptr<E[]> operand_buffer(bool round, int64_t n) { return scratch<E>(round ? n : 0); }
+// one value as operands() writes it, for loops that make a product's operand as they compute it
+template <typename E> static inline E as_operand(float x, bool round);
+template <> inline float as_operand<float>(float x, bool round) { return round ? widen(narrow(x)) : x; }
+template <> inline uint16_t as_operand<uint16_t>(float x, bool) { return narrow(x); }
 """
 
 # Key spans: query t sees keys [0, span[t]) (beyond, the additive mask is -inf), and a
@@ -79,6 +83,7 @@ for (int64_t h = 0; h < H; h++) {
     const auto scores = scratch<float>(ROWS * S);
     const auto p_buf = operand_buffer<E>(ROUND, ROWS * S);
     float *p = scores.get();
+    E *pe = ROUND ? p_buf.get() : (E *)p;  // the probabilities as the product's operand (in place in fp32)
     const E *k = ke + (b * S * Hkv + h / n_rep) * hd, *v = ve + (b * S * Hkv + h / n_rep) * hd;
     for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
         const int64_t rows = std::min(ROWS, T - t0), w = width[t0 / ROWS];
@@ -91,11 +96,12 @@ for (int64_t h = 0; h < H; h++) {
             const int64_t n = span[t0 + t];
             for (int64_t s = 0; s < n; s++) { row[s] += m[s]; top = std::max(top, row[s]); }
             for (int64_t s = 0; s < n; s++) { row[s] = std::exp(row[s] - top); total += row[s]; }
-            for (int64_t s = 0; s < n; s++) row[s] /= total;
-            for (int64_t s = n; s < w; s++) row[s] = 0.f;
+            E *pt = pe + t * S;
+            for (int64_t s = 0; s < n; s++) pt[s] = as_operand<E>(row[s] / total, ROUND);
+            for (int64_t s = n; s < w; s++) pt[s] = 0;
             lse[t] = top + std::log(total);
         }
-        if (w > 0) gemm('N', 'N', rows, hd, w, 1.f, operands(p, rows, w, S, ROUND, p_buf.get()), S, v, Hkv * hd, 0.f, o, H * hd);
+        if (w > 0) gemm('N', 'N', rows, hd, w, 1.f, pe, S, v, Hkv * hd, 0.f, o, H * hd);
         else for (int64_t t = 0; t < rows; t++) std::fill(o + t * H * hd, o + t * H * hd + hd, 0.f);
     }
 }
@@ -110,6 +116,7 @@ for (int64_t g = 0; g < Hkv; g++) {
     const auto scores = scratch<float>(ROWS * S), ds = scratch<float>(ROWS * S);
     const auto p_buf = operand_buffer<E>(ROUND, ROWS * S), ds_buf = operand_buffer<E>(ROUND, ROWS * S);
     float *p = scores.get();
+    E *pe = ROUND ? p_buf.get() : (E *)p, *dse = ROUND ? ds_buf.get() : (E *)ds.get();  // as products' operands
     const E *k = ke + (b * S * Hkv + g) * hd, *v = ve + (b * S * Hkv + g) * hd;
     float *dk = out1_p + (b * S * Hkv + g) * hd, *dv = out2_p + (b * S * Hkv + g) * hd;
     for (int64_t s = 0; s < S; s++) {
@@ -128,19 +135,24 @@ for (int64_t g = 0; g < Hkv; g++) {
         }
         """ + SCORES + """        for (int64_t t = 0; t < rows; t++) {
             float *row = p + t * S;
+            E *pt = pe + t * S;
             const float *m = mask + (t0 + t) * S;
             const int64_t n = span[t0 + t];
-            for (int64_t s = 0; s < n; s++) row[s] = std::exp(row[s] + m[s] - lse[t]);
-            for (int64_t s = n; s < w; s++) row[s] = 0.f;
+            for (int64_t s = 0; s < n; s++) {
+                row[s] = std::exp(row[s] + m[s] - lse[t]);
+                if (ROUND) pt[s] = as_operand<E>(row[s], true);
+            }
+            for (int64_t s = n; s < w; s++) { row[s] = 0.f; pt[s] = 0; }
         }
-        gemm('T', 'N', w, hd, rows, 1.f, operands(p, rows, w, S, ROUND, p_buf.get()), S, dout, H * hd, 1.f, dv, Hkv * hd);
+        gemm('T', 'N', w, hd, rows, 1.f, pe, S, dout, H * hd, 1.f, dv, Hkv * hd);
         gemm('N', 'T', rows, w, hd, 1.f, dout, H * hd, v, Hkv * hd, 0.f, ds.get(), w);
         for (int64_t t = 0; t < rows; t++) {
-            const float *pr = p + t * S; float *dr = ds.get() + t * w, dot = 0.f;
+            const float *pr = p + t * S, *dr = ds.get() + t * w;
+            float dot = 0.f;
             for (int64_t s = 0; s < w; s++) dot += dr[s] * pr[s];
-            for (int64_t s = 0; s < w; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
+            E *dt = dse + t * w;
+            for (int64_t s = 0; s < w; s++) dt[s] = as_operand<E>(pr[s] * (dr[s] - dot) * scale, ROUND);
         }
-        const E *dse = operands(ds.get(), rows, w, w, ROUND, ds_buf.get());
         gemm('N', 'N', rows, hd, w, 1.f, dse, w, k, Hkv * hd, 0.f, dq, H * hd);
         gemm('T', 'N', w, hd, rows, 1.f, dse, w, q, H * hd, 1.f, dk, Hkv * hd);
     }
