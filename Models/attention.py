@@ -30,16 +30,14 @@ static inline void gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float
                         const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     dnnl_gemm_bf16bf16f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
-// rows x cols of x (row stride ld) as operands: x itself in fp32, else a rounded copy in buf (rows * ld)
-static const float *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool round, float *buf) {
+// x [n] as the products' operands: x itself in fp32, else rounded into buf [n]
+static const float *operands(const float *x, int64_t n, bool round, float *buf) {
     if (!round) return x;
-    #pragma omp parallel for if (rows * cols > 65536)
-    for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) buf[r * ld + c] = widen(narrow(x[r * ld + c]));
+    round_into(x, n, buf);
     return buf;
 }
-static const uint16_t *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool, uint16_t *buf) {
-    #pragma omp parallel for if (rows * cols > 65536)
-    for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) buf[r * ld + c] = narrow(x[r * ld + c]);
+static const uint16_t *operands(const float *x, int64_t n, bool, uint16_t *buf) {
+    round_into(x, n, buf);
     return buf;
 }
 // a buffer for operands(): n elements where they are rounded copies, none where fp32 operands are read in place
@@ -47,8 +45,8 @@ template <typename E>
 static std::unique_ptr<E[]> operand_buffer(bool round, int64_t n) { return scratch<E>(round ? n : 0); }
 // one value as operands() writes it, for loops that make a product's operand as they compute it
 template <typename E> static inline E as_operand(float x, bool round);
-template <> inline float as_operand<float>(float x, bool round) { return round ? widen(narrow(x)) : x; }
-template <> inline uint16_t as_operand<uint16_t>(float x, bool) { return narrow(x); }
+template <> inline float as_operand<float>(float x, bool round) { return round ? bf16_as<float>(x) : x; }
+template <> inline uint16_t as_operand<uint16_t>(float x, bool) { return bf16_as<uint16_t>(x); }
 """
 
 # Key spans: query t sees keys [0, span[t]) (beyond, the additive mask is -inf), and a
@@ -66,9 +64,9 @@ for (int64_t t = 0; t < T; t++) {  // from the end: a causal row stops at its fi
 for (int64_t t = 0; t < T; t++) width[t / ROWS] = std::max(width[t / ROWS], span[t]);
 const auto q_buf = operand_buffer<E>(ROUND, B * T * H * hd), k_buf = operand_buffer<E>(ROUND, B * S * Hkv * hd),
            v_buf = operand_buffer<E>(ROUND, B * S * Hkv * hd);
-const E *qe = operands(in0_p, B * T * H, hd, hd, ROUND, q_buf.get()),
-        *ke = operands(in1_p, B * S * Hkv, hd, hd, ROUND, k_buf.get()),
-        *ve = operands(in2_p, B * S * Hkv, hd, hd, ROUND, v_buf.get());
+const E *qe = operands(in0_p, B * T * H * hd, ROUND, q_buf.get()),
+        *ke = operands(in1_p, B * S * Hkv * hd, ROUND, k_buf.get()),
+        *ve = operands(in2_p, B * S * Hkv * hd, ROUND, v_buf.get());
 """
 
 # The probabilities of a block of queries live in a per-thread scratch: the forward keeps
@@ -109,7 +107,7 @@ for (int64_t h = 0; h < H; h++) {
 
 ATTENTION_BACKWARD = """
 const auto dout_buf = operand_buffer<E>(ROUND, B * T * H * hd);
-const E *dout_e = operands(in4_p, B * T * H, hd, hd, ROUND, dout_buf.get());
+const E *dout_e = operands(in4_p, B * T * H * hd, ROUND, dout_buf.get());
 #pragma omp parallel for collapse(2)
 for (int64_t b = 0; b < B; b++)
 for (int64_t g = 0; g < Hkv; g++) {
