@@ -151,15 +151,18 @@ def plain_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var) -> jt.Var:
 output_nll = Kernel(fused_output_nll, plain_output_nll)
 
 
-# The SwiGLU product silu(g) * u of one element, and its gradients for an incoming d.
+# The SwiGLU product silu(g) * u = g sigmoid(g) u of one element, and its gradients for an incoming
+# d; the _of forms take sigmoid(g) already computed (a pass that needs both computes it once).
 SWIGLU_HEADER = """
 #include <cmath>
-static inline float swiglu(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
-static inline void swiglu_grads(float g, float u, float d, float *dg, float *du) {
-    const float s = 1.f / (1.f + std::exp(-g));
+static inline float sigmoid(float g) { return 1.f / (1.f + std::exp(-g)); }
+static inline float swiglu_of(float g, float s, float u) { return g * s * u; }
+static inline float swiglu(float g, float u) { return swiglu_of(g, sigmoid(g), u); }
+static inline void swiglu_grads_of(float g, float s, float u, float d, float *dg, float *du) {
     *dg = d * u * s * (1.f + g * (1.f - s));
     *du = d * g * s;
 }
+static inline void swiglu_grads(float g, float u, float d, float *dg, float *du) { swiglu_grads_of(g, sigmoid(g), u, d, dg, du); }
 """
 SWIGLU_FORWARD = """
 #pragma omp parallel for simd
