@@ -12,7 +12,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .kernels import EXP_HEADER, GEMV_ROWS, SGEMM_DECLARATION, Kernel
+from .kernels import GEMV_ROWS, SGEMM_DECLARATION, Kernel
 from .precision import BF16_HEADER, cpu_has_bf16_units
 
 # The products in the base's precision. fp32: the fp32 operands through sgemm. bf16 (training and
@@ -20,7 +20,8 @@ from .precision import BF16_HEADER, cpu_has_bf16_units
 # gradient and the scores' gradient rounded to bf16, products summed in fp32: bf16 bits on the bf16
 # units (E = uint16_t), else their fp32 values through sgemm (E = float, ROUND). Softmax, the
 # log-sum-exp and every output stay fp32.
-ATTENTION_HEADER = BF16_HEADER + EXP_HEADER + """
+ATTENTION_HEADER = BF16_HEADER + """
+#include <cmath>
 static inline void gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                         const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -92,7 +93,7 @@ for (int64_t h = 0; h < H; h++) {
             const float *m = mask + (t0 + t) * S;
             const int64_t n = span[t0 + t];
             for (int64_t s = 0; s < n; s++) { row[s] += m[s]; top = std::max(top, row[s]); }
-            for (int64_t s = 0; s < n; s++) { row[s] = exp_fast(row[s] - top); total += row[s]; }
+            for (int64_t s = 0; s < n; s++) { row[s] = std::exp(row[s] - top); total += row[s]; }
             E *pt = pe + t * S;
             for (int64_t s = 0; s < n; s++) pt[s] = as_operand<E>(row[s] / total, ROUND);
             for (int64_t s = n; s < w; s++) pt[s] = 0;
@@ -136,7 +137,7 @@ for (int64_t g = 0; g < Hkv; g++) {
             const float *m = mask + (t0 + t) * S;
             const int64_t n = span[t0 + t];
             for (int64_t s = 0; s < n; s++) {
-                row[s] = exp_fast(row[s] + m[s] - lse[t]);
+                row[s] = std::exp(row[s] + m[s] - lse[t]);
                 if (ROUND) pt[s] = as_operand<E>(row[s], true);
             }
             for (int64_t s = n; s < w; s++) { row[s] = 0.f; pt[s] = 0; }
@@ -245,7 +246,7 @@ for (int64_t h = 0; h < H; h++) {
 for (int64_t row = 0; row < BT * H; row++) {
     float *p = out1_p + row * L, top = -INFINITY, total = 0.f;
     for (int64_t s = 0; s < L; s++) top = std::max(top, p[s]);
-    for (int64_t s = 0; s < L; s++) { p[s] = exp_fast(p[s] - top); total += p[s]; }
+    for (int64_t s = 0; s < L; s++) { p[s] = std::exp(p[s] - top); total += p[s]; }
     for (int64_t s = 0; s < L; s++) p[s] /= total;
 }
 attend_prompt(out1_p, in2_p, BT, H, hd, L, Hkv, n_rep, out0_p);
@@ -291,7 +292,7 @@ for (int64_t h = 0; h < H; h++) {
     dnnl_sgemm('T', 'N', L, hd, BT, 1.f, scaled.data() + h * L, H * L, g + h * hd, H * hd, 1.f, out2_p + kv * hd, Hkv * hd);
 }
 """
-PROMPT_ATTENTION_HEADER = (SGEMM_DECLARATION + EXP_HEADER + f"static const int64_t GEMV_ROWS = {GEMV_ROWS};\n"
+PROMPT_ATTENTION_HEADER = (SGEMM_DECLARATION + f"static const int64_t GEMV_ROWS = {GEMV_ROWS};\n"
                            "#include <cmath>\n#include <algorithm>\n#include <vector>\n" + """
 // out [BT,H,hd] = probs [BT,H,L] v [L,Hkv*hd], kv head h / n_rep serving query head h
 static void attend_prompt(const float *probs, const float *v, int64_t BT, int64_t H, int64_t hd, int64_t L,

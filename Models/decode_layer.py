@@ -26,7 +26,7 @@ static void attend(const float *q, const float *k, const float *v, int64_t n, in
                    float scale, float gain, float *out, float *scores) {
     float top = -INFINITY, total = 0.f;
     for (int64_t s = 0; s < n; s++) { scores[s] = dot(q, k + s * ld, hd) * scale; top = std::max(top, scores[s]); }
-    for (int64_t s = 0; s < n; s++) { scores[s] = exp_fast(scores[s] - top); total += scores[s]; }
+    for (int64_t s = 0; s < n; s++) { scores[s] = std::exp(scores[s] - top); total += scores[s]; }
     for (int64_t s = 0; s < n; s++) {
         const float p = gain * scores[s] / total;
         for (int64_t i = 0; i < hd; i++) out[i] += p * v[s * ld + i];

@@ -9,7 +9,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .kernels import EXP_HEADER, Kernel
+from .kernels import Kernel
 from .precision import BF16_BITS, base_linear, base_linear_input_grad, bf16_bits_input_grad
 
 # One head vector x [2*half] rotated pairwise by +-angle (sign); y may be x.
@@ -69,29 +69,26 @@ rope = Kernel(lambda x, cos, sin: Rope.apply(x, cos, sin), plain_rope)
 # before its loss weight, softmax - onehot [N,V], as GRAD_T: fp32, or bf16 bits for a bf16 output
 # matrix (the product that reads it rounds it to bf16 anyway: written so, it is half the bytes and
 # the product has no rounding pass)
-CROSS_ENTROPY_HEADER = BF16_BITS + EXP_HEADER + """
-#include <vector>
+CROSS_ENTROPY_HEADER = BF16_BITS + """
+#include <cmath>
+#include <algorithm>
 static inline void store(float *d, float v) { *d = v; }
 static inline void store(uint16_t *d, float v) { *d = narrow(v); }
 """
 CROSS_ENTROPY = """
 GRAD_T *grad = (GRAD_T *)GRAD;
-#pragma omp parallel
-{
-    std::vector<float> e(V);  // the row's exp(x - top), each computed once
-    #pragma omp for
-    for (int64_t r = 0; r < N; r++) {
-        const float *x = in0_p + r * V;
-        float top = -INFINITY, total = 0.f;
-        for (int64_t v = 0; v < V; v++) top = std::max(top, x[v]);
-        for (int64_t v = 0; v < V; v++) { e[v] = exp_fast(x[v] - top); total += e[v]; }
-        const int64_t target = in1_p[r];
-        out0_p[r] = top + std::log(total) - x[target];
-        if (grad) {
-            GRAD_T *g = grad + r * V;
-            const float inverse = 1.f / total;
-            for (int64_t v = 0; v < V; v++) store(g + v, e[v] * inverse - (v == target ? 1.f : 0.f));
-        }
+#pragma omp parallel for
+for (int64_t r = 0; r < N; r++) {
+    const float *x = in0_p + r * V;
+    float top = -INFINITY, total = 0.f;
+    for (int64_t v = 0; v < V; v++) top = std::max(top, x[v]);
+    for (int64_t v = 0; v < V; v++) total += std::exp(x[v] - top);
+    const float lse = top + std::log(total);
+    const int64_t target = in1_p[r];
+    out0_p[r] = lse - x[target];
+    if (grad) {
+        GRAD_T *g = grad + r * V;
+        for (int64_t v = 0; v < V; v++) store(g + v, std::exp(x[v] - lse) - (v == target ? 1.f : 0.f));
     }
 }
 """
@@ -154,17 +151,15 @@ def plain_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var) -> jt.Var:
 output_nll = Kernel(fused_output_nll, plain_output_nll)
 
 
-# The SwiGLU product silu(g) * u = g sigmoid(g) u of one element, and its gradients for an incoming
-# d; the _of forms take sigmoid(g) already computed (a pass that needs both computes it once).
-SWIGLU_HEADER = EXP_HEADER + """
-static inline float sigmoid(float g) { return 1.f / (1.f + exp_fast(-g)); }
-static inline float swiglu_of(float g, float s, float u) { return g * s * u; }
-static inline float swiglu(float g, float u) { return swiglu_of(g, sigmoid(g), u); }
-static inline void swiglu_grads_of(float g, float s, float u, float d, float *dg, float *du) {
+# The SwiGLU product silu(g) * u of one element, and its gradients for an incoming d.
+SWIGLU_HEADER = """
+#include <cmath>
+static inline float swiglu(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
+static inline void swiglu_grads(float g, float u, float d, float *dg, float *du) {
+    const float s = 1.f / (1.f + std::exp(-g));
     *dg = d * u * s * (1.f + g * (1.f - s));
     *du = d * g * s;
 }
-static inline void swiglu_grads(float g, float u, float d, float *dg, float *du) { swiglu_grads_of(g, sigmoid(g), u, d, dg, du); }
 """
 SWIGLU_FORWARD = """
 #pragma omp parallel for simd

@@ -137,9 +137,9 @@ add_projected = Kernel(fused_add_projected, plain_add_projected)
 
 # hidden [M,F] = silu(gate) * up and u [M,R] = hidden A [R,F]^T in one op that keeps only gate and up
 # (the SwiGLU keeps them anyway). The backward goes through the rows a block at a time in cache:
-# it rebuilds the block's hidden for dA (each thread sums its own part), keeping the sigmoids,
-# then turns dhidden + du A (one small sgemm onto dhidden) into the gate's and up's gradients
-# (SwiGLU's rule), so each [M,F] tensor crosses memory once instead of a dozen times.
+# it rebuilds the block's hidden for dA (each thread sums its own part), and adds both outputs'
+# gradients, dhidden + du A, before turning them into the gate's and up's (SwiGLU's rule), so each
+# [M,F] tensor crosses memory once instead of a dozen times.
 GATED_HEADER = SGEMM_DECLARATION + SWIGLU_HEADER + "#include <vector>\n#include <algorithm>\n"
 GATED_FORWARD = """
 { const int64_t N = M * F; """ + SWIGLU_FORWARD + """ }
@@ -151,21 +151,22 @@ const int64_t ROWS = 32, n_blocks = (M + ROWS - 1) / ROWS;
 std::fill(out2_p, out2_p + R * F, 0.f);
 #pragma omp parallel
 {
-    std::vector<float> hidden(ROWS * F), sig(ROWS * F), dA(R * F, 0.f);
+    std::vector<float> hidden(ROWS * F), dA(R * F, 0.f);
     #pragma omp for schedule(static)
     for (int64_t b = 0; b < n_blocks; b++) {
         const int64_t m0 = b * ROWS, rows = std::min(ROWS, M - m0);
-        const float *g = gate + m0 * F, *u = up + m0 * F;
-        for (int64_t i = 0; i < rows * F; i++) {
-            sig[i] = sigmoid(g[i]);
-            hidden[i] = swiglu_of(g[i], sig[i], u[i]);
-        }
+        for (int64_t i = 0; i < rows * F; i++) hidden[i] = swiglu(gate[m0 * F + i], up[m0 * F + i]);
         dnnl_sgemm('T', 'N', R, F, rows, 1.f, grad_u + m0 * R, R, hidden.data(), F, 1.f, dA.data(), F);
-        // hidden's rows now hold dhidden + du A
-        std::copy(grad_hidden + m0 * F, grad_hidden + (m0 + rows) * F, hidden.data());
-        dnnl_sgemm('N', 'N', rows, F, R, 1.f, grad_u + m0 * R, R, A, F, 1.f, hidden.data(), F);
-        float *dg = out0_p + m0 * F, *du = out1_p + m0 * F;
-        for (int64_t i = 0; i < rows * F; i++) swiglu_grads_of(g[i], sig[i], u[i], hidden[i], dg + i, du + i);
+        for (int64_t m = m0; m < m0 + rows; m++) {  // hidden's rows now hold dhidden + du A
+            float *d = hidden.data() + (m - m0) * F;
+            std::copy(grad_hidden + m * F, grad_hidden + (m + 1) * F, d);
+            for (int64_t k = 0; k < R; k++) {
+                const float c = grad_u[m * R + k];
+                for (int64_t i = 0; i < F; i++) d[i] += c * A[k * F + i];
+            }
+            #pragma omp simd
+            for (int64_t i = 0; i < F; i++) swiglu_grads(gate[m * F + i], up[m * F + i], d[i], out0_p + m * F + i, out1_p + m * F + i);
+        }
     }
     #pragma omp critical
     for (int64_t i = 0; i < R * F; i++) out2_p[i] += dA[i];

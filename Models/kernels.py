@@ -62,37 +62,6 @@ LINEAR_FORWARD = """
 dnnl_sgemm('N', 'T', M, N, K, 1.f, in0_p, K, in1_p, K, 0.f, out0_p, N);
 """
 
-# exp for the softmax, SwiGLU and loss loops: Cody-Waite reduction to r in [-ln2/2, ln2/2] and a
-# degree-6 polynomial, inlined, so the loops vectorize as plain arithmetic; libm's vector expf is a
-# call per 16 lanes, about 4x the time. Within 1e-7 relative of exp (libm's: 2e-7) over fp32's
-# normal range; below it (e^-87.3, where fp32 turns denormal) and at -inf, 0. Guarded, as several
-# headers of one op include it; the #includes stay outside the guard, because Jittor writes the
-# op's own macros after a header's last #include.
-EXP_HEADER = """
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <algorithm>
-#ifndef MOA_EXP_FAST
-#define MOA_EXP_FAST
-static inline float exp_fast(float x) {
-    const float t = std::min(std::max(x * 1.44269504088896341f, -127.f), 128.f), k = std::nearbyint(t);
-    const float r = std::fma(k, 2.12194440e-4f, std::fma(k, -0.693359375f, x));  // x - k ln2, ln2 in two parts
-    float p = 1.9875691500e-4f;
-    p = std::fma(p, r, 1.3981999507e-3f);
-    p = std::fma(p, r, 8.3334519073e-3f);
-    p = std::fma(p, r, 4.1665795894e-2f);
-    p = std::fma(p, r, 1.6666665459e-1f);
-    p = std::fma(p, r, 5.0000001201e-1f);
-    p = std::fma(p * r, r, r) + 1.f;
-    const int32_t bits = (int32_t(k) + 126) << 23;  // 2^(k-1), finite for k = 128
-    float half_two_k;
-    std::memcpy(&half_two_k, &bits, 4);
-    return k <= -126.f ? 0.f : p * half_two_k * 2.f;
-}
-#endif
-"""
-
 # The same product for a few rows (decoding): one pass over the weights, a block of weight rows
 # dotted with every row of x in vector registers, threads over the weight rows. sgemm's fixed cost
 # per call was most of a decode step's small products; this runs at memory speed. The weights may

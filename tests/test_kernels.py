@@ -9,7 +9,7 @@ from Models.fused import logit_rows, output_nll, rms_norm, rope, silu_gate
 from Models.fused_experts import add_projected, add_weighted, gated_projection
 from Models.projections import lora_projections
 from Models.attention import attention, prompt_attention
-from Models.kernels import EXP_HEADER, fused_kernels_on, linear
+from Models.kernels import fused_kernels_on, linear
 from Models.Routing import Gamma, swiglu_router, type_router, type_weights
 from Models.precision import BF16Linear, base_linear, cast_to, cpu_has_bf16_units, to_bf16
 from Models.torch_io import bf16_bits_to_float32, float32_to_bf16_bits
@@ -88,24 +88,6 @@ def test_output_nll_in_chunks(dtype, monkeypatch):
         probs[np.arange(B * T), targets.numpy().reshape(-1)] -= 1
         want = (rounded(probs) @ w64) * loss_weight.numpy().reshape(-1, 1)
         np.testing.assert_allclose(got.numpy().reshape(-1, D), want, rtol=1e-5, atol=5e-5)
-
-
-def test_exp_fast():
-    """The kernels' exp: within 1e-7 of exp over fp32's normal range; 0 below it and at -inf;
-    inf where fp32's exp overflows and at inf; NaN stays NaN."""
-    xs = np.concatenate([np.linspace(-110, 89, 200001, dtype=np.float32),
-                         np.array([-np.inf, np.inf, np.nan, 0, 88.72, 88.73], np.float32)])
-    got = jt.code(xs.shape, "float32", [jt.array(xs)], cpu_header=EXP_HEADER + EXP_HEADER,  # guarded: twice is fine
-                  cpu_src=f"for (int64_t i = 0; i < {xs.size}; i++) out0_p[i] = exp_fast(in0_p[i]);").numpy()
-    with np.errstate(over="ignore"):
-        want, want32 = np.exp(xs.astype(np.float64)), np.exp(xs)
-    tiny = np.finfo(np.float32).tiny
-    normal_range = (want >= 2 * tiny) & np.isfinite(want32)
-    np.testing.assert_allclose(got[normal_range], want[normal_range], rtol=1e-7, atol=0)
-    assert normal_range.sum() > 170000
-    assert np.all(got[want < tiny] == 0)
-    assert np.all(np.isposinf(got[np.isinf(want32)])) and np.isinf(want32).sum() >= 2
-    assert np.isnan(got[np.isnan(xs)]).all()
 
 
 def test_silu_gate():
@@ -231,13 +213,6 @@ def test_bf16_linear(shape, N, units):
     np.testing.assert_allclose(got.numpy(), rounded(out_grad.numpy()) @ w64, rtol=1e-5, atol=2e-5)
 
 
-def assert_mostly_close(got, want):
-    """Equal but where a probability next to a bf16 rounding boundary rounds the other way (sums in
-    another order, or float64 against fp32): under 1% of the elements, each off by under 2e-3."""
-    off = np.abs(got - want) > 2e-5 + 1e-4 * np.abs(want)
-    assert off.mean() < 0.01 and np.abs(got - want).max() < 2e-3
-
-
 @pytest.mark.parametrize("units", units_choices)
 def test_bf16_attention(units, monkeypatch):
     """Attention of a bf16 base (training, prefill): q, k, v and the probabilities rounded to bf16, sums
@@ -256,15 +231,17 @@ def test_bf16_attention(units, monkeypatch):
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     want = np.einsum("bhts,bshd->bthd", rounded(probs.astype(np.float32)), vr)
-    assert_mostly_close(out.numpy(), want)
+    # a probability next to a bf16 rounding boundary may round the other way from its float64 twin
+    off = np.abs(out.numpy() - want) > 2e-5 + 1e-4 * np.abs(want)
+    assert off.mean() < 0.01 and np.abs(out.numpy() - want).max() < 2e-3
     out_grad = normal(rng, out.shape)
     grads = jt.grad((out * out_grad).sum(), [q, k, v])
     monkeypatch.setattr(attention_module, "cpu_has_bf16_units", lambda: not units)
     other = jt.grad((attention.fused(q, k, v, mask, True) * out_grad).sum(), [q, k, v])
     fp32 = jt.grad((attention.fused(q, k, v, mask, False) * out_grad).sum(), [q, k, v])
     for got, same_rule, exact in zip(grads, other, fp32):
-        if cpu_has_bf16_units():  # the units path exists: both routes give one rule's numbers (their
-            assert_mostly_close(got.numpy(), same_rule.numpy())  # sums' order differs: a few round apart)
+        if cpu_has_bf16_units():  # the units path exists: both routes give one rule's numbers
+            np.testing.assert_allclose(got.numpy(), same_rule.numpy(), rtol=1e-4, atol=2e-5)
         np.testing.assert_allclose(got.numpy(), exact.numpy(), rtol=0.05, atol=0.05)
         assert np.abs(got.numpy() - exact.numpy()).max() > 0  # rounded, not the fp32 products
 
