@@ -15,7 +15,7 @@ from jittor import nn
 from .attention import attention, prompt_attention
 from .Experts import MOELoraLayer
 from .SparseLoRA import SparseLoRAMoE
-from .fused import branches, rms_norm, rms_norm_branches, rope, silu_gate
+from .fused import rms_norm, rms_norm_branches, rope, silu_gate
 from .fused_experts import gated_projection
 from .projections import lora_projections
 from .kernels import decoding
@@ -117,10 +117,9 @@ class Attention(nn.Module):
         xq, xk, xv = xq.reshape(B, T, H, hd), xk.reshape(B, T, Hkv, hd), xv.reshape(B, T, Hkv, hd)
         xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
         keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
-        xq, prompt_xq = branches(xq, 2) if self.has_prompt else (xq, None)
         out = attention(xq, keys, values, mask, self.wq.weight.dtype == "bfloat16")  # [B,T,H,hd]
         if self.has_prompt:
-            out = self.add_prompt_output(out, x, prompt_xq, route, start_pos)
+            out = self.add_prompt_output(out, x, xq, route, start_pos)
         out = out.reshape(B, T, H * hd)  # [B,T,D]
         return with_lora(self.wo, self.lora_O, out, route, "O")
 

@@ -30,23 +30,21 @@ static inline void gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float
                         const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     dnnl_gemm_bf16bf16f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
-// x [n] as the products' operands: x itself in fp32, else rounded into buf [n]
-static const float *operands(const float *x, int64_t n, bool round, float *buf) {
+// rows x cols of x (row stride ld) as operands: x itself in fp32, else a rounded copy in buf (rows * ld)
+static const float *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool round, float *buf) {
     if (!round) return x;
-    round_into(x, n, buf);
+    #pragma omp parallel for if (rows * cols > 65536)
+    for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) buf[r * ld + c] = widen(narrow(x[r * ld + c]));
     return buf;
 }
-static const uint16_t *operands(const float *x, int64_t n, bool, uint16_t *buf) {
-    round_into(x, n, buf);
+static const uint16_t *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool, uint16_t *buf) {
+    #pragma omp parallel for if (rows * cols > 65536)
+    for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) buf[r * ld + c] = narrow(x[r * ld + c]);
     return buf;
 }
 // a buffer for operands(): n elements where they are rounded copies, none where fp32 operands are read in place
 template <typename E>
 static std::unique_ptr<E[]> operand_buffer(bool round, int64_t n) { return scratch<E>(round ? n : 0); }
-// one value as operands() writes it, for loops that make a product's operand as they compute it
-template <typename E> static inline E as_operand(float x, bool round);
-template <> inline float as_operand<float>(float x, bool round) { return round ? bf16_as<float>(x) : x; }
-template <> inline uint16_t as_operand<uint16_t>(float x, bool) { return bf16_as<uint16_t>(x); }
 """
 
 # Key spans: query t sees keys [0, span[t]) (beyond, the additive mask is -inf), and a
@@ -64,9 +62,9 @@ for (int64_t t = 0; t < T; t++) {  // from the end: a causal row stops at its fi
 for (int64_t t = 0; t < T; t++) width[t / ROWS] = std::max(width[t / ROWS], span[t]);
 const auto q_buf = operand_buffer<E>(ROUND, B * T * H * hd), k_buf = operand_buffer<E>(ROUND, B * S * Hkv * hd),
            v_buf = operand_buffer<E>(ROUND, B * S * Hkv * hd);
-const E *qe = operands(in0_p, B * T * H * hd, ROUND, q_buf.get()),
-        *ke = operands(in1_p, B * S * Hkv * hd, ROUND, k_buf.get()),
-        *ve = operands(in2_p, B * S * Hkv * hd, ROUND, v_buf.get());
+const E *qe = operands(in0_p, B * T * H, hd, hd, ROUND, q_buf.get()),
+        *ke = operands(in1_p, B * S * Hkv, hd, hd, ROUND, k_buf.get()),
+        *ve = operands(in2_p, B * S * Hkv, hd, hd, ROUND, v_buf.get());
 """
 
 # The probabilities of a block of queries live in a per-thread scratch: the forward keeps
@@ -81,7 +79,6 @@ for (int64_t h = 0; h < H; h++) {
     const auto scores = scratch<float>(ROWS * S);
     const auto p_buf = operand_buffer<E>(ROUND, ROWS * S);
     float *p = scores.get();
-    E *pe = ROUND ? p_buf.get() : (E *)p;  // the probabilities as the product's operand (in place in fp32)
     const E *k = ke + (b * S * Hkv + h / n_rep) * hd, *v = ve + (b * S * Hkv + h / n_rep) * hd;
     for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
         const int64_t rows = std::min(ROWS, T - t0), w = width[t0 / ROWS];
@@ -94,12 +91,11 @@ for (int64_t h = 0; h < H; h++) {
             const int64_t n = span[t0 + t];
             for (int64_t s = 0; s < n; s++) { row[s] += m[s]; top = std::max(top, row[s]); }
             for (int64_t s = 0; s < n; s++) { row[s] = std::exp(row[s] - top); total += row[s]; }
-            E *pt = pe + t * S;
-            for (int64_t s = 0; s < n; s++) pt[s] = as_operand<E>(row[s] / total, ROUND);
-            for (int64_t s = n; s < w; s++) pt[s] = 0;
+            for (int64_t s = 0; s < n; s++) row[s] /= total;
+            for (int64_t s = n; s < w; s++) row[s] = 0.f;
             lse[t] = top + std::log(total);
         }
-        if (w > 0) gemm('N', 'N', rows, hd, w, 1.f, pe, S, v, Hkv * hd, 0.f, o, H * hd);
+        if (w > 0) gemm('N', 'N', rows, hd, w, 1.f, operands(p, rows, w, S, ROUND, p_buf.get()), S, v, Hkv * hd, 0.f, o, H * hd);
         else for (int64_t t = 0; t < rows; t++) std::fill(o + t * H * hd, o + t * H * hd + hd, 0.f);
     }
 }
@@ -107,14 +103,13 @@ for (int64_t h = 0; h < H; h++) {
 
 ATTENTION_BACKWARD = """
 const auto dout_buf = operand_buffer<E>(ROUND, B * T * H * hd);
-const E *dout_e = operands(in4_p, B * T * H * hd, ROUND, dout_buf.get());
+const E *dout_e = operands(in4_p, B * T * H, hd, hd, ROUND, dout_buf.get());
 #pragma omp parallel for collapse(2)
 for (int64_t b = 0; b < B; b++)
 for (int64_t g = 0; g < Hkv; g++) {
     const auto scores = scratch<float>(ROWS * S), ds = scratch<float>(ROWS * S);
     const auto p_buf = operand_buffer<E>(ROUND, ROWS * S), ds_buf = operand_buffer<E>(ROUND, ROWS * S);
     float *p = scores.get();
-    E *pe = ROUND ? p_buf.get() : (E *)p, *dse = ROUND ? ds_buf.get() : (E *)ds.get();  // as products' operands
     const E *k = ke + (b * S * Hkv + g) * hd, *v = ve + (b * S * Hkv + g) * hd;
     float *dk = out1_p + (b * S * Hkv + g) * hd, *dv = out2_p + (b * S * Hkv + g) * hd;
     for (int64_t s = 0; s < S; s++) {
@@ -133,24 +128,19 @@ for (int64_t g = 0; g < Hkv; g++) {
         }
         """ + SCORES + """        for (int64_t t = 0; t < rows; t++) {
             float *row = p + t * S;
-            E *pt = pe + t * S;
             const float *m = mask + (t0 + t) * S;
             const int64_t n = span[t0 + t];
-            for (int64_t s = 0; s < n; s++) {
-                row[s] = std::exp(row[s] + m[s] - lse[t]);
-                if (ROUND) pt[s] = as_operand<E>(row[s], true);
-            }
-            for (int64_t s = n; s < w; s++) { row[s] = 0.f; pt[s] = 0; }
+            for (int64_t s = 0; s < n; s++) row[s] = std::exp(row[s] + m[s] - lse[t]);
+            for (int64_t s = n; s < w; s++) row[s] = 0.f;
         }
-        gemm('T', 'N', w, hd, rows, 1.f, pe, S, dout, H * hd, 1.f, dv, Hkv * hd);
+        gemm('T', 'N', w, hd, rows, 1.f, operands(p, rows, w, S, ROUND, p_buf.get()), S, dout, H * hd, 1.f, dv, Hkv * hd);
         gemm('N', 'T', rows, w, hd, 1.f, dout, H * hd, v, Hkv * hd, 0.f, ds.get(), w);
         for (int64_t t = 0; t < rows; t++) {
-            const float *pr = p + t * S, *dr = ds.get() + t * w;
-            float dot = 0.f;
+            const float *pr = p + t * S; float *dr = ds.get() + t * w, dot = 0.f;
             for (int64_t s = 0; s < w; s++) dot += dr[s] * pr[s];
-            E *dt = dse + t * w;
-            for (int64_t s = 0; s < w; s++) dt[s] = as_operand<E>(pr[s] * (dr[s] - dot) * scale, ROUND);
+            for (int64_t s = 0; s < w; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
         }
+        const E *dse = operands(ds.get(), rows, w, w, ROUND, ds_buf.get());
         gemm('N', 'N', rows, hd, w, 1.f, dse, w, k, Hkv * hd, 0.f, dq, H * hd);
         gemm('T', 'N', w, hd, rows, 1.f, dse, w, q, H * hd, 1.f, dk, Hkv * hd);
     }
