@@ -11,10 +11,10 @@ RSS. Then the GEMM roofline: our bf16 base matmul (fp32 activations x bf16 weigh
 against torch's bf16 GEMM, both n^3 products timed in this run. The last lines are a
 markdown table for the README.
 
-Runtime on the 2-core reference machine (AMD EPYC, no bf16 units): fp32 about 15 min for
-all eight pairs. bf16 is dominated by the authors' side, whose bf16 autocast has no fast
-kernels on a CPU without bf16 units: about 6 min per small pair and 40 min per medium
-pair, so about 1 h 45 min in all; `--precisions fp32` or `--configs small` run a part.
+Runtime: about 3 minutes for all sixteen pairs on a 2-core AMD EPYC with bf16 units
+(avx512_bf16). Without bf16 units the authors' bf16 autocast has no fast CPU kernels: on such a
+2-core EPYC fp32 took about 15 min and bf16 about 1 h 45 min (6 min per small pair, 40 per
+medium); `--precisions fp32` or `--configs small` run a part.
 """
 import argparse
 import datetime
