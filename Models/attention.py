@@ -54,7 +54,7 @@ KEY_SPANS = """
 const int64_t ROWS = 64, n_blocks = (T + ROWS - 1) / ROWS;
 std::vector<int64_t> span(T), width(n_blocks, 0);
 #pragma omp parallel for
-for (int64_t t = 0; t < T; t++) {  // from the end: a causal row stops at its first unmasked key
+for (int64_t t = 0; t < T; t++) {  // from the row's end back to its last unmasked key
     int64_t s = S;
     while (s > 0 && !(mask[t * S + s - 1] > -1e30f)) s--;
     span[t] = s;

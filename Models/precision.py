@@ -93,10 +93,6 @@ static const int64_t GEMV_ROWS = """ + str(GEMV_ROWS) + """;
 #include <algorithm>
 extern "C" int dnnl_gemm_bf16bf16f32(char transa, char transb, int64_t M, int64_t N, int64_t K, float alpha,
     const uint16_t *A, int64_t lda, const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc);
-// Scratch that every element of is written before it is read: no zero fill (a vector's would be a
-// single-threaded pass as long as the threaded one that fills it).
-template <typename T>
-static std::unique_ptr<T[]> scratch(int64_t n) { return std::unique_ptr<T[]>(new T[n]); }
 // a [n] narrowed to bf16 bits, for the bf16 units
 static std::unique_ptr<uint16_t[]> narrowed(const float *a, int64_t n) {
     auto bits = scratch<uint16_t>(n);
