@@ -72,8 +72,6 @@ def get_args_parser():
       "(without it such a folder is refused)")
     a("--init_adapter", default=None, help="start from this adapter (our dir/adapter.pth or the authors' "
       "adapter.pth) with a fresh optimizer")
-    a("--amp", action="store_true", help="GPU only: fp16 frozen base + Jittor AMP level 4 (adapters and "
-      "optimizer stay fp32; untested on GPU so far); ignored on CPU")
     a("--device", default="cuda", choices=["cuda", "cpu"], help="cuda when available, or force cpu")
     shown = recipe_values(DEFAULT_RECIPE)
     add_arguments(p.add_argument_group("model and experts"), ModelArgs, shown)
@@ -155,11 +153,6 @@ def prepare(args):
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
     model = build_model(args.llama_path, model_args)
-    if args.amp and jt.flags.use_cuda:
-        # fp16 storage for the frozen base; the adapters and their AdamW state stay fp32
-        for p in model.base_parameters().values():
-            p.assign(p.float16())
-        model.freeze_base()
     model.train()
     counts = model.parameter_counts()
     print_main(f"trainable parameters: {counts['total']:,} (base {counts['base']:,}, frozen); per type: "
@@ -200,7 +193,7 @@ def check_lengths(args, train_ds, val_ds, max_seq_len):
 
 def run_flags(args) -> dict:
     return {k: getattr(args, k) for k in ("llama_path", "data_path", "val_data_path", "output_dir", "resume",
-                                          "overwrite", "init_adapter", "amp", "device", "world_size")}
+                                          "overwrite", "init_adapter", "device", "world_size")}
 
 
 def claim_output_dir(args, run_id):
@@ -266,12 +259,9 @@ def train_and_save(args, stop, run_id, model, optimizer, stopper, datasets, exam
         from tensorboardX import SummaryWriter
         log_writer = SummaryWriter(logdir=os.path.join(args.output_dir, "tensorboard"),
                                    purge_step=start.global_step + 1)
-    amp_level = 4 if args.amp and jt.flags.use_cuda else 0
-    if args.amp and not jt.flags.use_cuda:
-        print_main("--amp ignored: no GPU in use, training in fp32")
     ctx = RunContext(output_dir=args.output_dir, world_size=args.world_size, steps_per_epoch=steps_per_epoch,
                      val_dataset=val_ds, stopper=stopper, log_writer=log_writer, stop=stop,
-                     amp_level=amp_level, settings=settings, signature=signature, run_id=run_id)
+                     settings=settings, signature=signature, run_id=run_id)
     print_main(f"{len(train_ds)} batches of {cfg.batch_size} per epoch, {steps_per_epoch} optimizer steps per "
                f"epoch, {cfg.epochs * steps_per_epoch} in all, lr {cfg.lr:.3g}, {args.world_size} rank(s)")
     end = train(model, train_ds, optimizer, cfg, ctx, start)

@@ -87,7 +87,6 @@ class RunContext:
     stopper: Any  # Utils.misc.EarlyStopper (keeps its own counters)
     log_writer: Any  # tensorboardX SummaryWriter on rank 0, None elsewhere
     stop: Any  # Utils.jittor_env.StopFlag
-    amp_level: int
     settings: dict  # the run's resolved settings, saved into every checkpoint
     signature: dict  # what a resume must match (Models.checkpoints.resume_signature)
     run_id: str = ""  # on every log line: which run wrote it
@@ -126,8 +125,7 @@ def validate_and_save(ctx, model, optimizer, progress):
     """Validation (when there is a val set), the early stopper, the checkpoints."""
     improved = False
     if ctx.val_dataset is not None:
-        with jt.flag_scope(auto_mixed_precision_level=ctx.amp_level):
-            val_loss = evaluate(model, ctx.val_dataset)
+        val_loss = evaluate(model, ctx.val_dataset)
         improved, should_stop = ctx.stopper.step(val_loss)
         print_main(f"[val] step {progress.global_step}: val_loss {val_loss:.4f} (best {ctx.stopper.best:.4f})"
                    f"{' improved' if improved else ''}")
@@ -176,10 +174,9 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         local_nll, local_targets, input_tokens, local_aux = 0.0, 0.0, 0, 0.0
         for tokens, mask in itertools.islice(dataset.batches(epoch, batch_steps[0]), cfg.accum_iter):
             count = float(mask[:, 1:].sum())
-            with jt.flag_scope(auto_mixed_precision_level=ctx.amp_level):
-                loss, _ = model(jt.array(tokens), jt.array(mask), with_logits=False)
-                # local share of sum(mask*nll)/N; backward's rank mean then gives the global gradient
-                optimizer.backward(loss * (count * world / max(n_targets, 1.0)))
+            loss, _ = model(jt.array(tokens), jt.array(mask), with_logits=False)
+            # local share of sum(mask*nll)/N; backward's rank mean then gives the global gradient
+            optimizer.backward(loss * (count * world / max(n_targets, 1.0)))
             parts = model.last_loss_parts  # the cross-entropy, and the sparse baselines' load-balancing term
             jt.sync([loss, *parts.values()] + [g for pg in optimizer.param_groups for g in pg["grads"]])
             local_nll += parts["ce"].item() * count
