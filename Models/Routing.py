@@ -149,7 +149,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
     return s;
 }
-static inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
 """
 # One row xm [D] -> probs_row [NT] and gamma (Sparse): the router (SwiGLU when HIDDEN > 0, else
 # Linear), the sigmoid, Gamma and the selection; the weights' names are router_declarations'.

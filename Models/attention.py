@@ -22,6 +22,7 @@ from .precision import BF16_HEADER, cpu_has_bf16_units
 # log-sum-exp and every output stay fp32.
 ATTENTION_HEADER = BF16_HEADER + """
 #include <cmath>
+#include <type_traits>
 static inline void gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                         const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
     dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -31,15 +32,11 @@ static inline void gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float
     dnnl_gemm_bf16bf16f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 // rows x cols of x (row stride ld) as operands: x itself in fp32, else a rounded copy in buf (rows * ld)
-static const float *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool round, float *buf) {
-    if (!round) return x;
+template <typename E>
+static const E *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool round, E *buf) {
+    if (std::is_same<E, float>::value && !round) return reinterpret_cast<const E *>(x);
     #pragma omp parallel for if (rows * cols > 65536)
-    for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) buf[r * ld + c] = widen(narrow(x[r * ld + c]));
-    return buf;
-}
-static const uint16_t *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool, uint16_t *buf) {
-    #pragma omp parallel for if (rows * cols > 65536)
-    for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) buf[r * ld + c] = narrow(x[r * ld + c]);
+    for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) round_to(x[r * ld + c], buf + r * ld + c);
     return buf;
 }
 // a buffer for operands(): n elements where they are rounded copies, none where fp32 operands are read in place

@@ -34,20 +34,23 @@ static inline uint16_t narrow(float f) {  // round to nearest, ties to even; NaN
     if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
     return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-"""
-# x rounded to bf16: as bf16 bits (out_type uint16_t) or as the fp32 value of those bits (float)
-ROUND_TO_BF16 = """
-const float *x = in0_p; OUT_TYPE *dst = (OUT_TYPE *)out0_p;
-#pragma omp parallel for
-for (int64_t i = 0; i < n; i++) dst[i] = ROUNDED(narrow(x[i]));
+// x rounded to bf16 as a product's operand: its bits (for the bf16 units) or their fp32 value
+static inline void round_to(float x, uint16_t *dst) { *dst = narrow(x); }
+static inline void round_to(float x, float *dst) { *dst = widen(narrow(x)); }
+// x [n] rounded into dst [n], threaded: every whole-tensor fp32 -> bf16 pass of the project
+template <typename E>
+static void round_into(const float *x, int64_t n, E *dst) {
+    #pragma omp parallel for
+    for (int64_t i = 0; i < n; i++) round_to(x[i], dst + i);
+}
 """
 
 
 def rounding_op(x: jt.Var, dtype: str) -> jt.Var:
-    out_type, rounded = ("uint16_t", "") if dtype == "bfloat16" else ("float", "widen")
+    """x (fp32) rounded to bf16: its bits (dtype bfloat16) or their fp32 values (float32)."""
+    out_type = "uint16_t" if dtype == "bfloat16" else "float"
     return jt.code(x.shape, dtype, [x.float32()], cpu_header=BF16_BITS,
-                   cpu_src=f"const int64_t n = {x.numel()};\n#define OUT_TYPE {out_type}\n#define ROUNDED {rounded}\n"
-                   + ROUND_TO_BF16)
+                   cpu_src=f"round_into((const float *)in0_p, {x.numel()}, ({out_type} *)out0_p);\n")
 
 
 def to_bf16(x: jt.Var) -> jt.Var:
@@ -96,8 +99,7 @@ extern "C" int dnnl_gemm_bf16bf16f32(char transa, char transb, int64_t M, int64_
 // a [n] narrowed to bf16 bits, for the bf16 units
 static std::unique_ptr<uint16_t[]> narrowed(const float *a, int64_t n) {
     auto bits = scratch<uint16_t>(n);
-    #pragma omp parallel for
-    for (int64_t i = 0; i < n; i++) bits[i] = narrow(a[i]);
+    round_into(a, n, bits.get());
     return bits;
 }
 // C [M,N] = beta C + A [M,K] (fp32, rounded to bf16 here, or given as bits ab) times op(B) (bf16) with
@@ -111,8 +113,7 @@ static bool gemm_bf16_units(char transb, int64_t M, int64_t N, int64_t K, const 
 // The same product without bf16 units: A rounded to bf16 values in fp32, for sgemm on widened panels.
 static std::unique_ptr<float[]> rounded(const float *a, int64_t n) {
     auto r = scratch<float>(n);
-    #pragma omp parallel for
-    for (int64_t i = 0; i < n; i++) r[i] = widen(narrow(a[i]));
+    round_into(a, n, r.get());
     return r;
 }
 
