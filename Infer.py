@@ -40,11 +40,11 @@ from Data.prompts import format_prompt
 from Data.scoring import extract_answer, is_correct, scoring_rule
 from Models.ModelArgs import META_FIELDS, ModelArgs
 from Models.Tokenizer import Tokenizer
-from Models.checkpoints import ADAPTER_WEIGHTS, adapter_config_path, load_adapter, read_adapter_config
-from Models.meta_checkpoint import build_model, open_tokenizer
+from Models.formats.adapters import ADAPTER_WEIGHTS, adapter_config_path, load_adapter, read_adapter_config
+from Models.formats.meta import build_model, open_tokenizer
 from Models.generate import check_kv_cache_memory, generate
-from Models.tiny_base import ensure_default_base
-from Models.torch_io import CheckpointError
+from Data.tiny_base import ensure_default_base
+from Models.formats.pth import CheckpointError
 from Utils import misc, output_dirs
 from Utils.jittor_env import StopFlag
 from Utils.misc import print_main

@@ -31,16 +31,16 @@ import jittor as jt
 from Data.dataset import FinetuneDataset, load_examples, split_validation
 from Data.synthetic import make_splits
 from engine_finetune import NonFiniteLoss, Progress, RunContext, log_line, train
-from Models.checkpoints import load_adapter, restore_checkpoint, resume_signature, save_adapter
-from Models.meta_checkpoint import build_model, open_tokenizer
+from Models.formats.adapters import load_adapter, save_adapter
+from Models.formats.training import restore_checkpoint, resume_signature
+from Models.formats.meta import build_model, open_tokenizer
 from Models.ModelArgs import INSTANCE_METHODS, ModelArgs
-from Models.tiny_base import ensure_default_base
+from Data.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
-from Utils.adamw import build_optimizer
+from Models.kernels.adamw import build_optimizer
 from Utils.misc import EarlyStopper, all_reduce_sum, print_main
 from Utils.jittor_env import StopFlag
-from Utils.settings import (GenerationArgs, TrainArgs, add_arguments, given, recipe_values, recipes_help,
-                            setting_fields)
+from Utils.settings import GenerationArgs, TrainArgs, add_arguments, given, recipe_values, recipes_help, setting_fields
 
 # The demo data; the held-out test split is written beside it for Infer.py (disjoint by instruction).
 SYNTHETIC = dict(n_train=20000, n_val=200, n_test=300, seed=0)

@@ -1,4 +1,4 @@
-"""The fine-tuning loop: lr schedule, one epoch of training, validation, checkpoints (AdamW: Utils/adamw.py).
+"""The fine-tuning loop: lr schedule, one epoch of training, validation, checkpoints (AdamW: Models/kernels/adamw.py).
 
 Loss across ranks and accumulation steps is exact: an optimizer step sees the
 accum_iter global batches G, holding N = sum(mask) target tokens in all. Rank r
@@ -25,7 +25,7 @@ from typing import Any, Optional
 import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
 import jittor as jt
 
-from Models.checkpoints import checkpoint_state, save_checkpoint
+from Models.formats.training import checkpoint_state, save_checkpoint
 from Utils.misc import MetricLogger, SmoothedValue, all_reduce_sum, is_main_process, print_main
 from Utils.settings import TrainArgs
 
@@ -88,7 +88,7 @@ class RunContext:
     log_writer: Any  # tensorboardX SummaryWriter on rank 0, None elsewhere
     stop: Any  # Utils.jittor_env.StopFlag
     settings: dict  # the run's resolved settings, saved into every checkpoint
-    signature: dict  # what a resume must match (Models.checkpoints.resume_signature)
+    signature: dict  # what a resume must match (Models.formats.training.resume_signature)
     run_id: str = ""  # on every log line: which run wrote it
 
 

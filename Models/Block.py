@@ -12,15 +12,15 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .attention import attention, prompt_attention
+from .kernels.attention import attention, prompt_attention
 from .Experts import MOELoraLayer
 from .SparseLoRA import SparseLoRAMoE
-from .fused import rms_norm, rms_norm_branches, rope, silu_gate
-from .fused_experts import gated_projection
-from .projections import lora_projections
-from .kernels import decoding
+from .kernels.elementwise import rms_norm, rms_norm_branches, rope, silu_gate
+from .kernels.experts import gated_projection
+from .kernels.projections import lora_projections
+from .kernels.switch import decoding
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
-from .precision import BaseLinear
+from .kernels.precision import BaseLinear
 
 
 class RMSNorm(nn.Module):

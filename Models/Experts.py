@@ -5,7 +5,7 @@ Prompt tuning lives in Block.Attention: it needs the layer's queries and project
 Every expert is called as expert(base, x, route, family): it adds its output on x, under
 the weight route.weight(family) [B,T] (None: unweighted), to the tensor it sits beside
 (base), in one fused pass; a single expert applies the weight to its last projection's narrow
-input (fused_experts.add_projected), so its [B,T,out] output is never kept for the backward.
+input (kernels/experts.add_projected), so its [B,T,out] output is never kept for the backward.
 The block owns the routing between families (Models/Routing.py); a family of several experts
 mixes them with its own softmax router and reports it on `route`.
 """
@@ -15,8 +15,8 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import init, nn
 
-from .fused_experts import add_projected, add_weighted
-from .kernels import Linear, linear
+from .kernels.experts import add_projected, add_weighted
+from .kernels.linear import Linear, linear
 
 
 def zero_linear(in_features: int, out_features: int, bias: bool = False) -> Linear:

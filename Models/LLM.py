@@ -4,14 +4,14 @@ import jittor as jt
 from jittor import nn
 
 from .Block import Attention, FeedForward, RMSNorm, attention_mask
-from .decode_layer import decode_layer, fuses_decode_step
+from .kernels.decode_layer import decode_layer, fuses_decode_step
 from .Experts import PAdapterLayer
-from .fused import branches, residual_add
-from .kernels import Linear
+from .kernels.elementwise import branches, residual_add
+from .kernels.linear import Linear
 from .ModelArgs import INSTANCE_METHODS, ModelArgs
-from .precision import BaseLinear
+from .kernels.precision import BaseLinear
 from .Routing import UNIPEFT_GATES, Gamma, LayerRoute, sequence_mean, type_router, type_weights
-from .utils import rope_tables
+from .rope import rope_tables
 
 SOFT_CLAMP = 65500.0  # the authors' fp16 guard, applied in fp32 too (not by Sparse MoA, not in bf16)
 

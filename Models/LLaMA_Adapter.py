@@ -14,10 +14,10 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .fused import output_nll
+from .kernels.elementwise import output_nll
 from .LLM import LLaMA
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
-from .precision import set_base_precision
+from .kernels.precision import set_base_precision
 from .Routing import UNUSED_UNIPEFT_PARAM
 
 ADAPTER_KEYS = ("lora", "prompt", "adapter")

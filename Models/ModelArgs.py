@@ -67,7 +67,7 @@ class ModelArgs:
     # fp32 by default: it matches the authors' fp32 outputs to 1e-6, and on a CPU without bf16 units
     # bf16 trains slower (the weights are widened for every product). Where the CPU has bf16 units
     # bf16 is faster; the paper's recipes (LLaMA-3.1-8B) choose it, as the authors' bf16=True does:
-    # their base does not fit a 24 GB machine in fp32. Models/precision.py does the work.
+    # their base does not fit a 24 GB machine in fp32. Models/kernels/precision.py does the work.
     precision: str = setting("fp32", PRECISION_HELP, PRECISIONS)
     method: str = setting("moa", "the mixture: moa (the heterogeneous type router, see --variant), or a baseline: "
                                  "moe (LoRA / MoLoRA / HydraLoRA / prompt and adapter MoE, by --expert_num and "

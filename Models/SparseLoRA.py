@@ -14,7 +14,7 @@ import jittor as jt
 from jittor import nn
 
 from .Experts import add_expert, mix_low_rank, zero_linear
-from .kernels import Linear
+from .kernels.linear import Linear
 
 
 class LoraExpert(nn.Module):

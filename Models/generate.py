@@ -20,7 +20,6 @@ import jittor as jt
 from jittor import nn
 
 from .ModelArgs import INSTANCE_METHODS
-from .utils import sample_top_p
 
 PAD_TOKEN = 0  # fed in padded slots that are never read (pad_id -1 is not a valid embedding row)
 
@@ -71,6 +70,17 @@ def prefill(model, tokens: np.ndarray, records=None) -> jt.Var:
 def decode_step(model, tokens: np.ndarray, pos: int, records=None) -> jt.Var:
     """Feed one token per row [B] at position `pos`; logits [B,V] that predict pos + 1."""
     return model.llama(jt.array(tokens.astype(np.int32)[:, None]), start_pos=pos, records=records, last=True)[:, -1]
+
+
+def sample_top_p(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> np.ndarray:
+    """Nucleus sampling on the host: probs [B,V] -> token ids [B]."""
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    sorted_probs = np.take_along_axis(probs, order, axis=-1).astype(np.float64)
+    cumulative = np.cumsum(sorted_probs, axis=-1)
+    sorted_probs[cumulative - sorted_probs > top_p] = 0.0
+    sorted_probs /= sorted_probs.sum(axis=-1, keepdims=True)
+    picks = np.array([rng.choice(len(p), p=p) for p in sorted_probs])
+    return np.take_along_axis(order, picks[:, None], axis=-1)[:, 0]
 
 
 def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:

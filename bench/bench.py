@@ -21,8 +21,8 @@ import jittor as jt  # noqa: E402
 from Models.generate import generate  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Models.ModelArgs import ModelArgs  # noqa: E402
-from Models.precision import base_linear  # noqa: E402
-from Utils.adamw import build_optimizer  # noqa: E402
+from Models.kernels.precision import base_linear  # noqa: E402
+from Models.kernels.adamw import build_optimizer  # noqa: E402
 from Utils.settings import add_arguments, given, recipe_values  # noqa: E402
 
 CONFIGS = {

@@ -27,13 +27,13 @@ import Utils.jittor_env  # noqa: E402,F401
 import jittor as jt  # noqa: E402
 
 from bench import sgemm_gflops, train_flops_per_token  # noqa: E402  (bench/bench.py, beside this script)
-from Models.checkpoints import save_adapter  # noqa: E402
+from Models.formats.adapters import save_adapter  # noqa: E402
 from Models.generate import generate  # noqa: E402
-from Models.meta_checkpoint import build_model  # noqa: E402
+from Models.formats.meta import build_model  # noqa: E402
 from Models.ModelArgs import ModelArgs  # noqa: E402
-from Models.torch_io import float32_to_bf16_bits  # noqa: E402
-from Models.torch_write import TensorSource, save_pth  # noqa: E402
-from Utils.adamw import build_optimizer  # noqa: E402
+from Models.formats.pth import float32_to_bf16_bits  # noqa: E402
+from Models.formats.pth import TensorSource, save_pth  # noqa: E402
+from Models.kernels.adamw import build_optimizer  # noqa: E402
 from Utils.settings import recipe_values  # noqa: E402
 
 LLAMA_31_8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3,

@@ -30,9 +30,9 @@ from Data.bpe import train_bpe  # noqa: E402
 from Data.synthetic import FAMILIES  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Models.ModelArgs import ModelArgs  # noqa: E402
-from Models.tiny_base import DEFAULT_BASE_DIR, params_for, random_base_weights  # noqa: E402
+from Data.tiny_base import DEFAULT_BASE_DIR, params_for, random_base_weights  # noqa: E402
 from Models.Tokenizer import Tokenizer  # noqa: E402
-from Models.torch_write import save_pth  # noqa: E402
+from Models.formats.pth import save_pth  # noqa: E402
 
 
 def equation(rng: random.Random) -> str:

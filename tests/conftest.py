@@ -24,10 +24,10 @@ import Utils.jittor_env  # noqa: E402,F401  (must precede any jittor import)
 import jittor as jt  # noqa: E402
 
 from Data.synthetic import make_splits  # noqa: E402
-from Models.authors_options import args_from_authors  # noqa: E402
-from Models.checkpoints import assign_strict  # noqa: E402
+from Models.formats.authors import args_from_authors  # noqa: E402
+from Models.formats.adapters import assign_strict  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
-from Models.tiny_base import write_random_base  # noqa: E402
+from Data.tiny_base import write_random_base  # noqa: E402
 
 # Jittor's SIGCHLD handler quick-exits this whole process (status 1, no report) when any
 # child dies by a signal; the tests spawn Math.py, Infer.py and mpirun, so a crashing child
@@ -151,9 +151,9 @@ def authors_round_trip(model, data, meta, folder, method=None):
     """Our adapter -> the authors' adapter.pth + adapter_params.json (their names, values and their
     folder's fields) -> ours again, loaded into a fresh model with the golden values. Returns the
     path of their adapter.pth."""
-    from Models.authors_options import AUTHORS_PARAMS
-    from Models.checkpoints import export_authors_adapter, import_authors_adapter, load_adapter, save_adapter
-    from Models.torch_io import load_pth
+    from Models.formats.authors import AUTHORS_PARAMS
+    from Models.formats.adapters import export_authors_adapter, import_authors_adapter, load_adapter, save_adapter
+    from Models.formats.pth import load_pth
     params = golden_params(data)
     save_adapter(model, str(folder / "ours"))
     theirs_path = str(folder / "theirs" / "adapter.pth")

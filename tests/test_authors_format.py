@@ -8,14 +8,13 @@ import pytest
 
 import jittor as jt
 from conftest import max_abs
-from Models import checkpoints
-from Models.authors_options import AUTHORS_PARAMS
-from Models.checkpoints import (assign_strict, export_authors_adapter, import_authors_adapter,
-                                load_adapter, read_adapter, read_adapter_config)
+from Models.formats.adapters import (assign_strict, export_authors_adapter, import_authors_adapter, load_adapter,
+                                     read_adapter, read_adapter_config)
+from Models.formats.authors import AUTHORS_PARAMS
+from Models.formats.pth import CheckpointError, PlainNamespace, load_pth, save_pth
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
-from Models.torch_io import CheckpointError, PlainNamespace, load_pth
-from Models.torch_write import save_pth
+from scripts import authors_adapter
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "authors")
 BASE = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=8, multiple_of=16, precision="fp32")  # parity in fp32
@@ -137,12 +136,12 @@ def test_command_line_import_and_export(tmp_path):
     params.parent.mkdir()
     params.write_text(json.dumps({k: BASE.to_dict()[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
                                                                   "vocab_size", "multiple_of")}))
-    checkpoints.main(["import", fixture("soft_e2_hydra", "checkpoint-0.pth"), str(tmp_path / "ours"),
+    authors_adapter.main(["import", fixture("soft_e2_hydra", "checkpoint-0.pth"), str(tmp_path / "ours"),
                       "--llama_path", str(params.parent)])
-    checkpoints.main(["export", str(tmp_path / "ours"), str(tmp_path / "theirs" / "adapter.pth")])
+    authors_adapter.main(["export", str(tmp_path / "ours"), str(tmp_path / "theirs" / "adapter.pth")])
     assert their_json("soft_e2_hydra") == json.loads((tmp_path / "theirs" / "adapter_params.json").read_text())
     exported, original = load_pth(tmp_path / "theirs" / "adapter.pth"), load_pth(fixture("soft_e2_hydra", "adapter.pth"))
     assert sorted(exported) == sorted(original) and all(np.array_equal(exported[k], original[k]) for k in original)
     with pytest.raises(SystemExit) as info:  # an adapter without its json: a clear error, no traceback
-        checkpoints.main(["export", str(tmp_path / "nothing" / "adapter.pth"), str(tmp_path / "x.pth")])
+        authors_adapter.main(["export", str(tmp_path / "nothing" / "adapter.pth"), str(tmp_path / "x.pth")])
     assert info.value.code == 2

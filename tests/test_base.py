@@ -11,12 +11,12 @@ import pytest
 
 from conftest import kv_logits, max_abs
 import jittor as jt
-from Models.meta_checkpoint import build_model, load_base
+from Models.formats.meta import build_model, load_base
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs, parse_layer_span
-from Models.torch_io import CheckpointError, load_pth
-from Models.torch_write import save_pth
-from Models.utils import rope_frequencies
+from Models.formats.pth import CheckpointError, load_pth
+from Models.formats.pth import save_pth
+from Models.rope import rope_frequencies
 
 RUNTIME = dict(max_seq_len=32, max_batch_size=4, precision="fp32")  # parity is checked in fp32
 
@@ -147,7 +147,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import Utils.jittor_env
 import numpy as np
-from Models.meta_checkpoint import build_model, load_base
+from Models.formats.meta import build_model, load_base
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
 
@@ -172,7 +172,7 @@ def test_streaming_load_peak_memory(tiny_meta, tmp_path, precision):
     """Loading a ~60 MB bf16 checkpoint raises the peak RSS by at most 1.15x the loaded base's bytes:
     tensors go from the file into their Vars one by one, with no fp32 copy of the whole model and
     no random initialisation run first. A fresh process measures its own peak (VmHWM)."""
-    from Models.tiny_base import params_for, random_base_weights
+    from Data.tiny_base import params_for, random_base_weights
     params = params_for(16384, 512, 4, 8, 4, 256)
     (tmp_path / "params.json").write_text(json.dumps(params))
     save_pth(random_base_weights(ModelArgs(**params), 0), tmp_path / "consolidated.00.pth", bf16=True)

@@ -11,11 +11,10 @@ from conftest import BASELINE_FILES, TINY_FLAGS, authors_round_trip, golden_mode
 
 import Infer
 import Math
-from Models.checkpoints import (export_authors_adapter, import_authors_adapter, load_adapter, read_adapter_config,
-                                save_adapter)
+from Models.formats.adapters import (export_authors_adapter, import_authors_adapter, load_adapter, read_adapter_config, save_adapter)
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
-from Models.torch_io import CheckpointError, load_pth
+from Models.formats.pth import CheckpointError, load_pth
 
 LORA_ONLY = ["--lora_layers", "all", "--lora_targets", "Q,V,FFN_DOWN", "--prompt_layers", "0-0",
              "--p_adapter_layers", "0-0"]

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import DATA
-from Data.dataset import (FinetuneDataset, bucket_for, default_buckets, encode_example, load_examples,
-                          split_validation)
+from Data.dataset import FinetuneDataset, bucket_for, default_buckets, encode_example, load_examples, split_validation
 from Data.prompts import format_prompt
 from Data.scoring import extract_answer, is_correct, score, scoring_rule
 from Data.synthetic import make_splits

@@ -22,13 +22,13 @@ from Data.prompts import format_prompt
 from Models.Tokenizer import Tokenizer
 from Data.synthetic import make_splits
 from Models.ModelArgs import ModelArgs
-from Models.checkpoints import export_authors_adapter, save_adapter
+from Models.formats.adapters import export_authors_adapter, save_adapter
 from Models import LLM
-from Models.meta_checkpoint import build_model
+from Models.formats.meta import build_model
 from Models.generate import generate, prefill_length
-from Models.kernels import fused_kernels_on
-from Models.precision import set_base_precision
-from Models.tiny_base import write_random_base
+from Models.kernels.switch import fused_kernels_on
+from Models.kernels.precision import set_base_precision
+from Data.tiny_base import write_random_base
 from Utils import plots
 
 MOA = {"sparse": dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2",
@@ -127,7 +127,7 @@ def test_records_match_full_forward(models, tok, prompts, variant):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("variant", ["sparse", "soft"])
 def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tok, prompts, variant, precision):
-    """A decode step's layer in two ops (Models/decode_layer.py) against the op-by-op layer, its plain
+    """A decode step's layer in two ops (Models/kernels/decode_layer.py) against the op-by-op layer, its plain
     reference, through the KV cache: a prefill of 2 x 3 rows (causal within it) and 2-row steps; layers
     with and without prompt and adapter, grouped kv heads. fp32: the same numbers to float rounding; bf16:
     a last-bit difference can round a projection's input to the neighbouring bf16 value, so a looser bound."""

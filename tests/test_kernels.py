@@ -4,16 +4,17 @@ import pytest
 
 import jittor as jt
 from Models.Block import attention_mask
-from Models import fused
-from Models.fused import logit_rows, output_nll, rms_norm, rope, silu_gate
-from Models.fused_experts import add_projected, add_weighted, gated_projection
-from Models.projections import lora_projections
-from Models.attention import attention, prompt_attention
-from Models.kernels import fused_kernels_on, linear
+from Models.kernels import elementwise
+from Models.kernels.elementwise import logit_rows, output_nll, rms_norm, rope, silu_gate
+from Models.kernels.experts import add_projected, add_weighted, gated_projection
+from Models.kernels.projections import lora_projections
+from Models.kernels.attention import attention, prompt_attention
+from Models.kernels.switch import fused_kernels_on
+from Models.kernels.linear import linear
 from Models.Routing import Gamma, swiglu_router, type_router, type_weights
-from Models.precision import BF16Linear, base_linear, cast_to, cpu_has_bf16_units, to_bf16
-from Models.torch_io import bf16_bits_to_float32, float32_to_bf16_bits
-from Models.utils import rope_tables
+from Models.kernels.precision import BF16Linear, base_linear, cast_to, cpu_has_bf16_units, to_bf16
+from Models.formats.pth import bf16_bits_to_float32, float32_to_bf16_bits
+from Models.rope import rope_tables
 
 pytestmark = pytest.mark.skipif(not fused_kernels_on(), reason="fused kernels are off (no libdnnl or a GPU run)")
 
@@ -67,7 +68,7 @@ def test_output_nll_in_chunks(dtype, monkeypatch):
     no gradient) and in the gradient, which the forward makes before the loss weight scales it."""
     rng = np.random.default_rng(10)
     B, T, D, V = 2, 64 + 7, 16, 1100
-    monkeypatch.setattr(fused, "LOGIT_BYTES", 64 * 4 * V)
+    monkeypatch.setattr(elementwise, "LOGIT_BYTES", 64 * 4 * V)
     assert logit_rows(V) == 64
     weight = normal(rng, (V, D), 0.5)
     weight = (weight if dtype == "float32" else to_bf16(weight)).stop_grad()
@@ -219,7 +220,7 @@ def test_bf16_attention(units, monkeypatch):
     in fp32 (float64 on the rounded operands gives the same but where a probability rounds the other
     way); backwards the same rule on the units and without them, and within bf16's rounding of the
     fp32 gradients."""
-    import Models.attention as attention_module
+    import Models.kernels.attention as attention_module
     monkeypatch.setattr(attention_module, "cpu_has_bf16_units", lambda: units)
     rng = np.random.default_rng(16)
     B, T, H, Hkv, hd = 2, 150, 4, 2, 8  # causal over three 64-query blocks, grouped kv heads

@@ -5,10 +5,10 @@ import pytest
 
 from conftest import randomize_adapters
 import jittor as jt
-from Models.checkpoints import CheckpointError, load_adapter, save_adapter
+from Models.formats.adapters import CheckpointError, load_adapter, save_adapter
 from Models.LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from Models.ModelArgs import ModelArgs
-from Models.torch_io import load_pth
+from Models.formats.pth import load_pth
 
 BASE = dict(dim=32, n_layers=2, n_heads=4, vocab_size=61, multiple_of=16, max_seq_len=16, max_batch_size=2)
 ALL_ON = dict(lora_layers="0-2", lora_rank=4, lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN",

@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 
-from conftest import (GOLDEN_FILES, assert_golden_gradients, authors_round_trip, golden_forward, golden_model,
-                      kv_logits, max_abs)
+from conftest import (GOLDEN_FILES, assert_golden_gradients, authors_round_trip, golden_forward, golden_model, kv_logits, max_abs)
 import jittor as jt
 from Models.LLaMA_Adapter import is_adapter_param
-from Models.torch_io import load_pth
+from Models.formats.pth import load_pth
 
 
 @pytest.mark.parametrize("name", GOLDEN_FILES)

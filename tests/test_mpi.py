@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, TINY_FLAGS, write_synthetic_splits
 
 import Math
-from Models.torch_io import load_pth
+from Models.formats.pth import load_pth
 
 MPIRUN = shutil.which("mpirun")
 pytestmark = [pytest.mark.mpi, pytest.mark.slow,

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from conftest import golden_forward, golden_model, load_golden
-from Models.meta_checkpoint import build_model
+from Models.formats.meta import build_model
 from Models.generate import generate
 from Models.ModelArgs import ModelArgs
-from Models.tiny_base import DEFAULT_BASE_DIR
+from Data.tiny_base import DEFAULT_BASE_DIR
 from Models.Tokenizer import Tokenizer
 
 

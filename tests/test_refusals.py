@@ -18,7 +18,7 @@ from Data.prompts import format_prompt
 from Models.generate import check_kv_cache_memory, kv_cache_bytes
 from Models.ModelArgs import ModelArgs
 from Models.Tokenizer import Tokenizer
-from Models.torch_io import load_pth
+from Models.formats.pth import load_pth
 from Utils import misc, output_dirs
 
 PYTHON = sys.executable
@@ -136,7 +136,7 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, sy
         sys.path.insert(0, {str(REPO)!r})
         import Utils.jittor_env
         Utils.jittor_env.block_stop_signals()
-        import Models.torch_write as torch_write
+        import Models.formats.pth as torch_write
         import Math
         real, saves = torch_write.atomic_write, []
         def dying(path, write):

@@ -7,8 +7,7 @@ import pytest
 import Infer
 import Math
 from Models.ModelArgs import ModelArgs, parse_layer_span
-from Utils.settings import (RECIPES, GenerationArgs, TrainArgs, add_arguments, given, recipe_values,
-                            setting_fields)
+from Utils.settings import RECIPES, GenerationArgs, TrainArgs, add_arguments, given, recipe_values, setting_fields
 
 
 def flags(parser):

@@ -1,4 +1,4 @@
-"""Models/torch_io.py: the torch-free, allow-list reader and writer of torch zip checkpoints."""
+"""Models/formats/pth.py: the torch-free, allow-list reader and writer of torch zip checkpoints."""
 import argparse
 import collections
 import os
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import GOLDEN
-from Models.torch_io import CheckpointError, PlainNamespace, bf16_bits_to_float32, float32_to_bf16_bits, load_pth
-from Models.torch_write import save_pth
+from Models.formats.pth import CheckpointError, PlainNamespace, bf16_bits_to_float32, float32_to_bf16_bits, load_pth
+from Models.formats.pth import save_pth
 
 # ---- hand-built pickles: torch is not a dependency, so checkpoints are assembled from opcodes
 

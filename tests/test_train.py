@@ -19,8 +19,8 @@ import Math
 from engine_finetune import lr_at
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
-from Models.torch_io import load_pth
-from Utils.adamw import AdamW, adamw_update, build_optimizer
+from Models.formats.pth import load_pth
+from Models.kernels.adamw import AdamW, adamw_update, build_optimizer
 
 PYTHON = sys.executable
 

@@ -6,14 +6,15 @@ gate and up) are one op forward and one backward (lora_projections): each expert
 written first and the base's product adds onto it (beta 1), and backward every projection's share
 of dx, the experts' and the bases', accumulates into one dx. No expert output, no per-projection
 dx and no gradient addition exists as a tensor, and a projection without an expert is just its
-base product. Both keep the bf16 rule of Models/precision.py for bf16 base weights.
+base product. Both keep the bf16 rule of Models/kernels/precision.py for bf16 base weights.
 """
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
-from .fused_experts import add_projected
-from .kernels import GEMV_ROWS, Kernel, linear
+from .experts import add_projected
+from .linear import linear
 from .precision import BF16_HEADER, base_linear, cpu_has_bf16_units
+from .switch import GEMV_ROWS, Kernel
 
 # y [M,N] = base(x) + w[m] * scale * (x A^T) B^T: the base's weights fp32 or bf16 (x rounded for them
 # as base_linear does), the expert's fp32 (none when A is null); inference only. u = x A^T [M,R] is

@@ -5,8 +5,8 @@ Their release is one folder per method; a `folder` below names one: `sparse` and
 LLaMA3_sparse_moa / LLaMA3_soft_moa), `soft_moe`, `sparse_moe`, `instance` (LLaMA3_soft_moa_instance)
 and `unipeft` (LLaMA3_UniPEFT), the same names as the golden files' `variant`.
 """
-from .ModelArgs import ModelArgs
-from .torch_io import CheckpointError
+from ..ModelArgs import ModelArgs
+from .pth import CheckpointError
 
 _SOFT = ("w_bias", "lora_layers", "lora_rank", "lora_targets", "lora_alpha", "expert_num", "swi_x", "hydra_moe",
          "p_adapter_layers", "p_adapter_size", "p_adapter_hydra", "prompt_layers", "prompt_len", "expert_weight",

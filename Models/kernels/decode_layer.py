@@ -14,10 +14,11 @@ import math
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
-from .fused import RMS_HEADER, ROTATE_HEADER
-from .kernels import CodeInputs, decoding
+from .elementwise import RMS_HEADER, ROTATE_HEADER
+from .linear import CodeInputs
 from .projections import LORA_PROJECT_HEADER
-from .Routing import ROUTE_ROW, TYPE_WEIGHTS_HEADER, router_declarations
+from .routing import ROUTE_ROW, TYPE_WEIGHTS_HEADER, router_declarations
+from .switch import decoding
 
 LAYER_HEADER = (LORA_PROJECT_HEADER + RMS_HEADER + ROTATE_HEADER + TYPE_WEIGHTS_HEADER + """
 #include <algorithm>

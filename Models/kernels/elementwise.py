@@ -2,15 +2,15 @@
 
 Jittor runs its own elementwise and reduction kernels on one thread; these run
 each op (RoPE, the loss through the output matrix, the SwiGLU gate, RMSNorm) in one
-OpenMP-parallel pass forward and one backward; the experts' own are in fused_experts.py.
-Each is a kernels.Kernel: the fused pass next to its plain-Jittor reference, one switch between them.
+OpenMP-parallel pass forward and one backward; the experts' own are in experts.py.
+Each is a switch.Kernel: the fused pass next to its plain-Jittor reference, one switch between them.
 """
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .kernels import Kernel
 from .precision import BF16_BITS, base_linear, base_linear_input_grad, bf16_bits_input_grad
+from .switch import Kernel
 
 # One head vector x [2*half] rotated pairwise by +-angle (sign); y may be x.
 ROTATE_HEADER = """

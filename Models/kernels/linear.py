@@ -1,18 +1,9 @@
-"""The one switch between fused CPU kernels and plain Jittor ops; linears through oneDNN's sgemm
-and, for the few rows of a decode step, one GEMV pass.
-
-Every fused op of the project (here, in attention.py, fused.py, fused_experts.py and
-precision.py) is a `Kernel`:
-a fused CPU implementation (C++ through jt.code, OpenMP, oneDNN) paired with its
-plain-Jittor reference, defined next to each other. `fused_kernels_on()` alone
-decides which one runs; tests call `.fused` and `.plain` directly and compare
-values and gradients.
-"""
-import math
-
+"""Linears through oneDNN's sgemm and, for the few rows of a decode step, one GEMV pass."""
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
+
+from .switch import GEMV_ROWS, Kernel
 
 SGEMM_DECLARATION = """
 #include <cstdint>
@@ -33,34 +24,6 @@ static void narrow_weight_grad(int64_t M, int64_t N, int64_t R, const float *g, 
 """
 
 
-def fused_kernels_on() -> bool:
-    """The switch: fused kernels need Jittor's oneDNN (libdnnl found) and a CPU run; a GPU run,
-    or a CPU without oneDNN, takes the plain-Jittor references."""
-    return jt.compile_extern.mkl_ops is not None and not jt.flags.use_cuda
-
-
-def decoding(x: jt.Var) -> bool:
-    """Fused kernels, no gradient and at most GEMV_ROWS rows of x [..., K]: a decode step, where
-    the cost of each op dominates, so a layer's routing and each base projection with its expert
-    run as one op (Routing.type_weights, projections.lora_projections, decode_layer)."""
-    return jt.flags.no_grad and fused_kernels_on() and math.prod(x.shape[:-1]) <= GEMV_ROWS
-
-
-class Kernel:
-    """A fused CPU kernel and its plain-Jittor reference; calling it runs the one the switch picks.
-
-    `when(*args)`, if given, further limits the fused kernel to the inputs it handles.
-    """
-
-    def __init__(self, fused, plain, when=None):
-        self.fused, self.plain, self.when = fused, plain, when
-
-    def __call__(self, *args):
-        if fused_kernels_on() and (self.when is None or self.when(*args)):
-            return self.fused(*args)
-        return self.plain(*args)
-
-
 # y [M,N] = x [M,K] w [N,K]^T (+ b [N]); the backward gives dx, and dw, db when the weight trains.
 LINEAR_FORWARD = """
 dnnl_sgemm('N', 'T', M, N, K, 1.f, in0_p, K, in1_p, K, 0.f, out0_p, N);
@@ -70,7 +33,6 @@ dnnl_sgemm('N', 'T', M, N, K, 1.f, in0_p, K, in1_p, K, 0.f, out0_p, N);
 # dotted with every row of x in vector registers, threads over the weight rows. sgemm's fixed cost
 # per call was most of a decode step's small products; this runs at memory speed. The weights may
 # be fp32 or bf16 bits (widened as read); vf16 is 16 floats, split by the compiler without AVX-512.
-GEMV_ROWS = 16
 GEMV_HEADER = """
 #include <cstdint>
 #include <cstring>

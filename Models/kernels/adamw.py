@@ -3,7 +3,7 @@ the whole step as one op.
 
 Jittor's AdamW builds one small fused op per parameter (about 70 at the bench's small config, a
 few hundred at 8B), each run alone on one core; here one op walks up to 64 parameters on all cores.
-The plain reference is Jittor's per-parameter update, kept next to it (kernels.Kernel switches).
+The plain reference is Jittor's per-parameter update, kept next to it (switch.Kernel chooses).
 """
 import math
 
@@ -12,7 +12,7 @@ import numpy as np
 import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
 import jittor as jt
 
-from Models.kernels import Kernel
+from .switch import Kernel
 
 # Per parameter t, with the step's numbers h[t] = (decay, b0, 1 - b0, b1, 1 - b1, step_size, bc2_root, eps):
 # p' = p * decay - step_size * m' / (sqrt(v') / bc2_root + eps), m' = b0 m + (1 - b0) g,

@@ -1,7 +1,6 @@
-"""Adapter files (ours and the authors', both ways) and training checkpoints: saved, restored,
-signed for resume. Meta's base checkpoints are read in Models/meta_checkpoint.py.
+"""Adapter files, ours and the authors', both ways.
 
-Every .pth goes through Models.torch_io.load_pth, an allow-list unpickler that
+Every .pth goes through Models.formats.pth.load_pth, an allow-list unpickler that
 never runs code named by the file; every file is written atomically.
 
 Names: our module attributes are the authors' (`llama.layers.0.attention.lora_Q.
@@ -12,31 +11,29 @@ lora_A.weight`, `llama.layers.0.adapter_type_router.w1.weight`, `lora_Q.lora_A_l
 - theirs, as their extract_adapter_from_checkpoint.py writes it: the same flat
   `adapter.pth` (every name containing lora, prompt or adapter, possibly bf16) plus
   an `adapter_params.json` of their option names, a different set per folder of
-  their release (Sparse and Soft MoA, each baseline: Models/authors_options.py),
+  their release (Sparse and Soft MoA, each baseline: Models/formats/authors.py),
   which their loader passes to their ModelArgs as keyword arguments;
 - their training checkpoint `checkpoint-N.pth`: {"model": full state dict, "args":
   the argparse.Namespace of the run, "optimizer", "epoch", "scaler"}.
 The two json files are told apart by our `variant` field, which theirs lack. `load_adapter` reads
 both adapter layouts; `export_authors_adapter` writes theirs, `import_authors_adapter`
-turns theirs (or their checkpoint-N.pth) into ours.
+turns theirs (or their checkpoint-N.pth) into ours. Our training checkpoints are
+Models/formats/training.py; Meta's base checkpoints Models/formats/meta.py.
 """
-import hashlib
-import json
 import os
-import random
 
 import numpy as np
 
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
-from .LLaMA_Adapter import LLaMA_adapter, is_adapter_param
-from .authors_options import authors_params, fields_from_authors, folder_of
-from .ModelArgs import ModelArgs
-from .precision import cast_to
-from .torch_io import CheckpointError, PlainNamespace, load_pth
-from .torch_write import save_pth
 from Utils.misc import is_main_process, read_json_object, write_json
+
+from ..LLaMA_Adapter import LLaMA_adapter, is_adapter_param
+from ..ModelArgs import ModelArgs
+from ..kernels.precision import cast_to
+from .authors import authors_params, fields_from_authors, folder_of
+from .pth import CheckpointError, PlainNamespace, load_pth, save_pth
 
 ADAPTER_WEIGHTS = "adapter.pth"
 ADAPTER_PARAMS = "adapter_params.json"
@@ -67,8 +64,6 @@ def assign_strict(params: dict, arrays: dict, source: str, what: str):
         var.assign(cast_to(jt.array(np.ascontiguousarray(arrays[name], dtype=np.float32)), var.dtype))  # bf16 stays bf16
 
 
-# ---- adapters --------------------------------------------------------------------
-
 def adapter_arrays(model: LLaMA_adapter) -> dict:
     return {name: p.numpy().astype(np.float32) for name, p in model.adapter_parameters().items()}
 
@@ -84,76 +79,6 @@ def save_adapter(model: LLaMA_adapter, out_dir: str):
 def write_adapter(arrays: dict, model_args: dict, out_dir: str):
     save_pth(arrays, os.path.join(out_dir, ADAPTER_WEIGHTS))
     write_json(model_args, os.path.join(out_dir, ADAPTER_PARAMS))
-
-
-# ---- training checkpoints ----------------------------------------------------------
-# checkpoint-latest.pth / checkpoint-best.pth: the adapter, AdamW's moments, where the run stands,
-# the early stopper, the RNGs, the run's settings and the signature a resume must match.
-
-def rng_state() -> dict:
-    keys, pos, has_gauss, cached = np.random.get_state()[1:]
-    numpy_state = {"keys": keys.astype(np.int64), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
-    return {"numpy": numpy_state, "python": np.asarray(random.getstate()[1], dtype=np.int64)}
-
-
-def set_rng_state(state: dict):
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    random.setstate((3, tuple(int(x) for x in state["python"]), None))
-
-
-def checkpoint_state(model, optimizer, stopper, position: dict, settings: dict, signature: dict) -> dict:
-    """Everything a resume needs; call on EVERY rank (it fetches Vars), then save_checkpoint on rank 0.
-    `position`: epoch, data_iter_step (the next global batch), global_step."""
-    return {"adapter": adapter_arrays(model), "optimizer": optimizer.state_arrays(), **position,
-            "early_stopper": stopper.state_dict(), "rng": rng_state(), "args": settings,
-            "signature": signature, "model_args": model.args.to_dict()}
-
-
-def save_checkpoint(state: dict, out_dir: str, name: str = "latest", with_adapter: bool = False):
-    """checkpoint-<name>.pth (and with_adapter, adapter-<name>/), rank 0 only, each file atomically."""
-    if not is_main_process():
-        return
-    save_pth(state, os.path.join(out_dir, f"checkpoint-{name}.pth"))
-    if with_adapter:
-        write_adapter(state["adapter"], state["model_args"], os.path.join(out_dir, f"adapter-{name}"))
-
-
-def content_hash(examples) -> str:
-    """sha256 of the examples as canonical JSON: the same data gives the same hash wherever it lives."""
-    return hashlib.sha256(json.dumps(examples, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
-
-def resume_signature(llama_path: str, data_path, val_data_path, train, max_seq_len: int, examples) -> dict:
-    """What a resumed run must share with its checkpoint besides the model's settings; `examples` the
-    (train, val or None) lists it trains and validates on, compared by content."""
-    keys = ("val_fraction", "batch_size", "accum_iter", "epochs", "warmup_epochs", "lr", "min_lr",
-            "weight_decay", "clip_grad", "seed")
-    return {**{k: getattr(train, k) for k in keys}, "max_seq_len": max_seq_len,
-            "llama_path": os.path.abspath(llama_path),
-            "data": os.path.abspath(data_path) if data_path else "synthetic",
-            "val_data": os.path.abspath(val_data_path) if val_data_path else None,
-            "train_sha256": content_hash(examples[0]),
-            "val_sha256": content_hash(examples[1]) if examples[1] is not None else None}
-
-
-def restore_checkpoint(path: str, model, optimizer, stopper, signature: dict) -> dict:
-    """Load a training checkpoint into model, optimizer, stopper and the RNGs after checking it was
-    made with the same settings; returns the checkpoint (its epoch, data_iter_step, global_step)."""
-    ckpt = load_pth(path)
-    if not isinstance(ckpt, dict) or "adapter" not in ckpt or "optimizer" not in ckpt:
-        raise CheckpointError(f"{path}: not a training checkpoint of Math.py (no adapter/optimizer state)")
-    differences = config_differences(ckpt["model_args"], model.args)
-    saved = ckpt.get("signature", {})
-    differences += [f"{k}: checkpoint has {saved.get(k)!r}, this run has {v!r}"
-                    for k, v in signature.items() if saved.get(k) != v]
-    if differences:
-        raise CheckpointError(f"{path}: checkpoint of another configuration, cannot resume: " + "; ".join(differences))
-    assign_strict(model.adapter_parameters(), ckpt["adapter"], path, "adapter")
-    optimizer.load_state_arrays(ckpt["optimizer"], path)
-    stopper.load_state_dict(ckpt["early_stopper"])
-    set_rng_state(ckpt["rng"])
-    return ckpt
 
 
 def config_differences(saved: dict, args: ModelArgs) -> list:
@@ -189,7 +114,7 @@ def adapter_config_path(path: str) -> str:
 def read_adapter_config(path: str, hint: str = None):
     """The adapter_params.json beside an adapter (ours or the authors') as our ModelArgs
     fields (Meta's fields only when ours carries them), or None when there is none. `hint`
-    names the authors' folder where their option sets coincide (authors_options.authors_folder)."""
+    names the authors' folder where their option sets coincide (authors.authors_folder)."""
     config_path = adapter_config_path(path)
     if not os.path.isfile(config_path):
         return None
@@ -269,33 +194,3 @@ def import_authors_adapter(authors_path: str, out_dir: str, base: ModelArgs, met
     model = LLaMA_adapter(ModelArgs(**{**base.to_dict(), **fields}))
     assign_strict(model.adapter_parameters(), arrays, authors_path, "adapter")
     save_adapter(model, out_dir)
-
-
-def main(argv=None):
-    """python -m Models.checkpoints export|import ...: convert adapter files without Python code."""
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m Models.checkpoints", description=main.__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="our adapter -> the authors' adapter.pth + adapter_params.json")
-    e.add_argument("adapter", help="our adapter directory (adapter.pth + adapter_params.json)")
-    e.add_argument("out", help="the authors' adapter.pth to write (their json goes beside it)")
-    e.add_argument("--bf16", action="store_true", help="store the tensors in bfloat16")
-    i = sub.add_parser("import", help="the authors' adapter.pth or checkpoint-N.pth -> our adapter directory")
-    i.add_argument("authors", help="their adapter.pth (with their adapter_params.json beside it) or checkpoint-N.pth")
-    i.add_argument("out", help="our adapter directory to write")
-    i.add_argument("--llama_path", required=True, help="the Meta checkpoint directory the adapter was trained on")
-    i.add_argument("--method", choices=["instance"], help="the file comes from LLaMA3_soft_moa_instance, whose "
-                   "options and names are Soft MoA's (every other method is told from the file)")
-    args = p.parse_args(argv)
-    try:
-        if args.command == "export":
-            export_authors_adapter(args.adapter, args.out, bf16=args.bf16)
-        else:
-            import_authors_adapter(args.authors, args.out, ModelArgs.from_params_json(args.llama_path), args.method)
-    except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
-        p.exit(2, f"error: {e}\n")
-    print(f"[checkpoints] wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()

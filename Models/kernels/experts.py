@@ -5,15 +5,16 @@ An expert's output is added to the projection it sits beside, times its type wei
 last projection fused with the weight (add_projected), so only its narrow input is
 kept for the backward; the FFN's down-projection LoRA reads the SwiGLU hidden
 through gated_projection, which recomputes that [B,T,F] hidden in the backward
-instead of keeping it. A base projection and its LoRA expert as one op is Models/projections.py.
-Each is a kernels.Kernel beside its plain-Jittor reference.
+instead of keeping it. A base projection and its LoRA expert as one op is Models/kernels/projections.py.
+Each is a switch.Kernel beside its plain-Jittor reference.
 """
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .fused import SWIGLU_FORWARD, SWIGLU_HEADER, silu_gate
-from .kernels import SGEMM_DECLARATION, Kernel, linear
+from .elementwise import SWIGLU_FORWARD, SWIGLU_HEADER, silu_gate
+from .linear import SGEMM_DECLARATION, linear
+from .switch import Kernel
 
 ADD_WEIGHTED_FORWARD = """
 #pragma omp parallel for

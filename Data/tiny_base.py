@@ -11,9 +11,9 @@ import numpy as np
 from Data.bpe import train_bpe
 from Data.synthetic import make_splits
 
-from .ModelArgs import ModelArgs
-from .Tokenizer import Tokenizer
-from .torch_write import save_pth
+from Models.ModelArgs import ModelArgs
+from Models.Tokenizer import Tokenizer
+from Models.formats.pth import save_pth
 
 N_SPECIAL = 256  # LLaMA-3's special tokens follow the BPE vocabulary
 

@@ -4,7 +4,7 @@ Jittor's CPU `matmul` maps 2-D products to oneDNN, but batched ones
 ([B,H,T,hd] @ [B,H,hd,S]) fall back to a broadcast-multiply-reduce that ran
 4-8x slower and dominated our training step, and its softmax is single-threaded.
 FusedAttention calls oneDNN's sgemm per (batch, head) on strided views instead.
-Each is a kernels.Kernel beside its plain-Jittor reference.
+Each is a switch.Kernel beside its plain-Jittor reference.
 """
 import numpy as np
 
@@ -12,8 +12,9 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .kernels import GEMV_ROWS, SGEMM_DECLARATION, Kernel
+from .linear import SGEMM_DECLARATION
 from .precision import BF16_HEADER, cpu_has_bf16_units
+from .switch import GEMV_ROWS, Kernel
 
 # The products in the base's precision. fp32: the fp32 operands through sgemm. bf16 (training and
 # prefill of a bf16 base, as autocast does): q, k, v, the probabilities and, backwards, the incoming

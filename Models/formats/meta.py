@@ -1,6 +1,6 @@
 """Meta checkpoint directories: params.json plus consolidated.NN.pth shards -> the frozen base.
 
-Every .pth goes through Models.torch_io.load_pth, an allow-list unpickler that never runs
+Every .pth goes through Models.formats.pth.load_pth, an allow-list unpickler that never runs
 code named by the file. Meta's names are our attribute names under `llama.`.
 
 The base is loaded tensor by tensor: the shards are opened lazily (shapes only), then
@@ -16,12 +16,12 @@ import os
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
-from .checkpoints import IGNORED_META_KEYS, check_strict
-from .LLaMA_Adapter import LLaMA_adapter
-from .ModelArgs import ModelArgs
-from .precision import cast_to
-from .Tokenizer import Tokenizer
-from .torch_io import CheckpointError, StoredTensor, load_pth
+from .adapters import IGNORED_META_KEYS, check_strict
+from ..LLaMA_Adapter import LLaMA_adapter
+from ..ModelArgs import ModelArgs
+from ..kernels.precision import cast_to
+from ..Tokenizer import Tokenizer
+from .pth import CheckpointError, StoredTensor, load_pth
 
 READ_HEADER = "#include <unistd.h>\n#include <cstdint>\n"
 # out0 <- nbytes of file descriptor fd from offset; pread may return less than asked (2 GB cap)

@@ -1,4 +1,4 @@
-"""RoPE tables (Meta's adjacent-pair layout, LLaMA-3.1 scaling) and top-p sampling."""
+"""RoPE tables (Meta's adjacent-pair layout, LLaMA-3.1 scaling)."""
 import math
 
 import numpy as np
@@ -36,14 +36,3 @@ def rope_tables(head_dim: int, end: int, theta: float, use_scaled: bool):
     freqs = rope_frequencies(head_dim, theta, use_scaled)
     angles = np.outer(np.arange(end, dtype=np.float32), freqs).astype(np.float32)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-def sample_top_p(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> np.ndarray:
-    """Nucleus sampling on the host: probs [B,V] -> token ids [B]."""
-    order = np.argsort(-probs, axis=-1, kind="stable")
-    sorted_probs = np.take_along_axis(probs, order, axis=-1).astype(np.float64)
-    cumulative = np.cumsum(sorted_probs, axis=-1)
-    sorted_probs[cumulative - sorted_probs > top_p] = 0.0
-    sorted_probs /= sorted_probs.sum(axis=-1, keepdims=True)
-    picks = np.array([rng.choice(len(p), p=p) for p in sorted_probs])
-    return np.take_along_axis(order, picks[:, None], axis=-1)[:, 0]

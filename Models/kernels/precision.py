@@ -7,7 +7,7 @@ on every machine: the input is rounded to bf16 (to nearest, ties to even) and
 the products of the two bf16 operands are summed in fp32, which is what torch's
 autocast and a GPU's half matmul do (the authors' bf16 mode); the backward rounds
 the incoming gradient the same way. Attention's products follow the same rule in
-training and prefill (Models/attention.py; a decode step's stay fp32). Only the route differs:
+training and prefill (Models/kernels/attention.py; a decode step's stay fp32). Only the route differs:
 - a CPU with bf16 units (avx512_bf16 or amx_bf16 in /proc/cpuinfo): oneDNN's
   gemm_bf16bf16f32;
 - any other CPU with oneDNN: the rounded input and the weights widened to fp32
@@ -25,8 +25,11 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .kernels import GEMV_HEADER, GEMV_ROWS, SGEMM_DECLARATION, Kernel, fused_kernels_on, linear, linear_input_grad
-from .ModelArgs import PRECISIONS
+from .linear import GEMV_HEADER, SGEMM_DECLARATION, linear, linear_input_grad
+from .switch import GEMV_ROWS, Kernel, fused_kernels_on
+
+# --precision: the frozen base matrices' storage type
+STORAGE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 BF16_BITS = GEMV_HEADER + """
 static inline uint16_t narrow(float f) {  // round to nearest, ties to even; NaN stays NaN
@@ -264,9 +267,9 @@ class BaseLinear(nn.Module):
 
 def set_base_precision(model, precision: str):
     """Store the frozen base's matrices in bf16 (or back in fp32); 1-D norm weights stay fp32."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
-    dtype = "bfloat16" if precision == "bf16" else "float32"
+    if precision not in STORAGE_DTYPES:
+        raise ValueError(f"precision={precision!r}: expected one of {tuple(STORAGE_DTYPES)}")
+    dtype = STORAGE_DTYPES[precision]
     for param in model.base_parameters().values():
         if len(param.shape) == 2 and param.dtype != dtype:
             param.assign(cast_to(param, dtype).stop_grad())
