@@ -10,7 +10,7 @@ bash "$HERE/setup.sh"
 cd "$HERE"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # mpirun reads these itself
 start=$(date +%s)
-"$PY" -c "from Models.tiny_base import ensure_default_base; ensure_default_base()"
+"$PY" -c "from Data.tiny_base import ensure_default_base; ensure_default_base()"
 # The demo's folder is the demo's own: a rerun replaces the earlier demo run, unless it continues it.
 case " $* " in *" --resume"*) OWN=() ;; *) OWN=(--overwrite) ;; esac
 mpirun -np 2 --oversubscribe "$PY" Math.py --output_dir "$RUN" "${OWN[@]}" "$@"
