@@ -111,7 +111,7 @@ def test_branches_sum_their_gradients(n, read):
     x = normal(rng, (3, 5, 16))
     scale = jt.array((1 + 0.1 * rng.standard_normal(16)).astype(np.float32)).stop_grad()
     weights = [normal(rng, (3, 5, 16)) for _ in range(n + 1)]
-    cases = [(fused.rms_norm_branches, (x, scale, 1e-5, n)), (fused.branches, (x, n + 1))]
+    cases = [(elementwise.rms_norm_branches, (x, scale, 1e-5, n)), (elementwise.branches, (x, n + 1))]
     for kernel, args in cases:
         results = []
         for run in (kernel.fused, kernel.plain):
