@@ -8,7 +8,8 @@ data set, training tokens/s.
         --test_data ../shared/data/math --max_steps 0 --ranks 8
 
 Each method is one Math.py run (the recipe, then the method's settings from
-Utils/settings.METHOD_PRESETS, then --max_steps and the flags after `--`) in
+Utils/settings.METHOD_PRESETS, then --max_steps and the flags after `--`, which may not
+override a preset or a flag of Compare.py's own) in
 <output_dir>/<method>/, then one Infer.py evaluation in <output_dir>/<method>/eval/; the
 base model alone is scored once as a reference row. A method whose evaluation already
 exists with the same command is not run again, and an interrupted training continues from
@@ -23,9 +24,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from Utils.settings import METHOD_PRESETS, RECIPES
-from Utils.misc import read_json_object, write_json
+from Utils.output_dirs import check_output_dir
+from Utils.settings import METHOD_PRESETS, RECIPES, ArgumentParser
+from Utils.misc import atomic_write, read_json_object, write_json
 
 # Utils.misc imports Jittor, whose SIGCHLD handler ends this process when a child dies by a
 # signal; a failed run must be reported instead.
@@ -35,8 +38,8 @@ BASE_ROW = "base"
 
 
 def get_args_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="methods: " + ", ".join(f"{k} = {v}" for k, v in METHOD_PRESETS.items()))
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="methods: " + ", ".join(f"{k} = {v}" for k, v in METHOD_PRESETS.items()))
     p.add_argument("--methods", nargs="+", choices=list(METHOD_PRESETS), default=list(METHOD_PRESETS), metavar="METHOD",
                    help=f"methods to compare, in table order, from {', '.join(METHOD_PRESETS)} (default: all)")
     p.add_argument("--recipe", default="demo", help=f"the recipe every method starts from: {', '.join(RECIPES)} "
@@ -52,8 +55,26 @@ def get_args_parser():
     p.add_argument("--output_dir", default="./output/compare", help="one sub-folder per method (default: "
                    "./output/compare)")
     p.add_argument("--overwrite", action="store_true", help="rerun every method, replacing earlier results")
-    p.add_argument("math_flags", nargs="*", help="after `--`: more Math.py flags for every method")
+    p.add_argument("math_flags", nargs="*", help="after `--`: more Math.py flags for every method (not one a "
+                   "method's preset or this command sets: the table's rows would not be what they say)")
     return p
+
+
+# Math.py flags Compare.py sets itself for every run
+OWN_FLAGS = ("recipe", "max_steps", "output_dir", "llama_path", "data_path", "overwrite", "resume")
+
+
+def check_math_flags(args):
+    """Refuse flags after `--` that would override what a row's label promises (a method's preset) or what
+    this command sets."""
+    named = {token[2:].split("=")[0] for token in args.math_flags if token.startswith("--")}
+    named |= {name[3:] for name in named if name.startswith("no-")}
+    clash = [(f"--{name}", f"the {method} preset") for method in args.methods for name in METHOD_PRESETS[method]
+             if name in named] + [(f"--{name}", "Compare.py itself") for name in OWN_FLAGS if name in named]
+    if clash:
+        flag, owner = clash[0]
+        raise ValueError(f"{flag} after `--` would override {owner}, and the table would show the row under a "
+                         "method it no longer is: set it through Compare.py's own flags or leave it out")
 
 
 def preset_flags(settings: dict) -> list:
@@ -95,8 +116,9 @@ def run_logged(command: list, log_path: str, what: str):
         done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     if done.returncode:
         with open(log_path) as f:
-            tail = "".join(f.readlines()[-6:])
-        raise RuntimeError(f"{what} failed (exit {done.returncode}); the end of {log_path}:\n{tail}")
+            lines = [line.strip() for line in f if line.strip()]
+        said = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
+        raise RuntimeError(f"{what} failed (exit {done.returncode}; its output is in {log_path}): {said}")
 
 
 def end_record(run: str) -> dict:
@@ -150,24 +172,35 @@ def table(rows: list) -> str:
 
 
 def main(argv=None):
+    """Exit codes: 0 done, 2 bad arguments or a method's run failed (one `error:` line naming its log),
+    4 the table could not be written."""
     args = get_args_parser().parse_args(argv)
     if args.max_steps < 0 or args.max_examples < 0 or args.ranks < 1:
         get_args_parser().error("--max_steps and --max_examples must be >= 0 and --ranks >= 1")
-    os.makedirs(args.output_dir, exist_ok=True)
     rows = []
     try:
+        check_math_flags(args)
+        check_output_dir(args.output_dir)
+        os.makedirs(args.output_dir, exist_ok=True)
         for method in args.methods:
             rows.append(evaluate_method(args, method))
         rows.append(evaluate_method(args, BASE_ROW))
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError) as e:  # RunDirError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: cannot write {e.filename or args.output_dir}: {e.strerror or e}", file=sys.stderr)
+        return 4
     text = table(rows)
     note = (f"recipe {args.recipe}, {args.max_steps or 'all'} steps per method on {args.ranks} rank(s), "
             f"{args.max_examples or 'all'} test examples per data set; accuracy in %")
-    with open(os.path.join(args.output_dir, "compare.md"), "w") as f:
-        f.write(text + "\n\n" + note + "\n")
-    write_json({"note": note, "rows": rows}, os.path.join(args.output_dir, "compare.json"))
+    try:
+        atomic_write(os.path.join(args.output_dir, "compare.md"),
+                     lambda tmp: Path(tmp).write_text(text + "\n\n" + note + "\n"))
+        write_json({"note": note, "rows": rows}, os.path.join(args.output_dir, "compare.json"))
+    except OSError as e:
+        print(f"error: cannot write {e.filename or args.output_dir}: {e.strerror or e}", file=sys.stderr)
+        return 4
     print("\n" + text + "\n\n" + note)
     return 0
 

@@ -14,8 +14,9 @@ Writes into --output_dir: <dataset>_predictions.jsonl per data set, scores.json
 (accuracy per data set and their average) and, with --save_weights,
 type_weight.pkl, token_weight.pkl and heatmaps (structure: Utils/plots.py).
 The results of one evaluation, never a mix: everything is written into a staging folder
-beside --output_dir and replaces it as a whole once every data set is scored. A folder
-holding anything else than these results is refused (it is not an evaluation folder).
+beside --output_dir and replaces it as a whole once every data set is scored; its manifest
+(.manifest.json) lists them. A folder holding anything its manifest does not list is refused
+(it is not an evaluation folder), and so is a mount point; a symlink's target is replaced.
 Exit codes: 0 done, 2 bad input (one line on stderr), 4 a file could not be written (disk
 full, permissions), 130 / 143 stopped by SIGINT / SIGTERM (nothing written).
 """
@@ -24,7 +25,6 @@ import Utils.jittor_env  # must precede numpy and jittor (see block_stop_signals
 if __name__ == "__main__":
     Utils.jittor_env.block_stop_signals()
 
-import argparse
 import glob
 import json
 import os
@@ -37,29 +37,27 @@ from tqdm import tqdm
 
 from Data.dataset import load_examples
 from Data.prompts import format_prompt
-from Data.scoring import extract_answer, is_correct, scoring_rule
+from Data.scoring import checked_labels, extract_answer, is_correct, scoring_rule
 from Models.ModelArgs import META_FIELDS, ModelArgs
 from Models.Tokenizer import Tokenizer
-from Models.formats.adapters import ADAPTER_WEIGHTS, adapter_config_path, load_adapter, read_adapter_config
+from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
+                                     read_adapter_config)
 from Models.formats.meta import build_model, open_tokenizer
 from Models.generate import check_kv_cache_memory, generate
 from Data.tiny_base import ensure_default_base
 from Models.formats.pth import CheckpointError
 from Utils import misc, output_dirs
-from Utils.jittor_env import StopFlag
-from Utils.misc import print_main
-from Utils.settings import GenerationArgs, add_arguments, given
+from Utils.jittor_env import StopFlag, Stopped
+from Utils.misc import print_main, read_json_object
+from Utils.settings import ArgumentParser, GenerationArgs, add_arguments, check_values, given
 
 SPLIT_NAMES = ("test", "val", "validation", "train")
 # One data set of the run: examples[first:first + count] of the joined list, scored by `rule`.
 TestSet = namedtuple("TestSet", "name path rule first count")
 
 
-class Stopped(Exception):
-    """SIGINT or SIGTERM arrived during generation."""
-
 def get_args_parser():
-    p = argparse.ArgumentParser(description="Generate answers with a MoA adapter, score them, dump router weights.")
+    p = ArgumentParser(description="Generate answers with a MoA adapter, score them, dump router weights.")
     p.add_argument("--adapter_path", default=None,
                    help="our adapter dir (adapter.pth + adapter_params.json) or the authors' adapter.pth; "
                         "default: the newest ./output/*/adapter")
@@ -98,14 +96,6 @@ def newest_adapter(output_root):
     return os.path.dirname(max(found, key=os.path.getmtime)) if found else None
 
 
-def read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
 def resolve_run(args):
     """(adapter path or None, run dir or None, run's args.json dict, llama_path)."""
     newest = newest_adapter(args.output_root)
@@ -120,7 +110,10 @@ def resolve_run(args):
     folder = None if located is None else located if os.path.isdir(located) else os.path.dirname(located)
     run_dir = os.path.dirname(os.path.abspath(folder)) if folder else None
     run_args_path = os.path.join(run_dir, "args.json") if run_dir else None
-    run_args = read_json(run_args_path) if run_args_path and os.path.isfile(run_args_path) else {}
+    run_args = read_json_object(run_args_path, "run settings") if run_args_path and os.path.isfile(run_args_path) \
+        else {}
+    if not isinstance(run_args.get("llama_path", ""), (str, type(None))):
+        raise ValueError(f"{run_args_path}: field 'llama_path' must be a string, got {run_args['llama_path']!r}")
     llama_path = args.llama_path or run_args.get("llama_path") or ensure_default_base()
     return adapter, run_dir, run_args, llama_path
 
@@ -134,7 +127,7 @@ def data_files(paths):
     """[(name, file)] from files and dirs (a dir's test.json, or each sub-dir's test.json)."""
     files = []
     for path in paths:
-        if os.path.isfile(path):
+        if os.path.exists(path) and not os.path.isdir(path):  # a file, or a FIFO (read by polling)
             files.append((dataset_name(path), path))
         elif os.path.isdir(path):
             inside = [os.path.join(path, "test.json")] if os.path.isfile(os.path.join(path, "test.json")) \
@@ -158,14 +151,19 @@ def default_test_set(run_dir):
 
 
 def load_test_sets(sources, max_examples):
-    """[(name, file)] -> (joined examples, [TestSet]); repeated names get a suffix."""
+    """[(name, file)] -> (joined examples, [TestSet]); two files of one name are refused (their results
+    would share one file), and every label is checked against its set's scoring rule before any generation."""
     examples, test_sets, seen = [], [], {}
     for name, source in sources:
-        seen[name] = seen.get(name, 0) + 1
-        name = name if seen[name] == 1 else f"{name}_{seen[name]}"
+        if name in seen:
+            raise ValueError(f"{seen[name]} and {source} are both data set '{name}' (a file is named by its stem, "
+                             "a test.json by its folder): their results would overwrite each other; rename one")
+        seen[name] = source
         loaded = load_examples(source)
         loaded = loaded[:max_examples] if max_examples else loaded
         rule = scoring_rule(name, [ex["answer"] for ex in loaded], source)  # before any generation
+        for ex, label in zip(loaded, checked_labels(rule, [ex["answer"] for ex in loaded], source, name)):
+            ex["answer"] = label
         test_sets.append(TestSet(name, source, rule, len(examples), len(loaded)))
         examples += loaded
     return examples, test_sets
@@ -200,7 +198,7 @@ def load_model(args, adapter, llama_path, max_seq_len):
         try:
             load_adapter(model, adapter)
         except CheckpointError as e:
-            hint = "" if os.path.isfile(adapter_config_path(adapter)) else (
+            hint = "" if isinstance(e, NonFiniteAdapter) or os.path.isfile(adapter_config_path(adapter)) else (
                 " -- an adapter.pth without adapter_params.json needs the MoA flags it was trained with "
                 "(--variant, --lora_layers, --lora_targets, --p_adapter_layers, ...)")
             raise CheckpointError(f"{e}{hint}") from None
@@ -279,16 +277,18 @@ def score_and_write(test_sets, examples, results, output_dir, meta):
 
 
 def check_args(args):
-    for flag in ("batch_size", "max_examples", "plot_examples"):
+    for flag in ("batch_size", "max_examples", "plot_examples", "seed"):
         value = getattr(args, flag)
-        if value is not None and value < (0 if flag == "plot_examples" else 1):
+        if value is not None and value < (0 if flag in ("plot_examples", "seed") else 1):
             raise ValueError(f"--{flag}={value} is too small")
 
 
-def generation_settings(args, run_args) -> GenerationArgs:
-    """The flags given, else what the run's args.json recorded (its recipe's), else the defaults."""
-    recorded = {k: run_args[k] for k in ("max_gen_len", "temperature", "top_p") if k in run_args}
-    return GenerationArgs(**{**recorded, **given(args, GenerationArgs)})
+def generation_settings(args, run_args, source="args.json") -> GenerationArgs:
+    """The flags given, else what the run's args.json (`source`) recorded (its recipe's), else the defaults;
+    a recorded value its setting's rule refuses is an error naming the file and field."""
+    flags = given(args, GenerationArgs)
+    recorded = check_values(GenerationArgs, {k: v for k, v in run_args.items() if k not in flags}, source)
+    return GenerationArgs(**{**recorded, **flags})
 
 
 def model_context(args, config) -> int:
@@ -313,12 +313,14 @@ def run(args, stop=None):
     misc.init_distributed_mode(args)
     rank, world = misc.get_rank(), misc.get_world_size()
     adapter, run_dir_path, run_args, llama_path = resolve_run(args)
-    output_dir = os.path.abspath(args.output_dir or (
+    requested = os.path.abspath(args.output_dir or (
         os.path.join(run_dir_path, "eval_base" if args.no_adapter else "eval") if run_dir_path
         else os.path.join(args.output_root, "eval_base")))
-    output_dirs.check_eval_dir(output_dir)
-    gen = generation_settings(args, run_args)
     sources = data_files(args.data_path) if args.data_path else default_test_set(run_dir_path)
+    # the folder replaced at the end (a symlink's target), refused now if that cannot be done safely
+    output_dir = output_dirs.eval_dir(requested, [("--adapter_path", adapter), ("--llama_path", llama_path),
+                                                  *(("--data_path", path) for _, path in sources)])
+    gen = generation_settings(args, run_args, os.path.join(run_dir_path, "args.json") if run_dir_path else None)
     examples, test_sets = load_test_sets(sources, args.max_examples)
     params = ModelArgs.from_params_json(llama_path)
     tok = open_tokenizer(llama_path, params.vocab_size)
@@ -386,7 +388,7 @@ def main(argv=None):
         return run(args, StopFlag())
     except Stopped as e:
         if misc.get_rank() == 0:
-            sys.stderr.write(f"error: stopped by {e} before every example was generated; nothing was written\n")
+            sys.stderr.write(f"error: stopped by {e} before the evaluation was done; nothing was written\n")
         sys.exit(130 if str(e) == "SIGINT" else 143)
     except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
         if misc.get_rank() == 0:
@@ -394,7 +396,8 @@ def main(argv=None):
         sys.exit(2)
     except OSError as e:  # the inputs were read before; a write failed
         if misc.get_rank() == 0:
-            sys.stderr.write(f"error: cannot write {e.filename}: {e.strerror or e}\n")
+            sys.stderr.write(f"error: cannot write {e.filename or args.output_dir or 'the output folder'}: "
+                             f"{e.strerror or e}\n")
         sys.exit(4)
 
 

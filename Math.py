@@ -8,9 +8,10 @@
 run means the same on 1 or N ranks; the authors' --batch_size was per GPU.
 An output folder belongs to one run (Utils/output_dirs.py): a new run into another run's folder
 needs --resume auto or --overwrite, and two live runs into one folder are refused.
-Exit codes: 0 done, 2 bad input (one line on stderr), 3 non-finite loss, 4 a file could not be
-written (disk full, permissions), 130 stopped by SIGINT (Ctrl-C), 143 stopped by SIGTERM; both
-stops save checkpoint-latest.pth at the next step boundary first.
+Exit codes: 0 done, 2 bad input (one line on stderr), 3 non-finite loss or adapter weights (nothing
+saved), 4 a file could not be written (disk full, permissions), 130 stopped by SIGINT (Ctrl-C), 143
+stopped by SIGTERM; both stops save checkpoint-latest.pth at the next step boundary first (or,
+while an input is still being read, stop with nothing written).
 """
 import Utils.jittor_env  # must precede numpy and jittor (see block_stop_signals)
 
@@ -31,7 +32,7 @@ import jittor as jt
 from Data.dataset import FinetuneDataset, load_examples, split_validation
 from Data.synthetic import make_splits
 from engine_finetune import NonFiniteLoss, Progress, RunContext, log_line, train
-from Models.formats.adapters import load_adapter, save_adapter
+from Models.formats.adapters import NonFiniteAdapter, load_adapter, save_adapter
 from Models.formats.training import restore_checkpoint, resume_signature
 from Models.formats.meta import build_model, open_tokenizer
 from Models.ModelArgs import INSTANCE_METHODS, ModelArgs
@@ -39,8 +40,9 @@ from Data.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
 from Models.kernels.adamw import build_optimizer
 from Utils.misc import EarlyStopper, all_reduce_sum, print_main
-from Utils.jittor_env import StopFlag
-from Utils.settings import GenerationArgs, TrainArgs, add_arguments, given, recipe_values, recipes_help, setting_fields
+from Utils.jittor_env import StopFlag, Stopped
+from Utils.settings import (RECIPES, ArgumentParser, GenerationArgs, TrainArgs, add_arguments, check_values, given,
+                            recipe_values, recipes_help, resume_fixed, setting_fields)
 
 # The demo data; the held-out test split is written beside it for Infer.py (disjoint by instruction).
 SYNTHETIC = dict(n_train=20000, n_val=200, n_test=300, seed=0)
@@ -52,8 +54,8 @@ class UserError(Exception):
 
 
 def get_args_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=recipes_help() + f". The defaults shown are the {DEFAULT_RECIPE} recipe's.")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=recipes_help() + f". The defaults shown are the {DEFAULT_RECIPE} recipe's.")
     a = p.add_argument
     a("--recipe", default=DEFAULT_RECIPE, help="named settings (see below) or a JSON file of settings; the flags "
       f"given override it (default: {DEFAULT_RECIPE})")
@@ -67,8 +69,8 @@ def get_args_parser():
       "(default: ./output/math)")
     a("--resume", default=None, help="checkpoint to continue from, or 'auto' = <output_dir>/checkpoint-latest.pth "
       "when it exists (else a fresh run that may use a folder holding another run's files)")
-    a("--overwrite", action="store_true", help="replace the run whose files --output_dir holds: deletes its "
-      "args.json, log.txt, checkpoints, adapter dirs, tensorboard/, data/, eval/ and eval_base/ first "
+    a("--overwrite", action="store_true", help="replace the run whose files --output_dir holds: deletes what "
+      "its manifest (.manifest.json) lists and the evaluation folders in it first, never anything else "
       "(without it such a folder is refused)")
     a("--init_adapter", default=None, help="start from this adapter (our dir/adapter.pth or the authors' "
       "adapter.pth) with a fresh optimizer")
@@ -85,15 +87,20 @@ def fail(message):
 
 def resolve_settings(args, n_layers):
     """(ModelArgs settings dict, TrainArgs, GenerationArgs settings for Infer.py): dataclass defaults <
-    the recipe < the flags given."""
-    values = {**recipe_values(args.recipe, getattr(args, "variant", None)), **given(args, ModelArgs),
-              **given(args, TrainArgs)}
+    the recipe < the flags given, each value checked by its setting's rule where it came from."""
+    recipe = recipe_values(args.recipe, getattr(args, "variant", None))
     sections = {cls: {f.name for f in setting_fields(cls)} for cls in (ModelArgs, TrainArgs, GenerationArgs)}
-    unknown = sorted(set(values) - set().union(*sections.values()))
+    unknown = sorted(set(recipe) - set().union(*sections.values()))
     if unknown:
         fail(f"--recipe {args.recipe}: unknown setting(s) {unknown}")
+    source = f"recipe '{args.recipe}'" if args.recipe in RECIPES else args.recipe
+    values = {}
+    for cls in sections:
+        values.update(check_values(cls, {k: v for k, v in recipe.items() if k in sections[cls]}, source))
+    values.update({**given(args, ModelArgs), **given(args, TrainArgs)})
     pick = lambda cls: {k: v for k, v in values.items() if k in sections[cls]}  # noqa: E731
     train_cfg = TrainArgs(**pick(TrainArgs))
+    GenerationArgs(**pick(GenerationArgs))  # recorded for Infer.py: usable there, or refused here
     if train_cfg.batch_size < args.world_size:
         fail(f"--batch_size {train_cfg.batch_size} is smaller than the {args.world_size} MPI ranks: "
              "each rank needs a row")
@@ -166,34 +173,45 @@ def prepare(args):
     resume_path = find_resume(args) if args.resume else None
     if args.resume == "auto" and resume_path is None:
         print_main(f"--resume auto: no checkpoint-latest.pth in {args.output_dir} yet, starting afresh")
+    settings = {**run_flags(args), "recipe": args.recipe, **model_settings, **vars(cfg), **generation}
     if resume_path:
-        ckpt = restore_checkpoint(resume_path, model, optimizer, stopper, signature)
+        ckpt = restore_checkpoint(resume_path, model, optimizer, stopper, signature,
+                                  resume_fixed({**settings, **model_args.to_dict()}, ModelArgs, TrainArgs))
         progress = Progress(int(ckpt["epoch"]), int(ckpt["data_iter_step"]), int(ckpt["global_step"]))
         print_main(f"resumed from {resume_path}: epoch {progress.epoch}, batch {progress.next_batch}, "
                    f"step {progress.global_step}")
     elif args.init_adapter:
         load_adapter(model, args.init_adapter)
         print_main(f"adapter initialised from {args.init_adapter} (fresh optimizer)")
-    settings = {**run_flags(args), "recipe": args.recipe, **model_settings, **vars(cfg), **generation}
     return model, optimizer, stopper, (train_ds, val_ds), examples, cfg, progress, settings, signature
 
 
 def check_lengths(args, train_ds, val_ds, max_seq_len):
-    """Say how many examples --max_seq_len cuts; refuse a validation set with no target token left, whose
-    loss would read 0.0 and 'improve' forever."""
+    """Say how many examples --max_seq_len cuts; refuse a training or validation set with no target token
+    left: its loss would read 0.0, training nothing or 'improving' forever."""
+    sources = {"training": args.data_path or "synthetic",
+               "validation": args.val_data_path or (f"--val_fraction of {args.data_path}" if args.data_path
+                                                    else "synthetic")}
     for what, ds in (("training", train_ds), ("validation", val_ds)):
         if ds is not None and ds.n_cut:
             print_main(f"{what}: {ds.n_cut} of {ds.total_len} examples are longer than --max_seq_len {max_seq_len} "
                        "tokens and are cut (their input first, then the answer's end)")
-    if val_ds is not None and val_ds.n_targets == 0:
-        source = args.val_data_path or (f"--val_fraction of {args.data_path}" if args.data_path else "synthetic")
-        fail(f"validation set ({source}): no example keeps a target token within --max_seq_len {max_seq_len} "
-             "(every prompt fills it): raise --max_seq_len")
+    for what, ds in (("validation", val_ds), ("training", train_ds)):
+        if ds is not None and ds.n_targets == 0:
+            fail(f"{what} set ({sources[what]}): no example keeps a target token within --max_seq_len "
+                 f"{max_seq_len} (every prompt fills it): raise --max_seq_len")
 
 
 def run_flags(args) -> dict:
     return {k: getattr(args, k) for k in ("llama_path", "data_path", "val_data_path", "output_dir", "resume",
                                           "overwrite", "init_adapter", "device", "world_size")}
+
+
+def run_inputs(args) -> list:
+    """(flag, path) of what the run reads: never inside what --overwrite removes."""
+    return [(f"--{flag}", getattr(args, flag)) for flag in ("data_path", "val_data_path", "init_adapter", "resume",
+                                                           "llama_path", "recipe")
+            if flag != "recipe" or args.recipe not in RECIPES]
 
 
 def claim_output_dir(args, run_id):
@@ -202,8 +220,7 @@ def claim_output_dir(args, run_id):
     if misc.is_main_process():
         claim = output_dirs.RunDir(args.output_dir, run_id)
         try:
-            removed = claim.claim(args.resume, args.overwrite,
-                                  keep=(args.data_path, args.val_data_path, args.init_adapter, args.resume))
+            removed = claim.claim(args.resume, args.overwrite, keep=run_inputs(args))
             if removed:
                 print_main(f"removed {len(removed)} temp file(s) of interrupted writes: " + ", ".join(removed))
         except output_dirs.RunDirError as e:
@@ -213,11 +230,12 @@ def claim_output_dir(args, run_id):
     return claim
 
 
-def write_run_files(output_dir, data_path, settings, examples):
-    """args.json (every resolved setting) and, for the synthetic default, the data it trains on (rank 0)."""
+def write_run_files(claim, output_dir, data_path, settings, examples):
+    """args.json (every resolved setting) and, for the synthetic default, the data it trains on (rank 0);
+    the manifest lists them, log.txt and tensorboard/ first."""
     if not misc.is_main_process():
         return
-    os.makedirs(output_dir, exist_ok=True)
+    claim.record("args.json", "log.txt", "tensorboard", *(["data"] if data_path is None else []))
     if data_path is None:
         data_dir = os.path.join(output_dir, "data")
         test = make_splits(SYNTHETIC["n_train"], SYNTHETIC["n_val"], SYNTHETIC["n_test"], seed=SYNTHETIC["seed"])[2]
@@ -233,19 +251,22 @@ def finetune(args, stop):
     try:
         output_dirs.check_output_dir(args.output_dir)
         output_dirs.check_owner(args.output_dir, args.resume, args.overwrite)  # early; again under the lock
+        if args.overwrite and os.path.isdir(args.output_dir):
+            output_dirs.check_inputs_outside(output_dirs.removable_entries(args.output_dir), run_inputs(args),
+                                             "--overwrite")
         prepared = prepare(args)
     except (ValueError, OSError) as e:
         raise UserError(str(e)) from None
     run_id = output_dirs.new_run_id()
     claim = claim_output_dir(args, run_id)
     try:
-        return train_and_save(args, stop, run_id, *prepared)
+        return train_and_save(args, stop, run_id, claim, *prepared)
     finally:
         if claim is not None:
             claim.release()
 
 
-def train_and_save(args, stop, run_id, model, optimizer, stopper, datasets, examples, cfg, start, settings,
+def train_and_save(args, stop, run_id, claim, model, optimizer, stopper, datasets, examples, cfg, start, settings,
                    signature):
     train_ds, val_ds = datasets
     settings = {**settings, "run_id": run_id}
@@ -253,7 +274,7 @@ def train_and_save(args, stop, run_id, model, optimizer, stopper, datasets, exam
     steps_per_epoch = len(train_ds) // cfg.accum_iter
     if start.next_batch >= steps_per_epoch * cfg.accum_iter:
         start.epoch, start.next_batch = start.epoch + 1, 0
-    write_run_files(args.output_dir, args.data_path, settings, examples)
+    write_run_files(claim, args.output_dir, args.data_path, settings, examples)
     log_writer = None
     if misc.is_main_process():
         from tensorboardX import SummaryWriter
@@ -261,7 +282,7 @@ def train_and_save(args, stop, run_id, model, optimizer, stopper, datasets, exam
                                    purge_step=start.global_step + 1)
     ctx = RunContext(output_dir=args.output_dir, world_size=args.world_size, steps_per_epoch=steps_per_epoch,
                      val_dataset=val_ds, stopper=stopper, log_writer=log_writer, stop=stop,
-                     settings=settings, signature=signature, run_id=run_id)
+                     settings=settings, signature=signature, run_id=run_id, run_dir=claim)
     print_main(f"{len(train_ds)} batches of {cfg.batch_size} per epoch, {steps_per_epoch} optimizer steps per "
                f"epoch, {cfg.epochs * steps_per_epoch} in all, lr {cfg.lr:.3g}, {args.world_size} rank(s)")
     end = train(model, train_ds, optimizer, cfg, ctx, start)
@@ -281,6 +302,8 @@ def train_and_save(args, stop, run_id, model, optimizer, stopper, datasets, exam
         print_main(f"stopped by {stop.name} at step {end.global_step}; checkpoint-latest.pth is saved, "
                    f"continue with --resume auto")
         return 130 if stop.name == "SIGINT" else 143
+    if claim is not None:
+        claim.record("adapter")
     save_adapter(model, os.path.join(args.output_dir, "adapter"))
     all_reduce_sum([0.0])  # barrier: no rank exits (and makes mpirun kill the rest) while rank 0 still writes
     best = f", best val_loss {stopper.best:.4f} in adapter-best/" if math.isfinite(stopper.best) else ""
@@ -299,9 +322,12 @@ def main(argv=None):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteLoss as e:
+    except (NonFiniteLoss, NonFiniteAdapter) as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except Stopped as e:  # while blocked reading an input (a FIFO), before anything was written
+        print(f"error: stopped by {e} while reading the inputs; nothing was written", file=sys.stderr)
+        return 130 if str(e) == "SIGINT" else 143
     except OSError as e:  # inputs were read in prepare(); what fails now is a write
         print(f"error: cannot write {e.filename or args.output_dir}: {e.strerror or e}", file=sys.stderr)
         return 4

@@ -26,12 +26,14 @@ import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
 import jittor as jt
 
 from Models.formats.training import checkpoint_state, save_checkpoint
+from Models.kernels.finite import nonfinite_count
 from Utils.misc import MetricLogger, SmoothedValue, all_reduce_sum, is_main_process, print_main
 from Utils.settings import TrainArgs
 
 
 class NonFiniteLoss(RuntimeError):
-    """The training loss became NaN or inf; the last good checkpoint is left untouched."""
+    """The training or validation loss, or the adapter's weights, became NaN or inf; nothing is saved, so
+    checkpoint-latest.pth keeps the last finite state."""
 
 
 def lr_at(step, total_steps, warmup_steps, lr, min_lr):
@@ -90,6 +92,7 @@ class RunContext:
     settings: dict  # the run's resolved settings, saved into every checkpoint
     signature: dict  # what a resume must match (Models.formats.training.resume_signature)
     run_id: str = ""  # on every log line: which run wrote it
+    run_dir: Any = None  # Utils.output_dirs.RunDir on rank 0 (its manifest lists what the run writes), else None
 
 
 @dataclass
@@ -113,9 +116,16 @@ def log_line(ctx, record):
             f.write(json.dumps({"run": ctx.run_id, **record}) + "\n")
 
 
+def non_finite(what: str, progress) -> NonFiniteLoss:
+    return NonFiniteLoss(f"{what} at step {progress.global_step} (epoch {progress.epoch}); stopping without saving: "
+                         "checkpoint-latest.pth holds the last finite state. Try a lower --blr/--lr or --clip_grad")
+
+
 def save(ctx, model, optimizer, progress, best=False):
     """checkpoint-latest (and with best, checkpoint-best + adapter-best); every rank calls it."""
     state = checkpoint_state(model, optimizer, ctx.stopper, progress.position(), ctx.settings, ctx.signature)
+    if ctx.run_dir is not None:
+        ctx.run_dir.record("checkpoint-latest.pth", *(("checkpoint-best.pth", "adapter-best") if best else ()))
     if best:
         save_checkpoint(state, ctx.output_dir, "best", with_adapter=True)
     save_checkpoint(state, ctx.output_dir, "latest")
@@ -126,6 +136,8 @@ def validate_and_save(ctx, model, optimizer, progress):
     improved = False
     if ctx.val_dataset is not None:
         val_loss = evaluate(model, ctx.val_dataset)
+        if not math.isfinite(val_loss):
+            raise non_finite(f"validation loss is {val_loss}", progress)
         improved, should_stop = ctx.stopper.step(val_loss)
         print_main(f"[val] step {progress.global_step}: val_loss {val_loss:.4f} (best {ctx.stopper.best:.4f})"
                    f"{' improved' if improved else ''}")
@@ -188,14 +200,17 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         train_loss = float(nll_sum / max(targets, 1.0))
         aux_loss = float(aux_sum / (cfg.accum_iter * world)) if "aux" in parts else None
         if not math.isfinite(train_loss):
-            raise NonFiniteLoss(f"training loss is {train_loss} at step {progress.global_step + 1} (epoch {epoch}); "
-                                f"stopping without saving, the last good checkpoint is untouched. "
-                                f"Try a lower --blr/--lr or --clip_grad")
+            raise non_finite(f"training loss is {train_loss}", replace(progress, global_step=progress.global_step + 1))
         grad_norm = clip_gradients(optimizer, cfg.clip_grad)
         optimizer.step()
-        jt.sync(list(model.adapter_parameters().values()) + [grad_norm])
+        adapter = list(model.adapter_parameters().values())
+        bad = nonfinite_count(adapter)  # one small op: the step's weights, before anything can save them
+        jt.sync(adapter + [grad_norm, bad])
         grad_norm = grad_norm.item()
         progress.global_step += 1
+        if bad.item() > 0:
+            raise non_finite(f"{int(bad.item())} adapter weight(s) are not finite after the update (lr {lr:.3g}, "
+                             f"grad_norm {grad_norm:.3g})", progress)
         progress.input_tokens += int(input_tokens)
         progress.train_seconds += time.time() - started
         progress.next_batch = (opt_step + 1) * cfg.accum_iter

@@ -32,6 +32,7 @@ import jittor as jt
 from jittor.dataset import Dataset
 
 from Data.prompts import format_prompt
+from Utils.misc import read_input
 
 FIELDS = ("instruction", "input", "output", "answer")
 TEXT_FIELDS = ("instruction", "input", "output")
@@ -43,11 +44,12 @@ def load_examples(path):
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    try:
+        data = json.loads(read_input(path).decode("utf-8"))  # a FIFO is polled: Ctrl-C still ends the run
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of examples, found a {type(data).__name__}")
     if not data:

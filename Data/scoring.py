@@ -64,6 +64,36 @@ def scoring_rule(dataset_name, labels, source=None):
                      "after the data set it is")
 
 
+LABEL_FORMS = {"number": "a number such as 12, -2.5 or 1,234", "choice": "one letter A-E"}
+
+
+def checked_labels(rule, labels, source, name):
+    """The labels of data set `name` (file `source`) in the form `rule` compares them in, checked before any
+    generation. Known variants of the authors' data are normalised: thousands separators in numbers
+    ("1,234"), lower-case letters for AQuA ("b"), keywords in another case (boolq's JSON booleans load as
+    "True"/"False"); any other label is an error naming the file and the example."""
+    kind = answer_kind(rule)
+    keywords = KEYWORD_SETS[rule.lower()].pattern.split("|") if kind == "keyword" else ()
+    checked = []
+    for i, label in enumerate(labels):
+        text = str(label).strip()
+        if kind == "number":
+            fixed = text.replace(",", "")
+            ok = NUMBER.fullmatch(fixed) is not None
+        elif kind == "choice":
+            fixed = text.upper()
+            ok = CHOICE.fullmatch(fixed) is not None
+        else:
+            fixed = next((k for k in keywords if k.lower() == text.lower()), text)
+            ok = fixed in keywords
+        if not ok:
+            form = LABEL_FORMS.get(kind) or "one of " + ", ".join(keywords)
+            raise ValueError(f"{source}: example {i} of data set '{name}' has the label {label!r}, which its scoring "
+                             f"rule ({rule}) cannot match: expected {form}")
+        checked.append(fixed)
+    return checked
+
+
 def extract_answer(dataset_name, text):
     """The predicted answer: a float, a letter, a keyword, or None when there is none."""
     kind = answer_kind(dataset_name)

@@ -1,10 +1,10 @@
 """The one configuration dataclass: Meta's params.json plus the PEFT/MoA fields."""
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 from Utils.misc import read_json_object
-from Utils.settings import setting
+from Utils.settings import check_fields, check_values, checked_field, setting
 
 LORA_TARGETS = ("Q", "K", "V", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN")
 # The router's column order is fixed by the authors' code, whatever order lora_targets lists.
@@ -51,19 +51,20 @@ def parse_layer_span(spec: str, n_layers: int, field: str = "layers") -> frozens
 @dataclass
 class ModelArgs:
     # Meta's params.json
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: Optional[int] = None
-    vocab_size: int = 128256
-    multiple_of: int = 256
-    ffn_dim_multiplier: Optional[float] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
+    dim: int = checked_field(4096, at_least=1)
+    n_layers: int = checked_field(32, at_least=1)
+    n_heads: int = checked_field(32, at_least=1)
+    n_kv_heads: Optional[int] = checked_field(None, at_least=1)
+    vocab_size: int = checked_field(128256, at_least=1)
+    multiple_of: int = checked_field(256, at_least=1)
+    ffn_dim_multiplier: Optional[float] = checked_field(None, above=0)
+    norm_eps: float = checked_field(1e-5, above=0, at_most=1)
+    rope_theta: float = checked_field(500000.0, above=0)
     use_scaled_rope: bool = False
     # runtime
-    max_batch_size: int = 32
-    max_seq_len: int = setting(2048, "tokens per sequence: training examples are cut to it; the KV cache holds it")
+    max_batch_size: int = checked_field(32, at_least=1)
+    max_seq_len: int = setting(2048, "tokens per sequence: training examples are cut to it; the KV cache holds it",
+                               at_least=1)
     # fp32 by default: it matches the authors' fp32 outputs to 1e-6, and on a CPU without bf16 units
     # bf16 trains slower (the weights are widened for every product). Where the CPU has bf16 units
     # bf16 is faster; the paper's recipes (LLaMA-3.1-8B) choose it, as the authors' bf16=True does:
@@ -78,69 +79,54 @@ class ModelArgs:
     variant: str = setting("sparse", "method moa: Soft MoA (every expert, sigmoid-weighted) or Sparse MoA (a learned "
                                      "per-token threshold switches experts off)", VARIANTS)
     lora_layers: str = setting("0-0", "layer spans with LoRA experts")
-    lora_rank: int = setting(8, "LoRA rank r")
-    lora_targets: str = setting("Q,K,V,O,FFN_DOWN", f"comma list of LoRA targets from {','.join(LORA_TARGETS)}")
-    lora_alpha: float = setting(8.0, "LoRA scaling numerator (scale = alpha / r)")
-    expert_num: int = setting(1, "experts per LoRA target, prompt and parallel adapter (MoE-LoRA when > 1)")
+    lora_rank: int = setting(8, "LoRA rank r", at_least=1)
+    lora_targets: str = setting("Q,K,V,O,FFN_DOWN",
+                                f"comma list of distinct LoRA targets from {','.join(LORA_TARGETS)}")
+    lora_alpha: float = setting(8.0, "LoRA scaling numerator (scale = alpha / r)", above=0)
+    expert_num: int = setting(1, "experts per LoRA target, prompt and parallel adapter (MoE-LoRA when > 1)",
+                              at_least=1)
     hydra_moe: bool = setting(False, "the LoRA experts share one A (HydraLoRA)")
     p_adapter_layers: str = setting("0-0", "layer spans with the parallel adapter")
-    p_adapter_size: int = setting(16, "parallel adapter bottleneck width")
+    p_adapter_size: int = setting(16, "parallel adapter bottleneck width", at_least=1)
     p_adapter_hydra: bool = setting(False, "the parallel adapter's experts share one down projection")
     prompt_layers: str = setting("0-0", "layer spans with prompt tuning (Soft MoA only)")
-    prompt_len: int = setting(10, "prompt tokens per layer")
+    prompt_len: int = setting(10, "prompt tokens per layer", at_least=1)
     # MoA: routing
-    swi_x: int = setting(4, "type router hidden width multiplier (SwiGLU); 0 = a Linear router")
-    max_threshold: float = setting(0.5, "Sparse MoA: upper bound of the learned threshold Gamma")
+    swi_x: int = setting(4, "type router hidden width multiplier (SwiGLU); 0 = a Linear router", at_least=0)
+    max_threshold: float = setting(0.5, "Sparse MoA: upper bound of the learned threshold Gamma", above=0,
+                                   at_most=1)
     const_threshold: bool = setting(False, "Sparse MoA: a constant threshold instead of a learned one")
-    top_k: int = setting(2, "topk: experts each token uses, weights renormalised over them")
+    top_k: int = setting(2, "topk: experts each token uses, weights renormalised over them", at_least=1)
     lb_loss_coeff: float = setting(0.001, "topk/adamole: weight of the load-balancing loss added to the training "
-                                          "loss (the paper's final runs: 0)")
+                                          "loss (the paper's final runs: 0)", at_least=0)
     gamma_grad: str = setting("authors", "gradient through the Sparse selection: 'authors' (none reaches "
                                          "Gamma, as in their code) or 'ste' (straight-through)", GAMMA_GRADS)
 
     def __post_init__(self):
+        """Each field by its declared rule (Utils/settings.check_value), then the rules joining several."""
+        check_fields(self, "ModelArgs")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        for f in fields(self):
-            value = getattr(self, f.name)
-            want = {int: int, float: (int, float), bool: bool, str: str}.get(f.type)
-            if f.type in (Optional[int], "Optional[int]"):
-                want = (int, type(None))
-            elif f.type in (Optional[float], "Optional[float]"):
-                want = (int, float, type(None))
-            if want is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
-                raise TypeError(f"ModelArgs.{f.name}={value!r}: expected {f.type}, got {type(value).__name__}")
-        positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
-                    "max_batch_size", "max_seq_len", "lora_rank", "expert_num", "p_adapter_size", "prompt_len")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelArgs.{name}={getattr(self, name)} must be positive")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant={self.variant!r}: choose one of {VARIANTS}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}: choose one of {PRECISIONS}")
-        if self.gamma_grad not in GAMMA_GRADS:
-            raise ValueError(f"gamma_grad={self.gamma_grad!r}: choose one of {GAMMA_GRADS}")
-        if self.swi_x < 0:
-            raise ValueError(f"swi_x={self.swi_x} must be >= 0 (0 means a Linear router)")
-        unknown = [t for t in self.targets if t not in LORA_TARGETS]
-        if unknown:
-            raise ValueError(f"lora_targets={self.lora_targets!r}: unknown target(s) {unknown}; "
-                             f"choose from {','.join(LORA_TARGETS)}")
+        targets = self.targets
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        repeated = sorted({t for t in targets if targets.count(t) > 1})
+        if unknown or repeated or not targets:
+            problem = (f"unknown target(s) {unknown}" if unknown else f"repeated target(s) {repeated}" if repeated
+                       else "no target")
+            raise ValueError(f"lora_targets={self.lora_targets!r}: {problem}; give distinct targets from "
+                             f"{','.join(LORA_TARGETS)} (no LoRA at all: lora_layers='0-0')")
         for name in ("lora_layers", "p_adapter_layers", "prompt_layers"):
             if str(getattr(self, name)).strip() == "all":  # saved configs name the span itself
                 setattr(self, name, f"0-{self.n_layers}")
         self.lora_layer_set = parse_layer_span(self.lora_layers, self.n_layers, "lora_layers")
         self.p_adapter_layer_set = parse_layer_span(self.p_adapter_layers, self.n_layers, "p_adapter_layers")
         self.prompt_layer_set = parse_layer_span(self.prompt_layers, self.n_layers, "prompt_layers")
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r}: choose one of {METHODS}")
         if self.method == "moa" and self.variant == "sparse" and self.prompt_layer_set:
             raise ValueError("prompt tuning is not a token-level expert: Sparse MoA needs prompt_layers='0-0'")
         self.check_baseline()
@@ -158,8 +144,6 @@ class ModelArgs:
             if self.method == "topk" and self.top_k == 1 and self.lb_loss_coeff == 0:
                 raise ValueError("top_k=1 gives every chosen expert weight 1, so only the load-balancing loss "
                                  "trains the router: with lb_loss_coeff=0 it never learns; use top_k >= 2")
-        if self.lb_loss_coeff < 0:
-            raise ValueError(f"lb_loss_coeff={self.lb_loss_coeff} must be >= 0")
         if self.method == "unipeft" and not self.p_adapter_layer_set <= self.prompt_layer_set:
             # the authors weight the adapter by the prompt's gate (their p_adapter_gate is never read)
             raise ValueError("method=unipeft weights the parallel adapter by the layer's prompt gate, as the "
@@ -206,9 +190,9 @@ class ModelArgs:
         unknown = sorted(set(params) - set(META_FIELDS))
         if unknown:
             raise ValueError(f"{path}: unknown field(s) {unknown}; Meta's params.json has {list(META_FIELDS)}")
-        if "rope_theta" in params and isinstance(params["rope_theta"], int):
-            params["rope_theta"] = float(params["rope_theta"])
+        params = check_values(cls, params, path)  # each field's rule, naming the file
         try:
-            return cls(**{**params, **overrides})
-        except (TypeError, ValueError) as e:  # a bad file is bad input, whichever check caught it
+            cls(**params)  # the rules joining Meta's fields, on the file alone
+        except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+        return cls(**{**params, **overrides})  # the overrides were checked where they came from

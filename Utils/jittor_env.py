@@ -93,6 +93,10 @@ class StopFlag:
         return self.requested
 
 
+class Stopped(Exception):
+    """SIGINT or SIGTERM ended the work before it was done; str() is the signal's name."""
+
+
 def prepare():
     if "jittor" in sys.modules:
         return  # too late to change anything; whoever imported it chose

@@ -11,7 +11,9 @@ import math
 import os
 import pickle
 import re
+import select
 import shutil
+import stat
 import time
 from collections import defaultdict, deque
 
@@ -19,6 +21,8 @@ import numpy as np
 
 import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
 import jittor as jt
+
+from Utils.jittor_env import StopFlag, Stopped
 
 # Temp files of interrupted writes start with this, beside the file they were to replace.
 TMP_PREFIX = ".tmp"
@@ -137,12 +141,41 @@ def write_json(obj, path):
     return atomic_write(path, write)
 
 
+POLL_SECONDS = 0.2  # how long a read of a FIFO or device waits before it looks for a stop signal
+
+
+def read_input(path) -> bytes:
+    """The bytes of an input file. A regular file is read at once; anything else (a FIFO, a device) is read
+    by polling, so a writer that never comes still lets SIGINT or SIGTERM end the process (Stopped)."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(f"{path} is a folder, not a file")
+    if stat.S_ISREG(mode):
+        with open(path, "rb") as f:
+            return f.read()
+    stop, chunks = StopFlag(), []
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open would block until a writer comes
+    try:
+        while not stop.poll():
+            if not select.select([fd], [], [], POLL_SECONDS)[0]:
+                continue
+            try:
+                chunk = os.read(fd, 1 << 20)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+        raise Stopped(stop.name)
+    finally:
+        os.close(fd)
+
+
 def read_json_object(path, what: str) -> dict:
     """A JSON file holding one object; malformed JSON or another value is a ValueError naming the file."""
     try:
-        with open(path) as f:
-            value = json.load(f)
-    except json.JSONDecodeError as e:
+        value = json.loads(read_input(path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path}: expected a JSON object of {what}")

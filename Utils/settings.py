@@ -1,10 +1,16 @@
-"""Settings: each declared once (type, default, help), the command-line flags generated from that
-declaration, and the named recipes that reproduce the paper's runs.
+"""Settings: each declared once (type, default, help, rules), the command-line flags generated from
+that declaration, and the named recipes that reproduce the paper's runs.
 
 A setting is a dataclass field made with `setting(...)`: ModelArgs (the model and its experts),
 TrainArgs (the training loop) and GenerationArgs (decoding) below. `add_arguments` turns the fields
 of one class into argparse flags; `resolve` builds the instance from, in rising precedence, the
 dataclass defaults, a recipe, and the flags actually given on the command line.
+
+Every value of a field, wherever it comes from (a flag, a recipe file, args.json, an
+adapter_params.json, Meta's params.json), passes `check_values`: its declared type, a finite number
+for a float (finite in float32, which the kernels compute in), its choices and its bounds; the error
+names where the value came from. Rules that join several settings live in each class's
+__post_init__, which also checks every field again (programmatic construction included).
 """
 import argparse
 import os
@@ -13,10 +19,31 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from Utils.misc import read_json_object
 
+FLOAT32_MAX = 3.4028234663852886e38
 
-def setting(default, help, choices=None):
-    """A dataclass field that is also a command-line flag."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+
+class SettingError(ValueError):
+    """A value that breaks its setting's declared rule; the message names where it came from."""
+
+
+_BOUNDS = (("at_least", lambda v, b: v < b, "at least"), ("above", lambda v, b: v <= b, ">"),
+           ("at_most", lambda v, b: v > b, "at most"), ("below", lambda v, b: v >= b, "<"))
+
+
+def setting(default, help, choices=None, resumable=False, **bounds):
+    """A dataclass field that is also a command-line flag. `bounds` (at_least, above, at_most, below)
+    bound a number; `resumable` says a resumed run may give it another value (it does not change
+    what the checkpoint's run computes)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "resumable": resumable,
+                                            **checked_field(None, **bounds).metadata})
+
+
+def checked_field(default, **bounds):
+    """A dataclass field with bounds that is not a flag (Meta's params.json fields)."""
+    unknown = set(bounds) - {name for name, _, _ in _BOUNDS}
+    if unknown:
+        raise TypeError(f"unknown bound(s) {sorted(unknown)}")
+    return field(default=default, metadata=bounds)
 
 
 def setting_fields(cls) -> list:
@@ -29,6 +56,65 @@ def _scalar_type(annotation):
         annotation = {"int": int, "float": float, "str": str, "bool": bool}.get(annotation.split("[")[-1].strip("]"))
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     return args[0] if args else annotation
+
+
+def _optional(annotation) -> bool:
+    return type(None) in typing.get_args(annotation) or str(annotation).startswith("Optional")
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def where(source, name: str) -> str:
+    """How an error names a value: the flag (source None) or the file and its field."""
+    return f"--{name}" if source is None else f"{source}: field '{name}'"
+
+
+def check_value(f, value, source=None):
+    """`value` of field `f` by its declared type and rule, or a SettingError naming where it came from.
+    Returns it, an integer given for a float as a float."""
+    kind, rule, label = _scalar_type(f.type), f.metadata, where(source, f.name)
+    if value is None:
+        if _optional(f.type) or kind not in _KIND_NAMES:
+            return value
+        raise SettingError(f"{label} must be {_KIND_NAMES[kind]}, got null")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind in _KIND_NAMES and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+        raise SettingError(f"{label} must be {_KIND_NAMES[kind]}, got {value!r}")
+    if kind is float and not abs(value) <= FLOAT32_MAX:  # NaN fails every comparison
+        raise SettingError(f"{label} must be a finite number, got {value!r}")
+    if rule.get("choices") and value not in rule["choices"]:
+        raise SettingError(f"{label} must be one of {', '.join(map(str, rule['choices']))}; got {value!r}")
+    for bound, broken, text in _BOUNDS:
+        if rule.get(bound) is not None and broken(value, rule[bound]):
+            raise SettingError(f"{label} must be {text} {rule[bound]}, got {value!r}")
+    return value
+
+
+def check_values(cls, values: dict, source=None) -> dict:
+    """The entries of `values` that are fields of `cls`, each checked by its rule (check_value)."""
+    declared = {f.name: f for f in fields(cls)}
+    return {k: check_value(declared[k], v, source) for k, v in values.items() if k in declared}
+
+
+def check_fields(obj, source=None):
+    """Check (and normalise) every field of a dataclass instance in place; for __post_init__."""
+    for f in fields(obj):
+        setattr(obj, f.name, check_value(f, getattr(obj, f.name), source))
+
+
+def resume_fixed(values: dict, *classes) -> dict:
+    """The settings in `values` that a resumed run may not change (those not declared `resumable`)."""
+    fixed = {f.name for cls in classes for f in setting_fields(cls) if not f.metadata["resumable"]}
+    return {k: v for k, v in values.items() if k in fixed}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the project's error contract: a bad argument is one `error:` line, exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} -h)\n")
 
 
 def add_arguments(parser, cls, shown_defaults=None, optional=False, exclude=()):
@@ -51,9 +137,9 @@ def add_arguments(parser, cls, shown_defaults=None, optional=False, exclude=()):
 
 
 def given(namespace, cls) -> dict:
-    """The settings of `cls` that the command line set."""
+    """The settings of `cls` that the command line set, each checked by its rule."""
     names = {f.name for f in setting_fields(cls)}
-    return {k: v for k, v in vars(namespace).items() if k in names}
+    return check_values(cls, {k: v for k, v in vars(namespace).items() if k in names})
 
 
 def resolve(cls, values: dict, **extra):
@@ -65,53 +151,53 @@ def resolve(cls, values: dict, **extra):
 @dataclass
 class TrainArgs:
     """The training loop's settings (Math.py, engine_finetune.py)."""
-    blr: float = setting(6e-3, "base learning rate: lr = blr * batch_size * accum_iter / 256")
-    lr: typing.Optional[float] = setting(None, "absolute learning rate (overrides --blr)")
-    min_lr: float = setting(0.0, "lr floor of the cosine schedule")
-    warmup_epochs: float = setting(1.0, "epochs of linear lr warm-up (fractions allowed)")
-    epochs: int = setting(2, "training epochs")
+    blr: float = setting(6e-3, "base learning rate: lr = blr * batch_size * accum_iter / 256", above=0)
+    lr: typing.Optional[float] = setting(None, "absolute learning rate (overrides --blr)", above=0)
+    min_lr: float = setting(0.0, "lr floor of the cosine schedule", at_least=0)
+    warmup_epochs: float = setting(1.0, "epochs of linear lr warm-up (fractions allowed)", at_least=0)
+    epochs: int = setting(2, "training epochs", at_least=1)
     batch_size: int = setting(32, "GLOBAL batch of one micro-step, split over the MPI ranks (the authors' was "
-                                  "per GPU)")
-    accum_iter: int = setting(1, "micro-steps accumulated per optimizer step")
-    weight_decay: float = setting(0.02, "AdamW weight decay on matrices (not on 1-D parameters or biases)")
-    clip_grad: float = setting(0.0, "max global gradient norm; 0 = no clipping")
-    seed: int = setting(0, "seed of the adapters' initialisation and the data order")
+                                  "per GPU)", at_least=1)
+    accum_iter: int = setting(1, "micro-steps accumulated per optimizer step", at_least=1)
+    weight_decay: float = setting(0.02, "AdamW weight decay on matrices (not on 1-D parameters or biases)",
+                                  at_least=0)
+    clip_grad: float = setting(0.0, "max global gradient norm; 0 = no clipping", at_least=0)
+    seed: int = setting(0, "seed of the adapters' initialisation and the data order", at_least=0,
+                        at_most=2**32 - 1)
     val_fraction: float = setting(0.0, "share of --data_path held out for validation when --val_data_path is "
-                                       "not given; 0 = none")
-    early_stop_patience: int = setting(0, "stop after this many validations without improvement; 0 = never")
+                                       "not given; 0 = none", at_least=0, below=1)
+    early_stop_patience: int = setting(0, "stop after this many validations without improvement; 0 = never",
+                                       at_least=0, resumable=True)
     eval_interval: int = setting(200, "validate and save checkpoint-latest every N optimizer steps (and at "
-                                      "each epoch end); 0 = epoch ends only")
-    max_steps: int = setting(0, "stop after this many optimizer steps in all (lr schedule unchanged); 0 = no cap")
-    log_interval: int = setting(100, "a terminal and log.txt line every N optimizer steps")
+                                      "each epoch end); 0 = epoch ends only", at_least=0, resumable=True)
+    max_steps: int = setting(0, "stop after this many optimizer steps in all (lr schedule unchanged); 0 = no cap",
+                             at_least=0, resumable=True)
+    log_interval: int = setting(100, "a terminal and log.txt line every N optimizer steps", at_least=1,
+                                resumable=True)
 
     def __post_init__(self):
-        for name in ("batch_size", "accum_iter", "epochs", "log_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("eval_interval", "max_steps", "early_stop_patience", "warmup_epochs", "clip_grad", "min_lr"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"--val_fraction must be in [0, 1), got {self.val_fraction}")
+        check_fields(self)
         if self.lr is None:
             self.lr = self.blr * self.batch_size * self.accum_iter / 256
-        if self.lr <= 0:
-            raise ValueError(f"the learning rate must be positive, got {self.lr}")
+            if not self.lr <= FLOAT32_MAX:
+                raise SettingError(f"the learning rate --blr * --batch_size * --accum_iter / 256 = {self.lr} is not "
+                                   "a finite float32")
+        if self.min_lr > self.lr:
+            raise SettingError(f"--min_lr {self.min_lr} is above the learning rate {self.lr}: the schedule would "
+                               "rise instead of decaying")
 
 
 @dataclass
 class GenerationArgs:
-    """Decoding settings (Infer.py)."""
+    """Decoding settings (Infer.py; Math.py records the recipe's in args.json for it)."""
     max_gen_len: int = setting(200, "most tokens generated per example; also bounded by the model's max_seq_len "
-                                    "minus the prompt, as the authors do")
-    temperature: float = setting(0.0, "0 = greedy; the paper's runs sample with 0.1 and top_p 0.75")
-    top_p: float = setting(0.75, "nucleus sampling mass when temperature > 0")
+                                    "minus the prompt, as the authors do", at_least=1, resumable=True)
+    temperature: float = setting(0.0, "0 = greedy; the paper's runs sample with 0.1 and top_p 0.75", at_least=0,
+                                 resumable=True)
+    top_p: float = setting(0.75, "nucleus sampling mass when temperature > 0", above=0, at_most=1, resumable=True)
 
     def __post_init__(self):
-        if self.max_gen_len < 1:
-            raise ValueError(f"--max_gen_len={self.max_gen_len} is too small")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"--temperature must be >= 0 and --top_p in (0, 1], got {self.temperature}, {self.top_p}")
+        check_fields(self)
 
 
 # ---- recipes -------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Models.ModelArgs import ModelArgs  # noqa: E402
 from Models.kernels.precision import base_linear  # noqa: E402
 from Models.kernels.adamw import build_optimizer  # noqa: E402
-from Utils.settings import add_arguments, given, recipe_values  # noqa: E402
+from Utils.settings import ArgumentParser, add_arguments, given, recipe_values  # noqa: E402
 
 CONFIGS = {
     "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=64),
@@ -112,18 +112,23 @@ def time_decoding(model: LLaMA_adapter):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Exit codes: 0 done, 2 bad arguments (one `error:` line)."""
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="model size")
     parser.add_argument("--no_decode", action="store_true", help="skip the decoding benchmark")
     add_arguments(parser.add_argument_group("model and experts (default: the bench recipe)"), ModelArgs,
                   recipe_values("bench"), exclude=("max_seq_len",))
     opts = parser.parse_args()
+    try:
+        settings = model_args(opts.config, given(opts, ModelArgs))
+    except ValueError as e:  # a setting's rule, or the rules joining several
+        parser.exit(2, f"error: {e}\n")
     jt.set_global_seed(0)
     # the rooflines first: their matrices then come from memory the model's run reuses, so the
     # peak RSS is the model's (measured after the model, they added up to 80 MB to it)
     roofline = sgemm_gflops()
     bf16_gflops = base_matmul_gflops()
-    model = LLaMA_adapter(model_args(opts.config, given(opts, ModelArgs)))
+    model = LLaMA_adapter(settings)
     first_step_s, train_s = time_training(model)
     train_tok_s = TRAIN_BATCH * TRAIN_SEQ / train_s
     decode_tok_s = 0.0 if opts.no_decode else time_decoding(model)

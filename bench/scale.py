@@ -34,7 +34,7 @@ from Models.ModelArgs import ModelArgs  # noqa: E402
 from Models.formats.pth import float32_to_bf16_bits  # noqa: E402
 from Models.formats.pth import TensorSource, save_pth  # noqa: E402
 from Models.kernels.adamw import build_optimizer  # noqa: E402
-from Utils.settings import recipe_values  # noqa: E402
+from Utils.settings import ArgumentParser, recipe_values  # noqa: E402
 
 LLAMA_31_8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3,
                    multiple_of=1024, norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True)
@@ -150,32 +150,58 @@ def run_variant(llama_dir: str, variant: str, out_dir: str, roofline: float) -> 
     return result
 
 
+def check_options(parser, opts):
+    """Bad arguments: one `error:` line, exit 2, before anything is written."""
+    unknown = [v for v in opts.variants.split(",") if v not in ("sparse", "soft")]
+    problems = [
+        (opts.n_layers < 1, f"--n_layers {opts.n_layers} must be at least 1"),
+        (bool(unknown), f"--variants: unknown {unknown}; choose from sparse, soft"),
+        (opts.llama_path and not os.path.isfile(os.path.join(opts.llama_path, "params.json")),
+         f"--llama_path {opts.llama_path}: no params.json there"),
+        (opts.tmp_dir and not (os.path.isdir(opts.tmp_dir) and os.access(opts.tmp_dir, os.W_OK)),
+         f"--tmp_dir {opts.tmp_dir} is not a writable folder")]
+    problem = next((message for broken, message in problems if broken), None)
+    if problem:
+        parser.error(problem)
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Exit codes: 0 done, 2 bad arguments or input, 4 the temporary checkpoint could not be written."""
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama_path", help="a Meta checkpoint directory to load instead of a random 8B one")
     parser.add_argument("--n_layers", type=int, default=LLAMA_31_8B["n_layers"],
                         help="layers of the random checkpoint (a quick check: 2)")
     parser.add_argument("--variants", default="sparse,soft", help="comma-separated: sparse, soft")
     parser.add_argument("--tmp_dir", default=None, help="where the temporary folder goes (default: the system's)")
     opts = parser.parse_args()
+    check_options(parser, opts)
     jt.set_global_seed(0)
     work = tempfile.mkdtemp(prefix="moa-scale-", dir=opts.tmp_dir)
     try:
-        llama_dir = opts.llama_path
-        if llama_dir is None:
-            llama_dir = os.path.join(work, "base")
-            os.makedirs(llama_dir)
-            start = time.perf_counter()
-            write_random_checkpoint(llama_dir, {**LLAMA_31_8B, "n_layers": opts.n_layers})
-            print(f"wrote the random checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
-        files = [os.path.join(llama_dir, f) for f in sorted(os.listdir(llama_dir)) if f.startswith("consolidated.")]
-        file_gb = sum(os.path.getsize(f) for f in files) / 1e9
-        read_s = sum(timed_read(f) for f in files)
-        print(f"plain cold read of {file_gb:.2f} GB: {read_s:.1f} s", flush=True)
-        roofline = sgemm_gflops()
-        results = {v: run_variant(llama_dir, v, work, roofline) for v in opts.variants.split(",")}
+        return measure(opts, work)
+    except ValueError as e:  # a base that does not load (CheckpointError), a bad params.json
+        parser.exit(2, f"error: {e}\n")
+    except OSError as e:
+        parser.exit(4, f"error: cannot write {e.filename or work}: {e.strerror or e}\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(opts, work: str):
+    """The measurements, printed as one key=value line."""
+    llama_dir = opts.llama_path
+    if llama_dir is None:
+        llama_dir = os.path.join(work, "base")
+        os.makedirs(llama_dir)
+        start = time.perf_counter()
+        write_random_checkpoint(llama_dir, {**LLAMA_31_8B, "n_layers": opts.n_layers})
+        print(f"wrote the random checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
+    files = [os.path.join(llama_dir, f) for f in sorted(os.listdir(llama_dir)) if f.startswith("consolidated.")]
+    file_gb = sum(os.path.getsize(f) for f in files) / 1e9
+    read_s = sum(timed_read(f) for f in files)
+    print(f"plain cold read of {file_gb:.2f} GB: {read_s:.1f} s", flush=True)
+    roofline = sgemm_gflops()
+    results = {v: run_variant(llama_dir, v, work, roofline) for v in opts.variants.split(",")}
     peak = peak_rss_gb()
     n_base = next(iter(results.values()))["n_base"]
     line = {"n_layers": opts.n_layers, "file_gb": f"{file_gb:.2f}", "read_s": f"{read_s:.1f}",

@@ -30,7 +30,7 @@ SHARED = os.environ.get("MOA_SHARED", os.path.join(os.path.dirname(REPO), "share
 
 
 def fail(message: str):
-    print(f"side_by_side: {message}", file=sys.stderr)
+    print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -85,6 +85,7 @@ def main():
     parser.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     parser.add_argument("--configs", nargs="+", choices=["small", "medium"], default=["small", "medium"])
     parser.add_argument("--variants", nargs="+", choices=["sparse", "soft"], default=["sparse", "soft"])
+    parser.error = fail  # the project's contract: one `error:` line, exit 2 (no Jittor here: it would catch SIGCHLD)
     opts = parser.parse_args()
     ref_python = reference_python()
     ours_python = sys.executable

@@ -45,6 +45,31 @@ TINY_FLAGS = ["--max_seq_len", "256", "--batch_size", "4", "--lora_rank", "4", "
               "--lr", "1e-2"]
 
 
+def math_argv(tiny_base, synthetic_data, out, *extra) -> list:
+    """Math.py's arguments for a tiny run on `synthetic_data` into `out`; `extra` flags win."""
+    return [str(a) for a in ["--llama_path", tiny_base, "--data_path", synthetic_data["train"],
+                             "--val_data_path", synthetic_data["val"], "--output_dir", out, *TINY_FLAGS, *extra]]
+
+
+def train(tiny_base, synthetic_data, out, *extra) -> int:
+    """Math.main in-process on the tiny flags; its exit code."""
+    import Math
+    return Math.main(math_argv(tiny_base, synthetic_data, out, *extra))
+
+
+def log_records(out, event=None) -> list:
+    """The JSON lines of <out>/log.txt, those of one `event` ("train", "val", "end") when given."""
+    with open(os.path.join(out, "log.txt")) as f:
+        return [r for r in map(json.loads, f) if event is None or r["event"] == event]
+
+
+def one_error_line(err, *needles):
+    """stderr holds exactly one `error:` line, no traceback, and the line names every needle."""
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert all(n in lines[0] for n in needles), (needles, lines[0])
+
+
 def shared_path(*parts):
     """A path under ../shared (only Meta's tokenizer.model is read there), or skip the test."""
     path = SHARED.joinpath(*parts)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, one_error_line
 
 import Infer
 from Data.synthetic import make_splits
@@ -43,20 +43,17 @@ def contents(folder):
     return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder))}
 
 
-def one_error_line(err, *needles):
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert all(n in lines[0] for n in needles), (needles, lines[0])
-
-
 def test_results_are_replaced_whole_never_mixed(tiny_base, sets, tmp_path, capsys):
     out = tmp_path / "eval"
     summary = infer(tiny_base, out, "--data_path", sets["AddSub"], sets["SVAMP"])
     assert sorted(summary["datasets"]) == ["AddSub", "SVAMP"]
-    assert sorted(os.listdir(out)) == ["AddSub_predictions.jsonl", "SVAMP_predictions.jsonl", "scores.json"]
+    assert sorted(os.listdir(out)) == [".manifest.json", "AddSub_predictions.jsonl", "SVAMP_predictions.jsonl",
+                                       "scores.json"]
     summary = infer(tiny_base, out, "--data_path", sets["AddSub"])
     # the earlier evaluation's SVAMP results go with it: scores.json and the predictions always agree
-    assert sorted(os.listdir(out)) == ["AddSub_predictions.jsonl", "scores.json"]
+    assert sorted(os.listdir(out)) == [".manifest.json", "AddSub_predictions.jsonl", "scores.json"]
+    assert json.loads((out / ".manifest.json").read_text()) == {
+        "tool": "Infer.py", "written": ["AddSub_predictions.jsonl", "scores.json"]}
     assert sorted(json.loads((out / "scores.json").read_text())["datasets"]) == ["AddSub"]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)]  # no staging left
 

@@ -91,7 +91,7 @@ def test_recipe_file(tmp_path):
 def test_train_settings_are_checked():
     with pytest.raises(ValueError, match="--accum_iter must be at least 1"):
         TrainArgs(accum_iter=0)
-    with pytest.raises(ValueError, match="--val_fraction must be in"):
+    with pytest.raises(ValueError, match="--val_fraction must be < 1, got 1.0"):
         TrainArgs(val_fraction=1.0)
     assert TrainArgs(blr=1e-3, batch_size=64, accum_iter=2).lr == pytest.approx(1e-3 * 128 / 256)
 

@@ -12,7 +12,7 @@ import time
 import jittor as jt
 import numpy as np
 import pytest
-from conftest import DATA, REPO, TINY_FLAGS
+from conftest import DATA, REPO, TINY_FLAGS, log_records, train
 
 import engine_finetune
 import Math
@@ -23,17 +23,6 @@ from Models.formats.pth import load_pth
 from Models.kernels.adamw import AdamW, adamw_update, build_optimizer
 
 PYTHON = sys.executable
-
-
-def train(tiny_base, synthetic_data, out, *extra):
-    argv = ["--llama_path", tiny_base, "--data_path", synthetic_data["train"], "--val_data_path", synthetic_data["val"],
-            "--output_dir", str(out), *TINY_FLAGS, *extra]
-    return Math.main([str(a) for a in argv])
-
-
-def log_records(out, event="train"):
-    with open(os.path.join(out, "log.txt")) as f:
-        return [r for r in map(json.loads, f) if r["event"] == event]
 
 
 def adapter(path):
@@ -113,7 +102,7 @@ def test_adamw_one_op_equals_per_parameter_update(count):
 @pytest.mark.slow
 def test_loss_decreases_on_synthetic(tiny_base, synthetic_data, tmp_path):
     assert train(tiny_base, synthetic_data, tmp_path, "--max_steps", 12, "--batch_size", 8, "--epochs", 2) == 0
-    losses = [r["train_loss"] for r in log_records(tmp_path)]
+    losses = [r["train_loss"] for r in log_records(tmp_path, "train")]
     assert len(losses) == 12
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 1.0, losses
 
@@ -125,7 +114,7 @@ def test_loss_decreases_on_math14k(tiny_base, tmp_path):
     argv = ["--llama_path", tiny_base, "--data_path", path, "--val_fraction", "0.1", "--output_dir", str(tmp_path),
             *TINY_FLAGS, "--max_seq_len", "384", "--max_steps", "12", "--batch_size", "8", "--lr", "3e-2"]
     assert Math.main(argv) == 0
-    losses = [r["train_loss"] for r in log_records(tmp_path)]
+    losses = [r["train_loss"] for r in log_records(tmp_path, "train")]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.8, losses
 
 
@@ -140,7 +129,7 @@ def test_resume_equals_straight_run(tiny_base, synthetic_data, tmp_path):
     assert ckpt["optimizer"]["updates"] == 3 and set(ckpt["optimizer"]["m"]) == set(ckpt["adapter"])
     assert train(tiny_base, synthetic_data, split, "--max_steps", 6, "--resume", "auto", *extra) == 0
     assert max_diff(adapter(straight / "adapter"), adapter(split / "adapter")) <= 1e-6
-    a, b = log_records(straight), log_records(split)
+    a, b = log_records(straight, "train"), log_records(split, "train")
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
     for ra, rb in zip(a, b):
         assert abs(ra["train_loss"] - rb["train_loss"]) <= 1e-6 and ra["lr"] == rb["lr"]
@@ -168,7 +157,7 @@ def test_early_stopping_keeps_the_best(tiny_base, synthetic_data, tmp_path, monk
                  "--epochs", 5) == 0
     vals = log_records(tmp_path, "val")
     assert [r["val_loss"] for r in vals] == [5.0, 4.0, 4.5, 4.6]  # stopped after 2 bad rounds
-    assert len(log_records(tmp_path)) == 4
+    assert len(log_records(tmp_path, "train")) == 4
     best = load_pth(tmp_path / "checkpoint-best.pth")
     assert best["global_step"] == 2 and best["early_stopper"]["best"] == 4.0
     assert max_diff(best["adapter"], adapter(tmp_path / "adapter-best")) == 0.0
@@ -336,8 +325,8 @@ def test_sigterm_leaves_a_loadable_checkpoint(tiny_base, synthetic_data, tmp_pat
     assert proc.returncode == 143, output
     assert "stopped by SIGTERM" in output and "Traceback" not in output
     ckpt = load_pth(out / "checkpoint-latest.pth")
-    steps = [r["step"] for r in log_records(out)]
+    steps = [r["step"] for r in log_records(out, "train")]
     assert ckpt["global_step"] == steps[-1] >= 2
     assert train(tiny_base, synthetic_data, out, "--epochs", 50, "--resume", "auto",
                  "--max_steps", ckpt["global_step"] + 1) == 0
-    assert [r["step"] for r in log_records(out)] == steps + [steps[-1] + 1]
+    assert [r["step"] for r in log_records(out, "train")] == steps + [steps[-1] + 1]

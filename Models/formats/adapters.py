@@ -28,6 +28,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from Utils.misc import is_main_process, read_json_object, write_json
+from Utils.settings import check_values
 
 from ..LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from ..ModelArgs import ModelArgs
@@ -38,6 +39,20 @@ from .pth import CheckpointError, PlainNamespace, load_pth, save_pth
 ADAPTER_WEIGHTS = "adapter.pth"
 ADAPTER_PARAMS = "adapter_params.json"
 IGNORED_META_KEYS = ("rope.freqs",)  # in Meta's files, recomputed here
+
+
+class NonFiniteAdapter(CheckpointError):
+    """Adapter tensors holding NaN or inf: never written, never loaded."""
+
+
+def check_finite(arrays: dict, source: str):
+    """Refuse adapter tensors holding NaN or inf, naming the first of them."""
+    bad = {name: int(np.size(a) - np.count_nonzero(np.isfinite(a))) for name, a in arrays.items()
+           if np.issubdtype(np.asarray(a).dtype, np.floating) and not np.isfinite(a).all()}
+    if bad:
+        first = ", ".join(f"'{n}' ({k} of {np.size(arrays[n])})" for n, k in list(bad.items())[:3])
+        raise NonFiniteAdapter(f"{source}: {len(bad)} adapter tensor(s) hold NaN or inf values: {first}"
+                               f"{' ...' if len(bad) > 3 else ''}")
 
 
 def check_strict(params: dict, shapes: dict, source: str, what: str):
@@ -65,7 +80,10 @@ def assign_strict(params: dict, arrays: dict, source: str, what: str):
 
 
 def adapter_arrays(model: LLaMA_adapter) -> dict:
-    return {name: p.numpy().astype(np.float32) for name, p in model.adapter_parameters().items()}
+    """The adapter's tensors as fp32 arrays, to be saved: refused when one is not finite."""
+    arrays = {name: p.numpy().astype(np.float32) for name, p in model.adapter_parameters().items()}
+    check_finite(arrays, "the model's adapter")
+    return arrays
 
 
 def save_adapter(model: LLaMA_adapter, out_dir: str):
@@ -104,7 +122,9 @@ def adapter_tensors(state, path: str) -> dict:
         state = state["model"]
     if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
         raise CheckpointError(f"{path}: expected a dict of tensor names to tensors (or {{'model': ...}})")
-    return {name: value for name, value in state.items() if is_adapter_param(name)}
+    arrays = {name: value for name, value in state.items() if is_adapter_param(name)}
+    check_finite(arrays, path)
+    return arrays
 
 
 def adapter_config_path(path: str) -> str:
@@ -123,7 +143,10 @@ def read_adapter_config(path: str, hint: str = None):
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     if "variant" in config:
-        return config
+        unknown = sorted(set(config) - set(ModelArgs.__dataclass_fields__))
+        if unknown:
+            raise CheckpointError(f"{config_path}: unknown field(s) {unknown}")
+        return check_values(ModelArgs, config, config_path)
     return fields_from_authors(config, config_path, hint=hint or tensor_names_hint(path))
 
 
@@ -154,9 +177,24 @@ def load_adapter(model: LLaMA_adapter, path: str):
     assign_strict(model.adapter_parameters(), read_adapter(weights), weights, "adapter")
 
 
+def converted_files(source: str, out: str, out_is_dir: bool) -> list:
+    """The two files a conversion of `source` (an adapter file or folder) writes at `out`, refused when one
+    of them is a file of the source: a conversion never writes over what it reads."""
+    folder = out if out_is_dir else os.path.dirname(os.path.abspath(out))
+    targets = [os.path.join(folder, ADAPTER_WEIGHTS) if out_is_dir else out, os.path.join(folder, ADAPTER_PARAMS)]
+    weights = os.path.join(source, ADAPTER_WEIGHTS) if os.path.isdir(source) else source
+    for target in targets:
+        for read in (weights, adapter_config_path(source)):
+            if os.path.realpath(target) == os.path.realpath(read):
+                raise CheckpointError(f"{out}: writing there would replace {read}, which this conversion reads: "
+                                      "choose another folder")
+    return targets
+
+
 def export_authors_adapter(adapter_path: str, out_path: str, bf16: bool = False):
     """Our adapter (directory or adapter.pth with its adapter_params.json) -> the authors'
     adapter.pth at out_path (a flat dict) and their adapter_params.json beside it."""
+    converted_files(adapter_path, out_path, out_is_dir=False)
     config = read_adapter_config(adapter_path)
     if config is None:
         raise FileNotFoundError(f"{adapter_config_path(adapter_path)}: no adapter_params.json beside the adapter")
@@ -190,6 +228,7 @@ def import_authors_adapter(authors_path: str, out_dir: str, base: ModelArgs, met
     """The authors' adapter.pth or checkpoint-N.pth -> our adapter directory, with no MoA
     setting to repeat. `base` gives Meta's fields (dim, layers, ...), which their files lack;
     `method` "instance" marks an instance-level MoA file (its options are Soft MoA's)."""
+    converted_files(authors_path, out_dir, out_is_dir=True)
     arrays, fields = read_authors(authors_path, method)
     model = LLaMA_adapter(ModelArgs(**{**base.to_dict(), **fields}))
     assign_strict(model.adapter_parameters(), arrays, authors_path, "adapter")

@@ -5,6 +5,8 @@ Their release is one folder per method; a `folder` below names one: `sparse` and
 LLaMA3_sparse_moa / LLaMA3_soft_moa), `soft_moe`, `sparse_moe`, `instance` (LLaMA3_soft_moa_instance)
 and `unipeft` (LLaMA3_UniPEFT), the same names as the golden files' `variant`.
 """
+from Utils.settings import check_values
+
 from ..ModelArgs import ModelArgs
 from .pth import CheckpointError
 
@@ -84,12 +86,8 @@ def fields_from_authors(fields: dict, source: str, folder: str = None, hint: str
     missing = [k for k in AUTHORS_PARAMS[folder] if k not in fields and k not in AUTHORS_IGNORED]
     if missing:
         raise CheckpointError(f"{source}: missing option(s) {missing} of the authors' {folder} folder")
-    ours = {k: v for k, v in fields.items() if k in AUTHORS_SHARED}
-    if "lora_alpha" in ours:
-        ours["lora_alpha"] = float(ours["lora_alpha"])  # their argparse reads an int
-    for name in ("rope_theta", "lb_loss_coeff"):
-        if name in ours:
-            ours[name] = float(ours[name])
+    # each value by our setting's rule, naming the file (their integer lora_alpha becomes a float)
+    ours = check_values(ModelArgs, {k: v for k, v in fields.items() if k in AUTHORS_SHARED}, source)
     if folder == "sparse_moe":
         # their --adamole is type=bool: any non-empty string, "False" too, switched it on
         return {**ours, "method": "adamole" if fields["adamole"] else "topk"}

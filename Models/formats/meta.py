@@ -65,16 +65,39 @@ def tensor_var(tensor: StoredTensor, fd: int, dtype: str) -> jt.Var:
     return jt.code(tensor.shape, "bfloat16", [array], cpu_header="#include <cstring>\n", cpu_src=REINTERPRET_SOURCE)
 
 
+COMPARE_CHUNK = 64 << 20  # bytes of each copy held at once while replicated tensors are compared
+
+
+def same_tensor(a: StoredTensor, b: StoredTensor) -> bool:
+    """Whether two stored tensors hold the same bytes, read a chunk at a time."""
+    if (a.shape, a.dtype, a.element) != (b.shape, b.dtype, b.element):
+        return False
+    if not (a.contiguous and b.contiguous):
+        return a.numpy().tobytes() == b.numpy().tobytes()
+    item = a.element.itemsize
+    for start in range(0, a.nbytes, COMPARE_CHUNK):
+        n = min(COMPARE_CHUNK, a.nbytes - start)
+        if a.storage.read(a.offset * item + start, n) != b.storage.read(b.offset * item + start, n):
+            return False
+    return True
+
+
 def join_plan(shards: list, expected: dict, source: str) -> dict:
-    """Model-parallel shards -> {name: (parts, dim)}: replicated tensors are taken once (dim None),
-    split ones are joined along the one dimension whose sizes add up to the expected shape.
-    Names only in some shards are left out (the strict check reports them missing)."""
+    """Model-parallel shards -> {name: (parts, dim)}: replicated tensors (Meta's norms) are taken once
+    (dim None) after every copy is found equal, split ones are joined along the one dimension whose
+    sizes add up to the expected shape. Names only in some shards are left out (the strict check
+    reports them missing)."""
     plan = {}
     for name, shape in expected.items():
         parts = [s[name] for s in shards if name in s]
         if len(parts) != len(shards):
             continue
         if tuple(parts[0].shape) == tuple(shape) or len(parts) == 1:
+            differing = [part for part in parts[1:] if not same_tensor(parts[0], part)]
+            if differing:
+                raise CheckpointError(f"{source}: {parts[0].storage.reader.path} and {differing[0].storage.reader.path}"
+                                      f" hold different copies of '{name}' {list(parts[0].shape)}: two checkpoints in "
+                                      "one folder? Keep one model's consolidated.NN.pth files only")
             plan[name] = (parts[:1], None)
             continue
         for dim in range(len(shape)):

@@ -23,6 +23,13 @@ class CheckpointError(ValueError):
     """A checkpoint that is malformed, unsupported or unsafe; the message names the file."""
 
 
+# Bounds on what a record may make of its bytes, checked from the zip's declared sizes before a byte is
+# read or decompressed: torch stores its records, and deflate of real tensors gains little, so a
+# record that would expand more than this is a zip bomb, not a checkpoint.
+MAX_COMPRESSION_RATIO = 20
+SMALL_RECORD = 64  # byteorder, version: a few bytes
+
+
 # Stand-ins for torch dtypes and storage classes. Immutable, because a pickle's BUILD opcode
 # may set attributes on any object it can name, and these are shared between loads.
 _DType = collections.namedtuple("_DType", "name numpy_code")  # bfloat16 reads as uint16 bits
@@ -109,9 +116,7 @@ class _Storage:
     def read(self, start, nbytes):
         """Bytes [start, start + nbytes) of the storage, as a writable buffer."""
         if self.file_offset is None:
-            raw = self.reader.record(f"data/{self.key}")
-            if len(raw) != self.nbytes:
-                raise self.reader.error(f"storage '{self.key}' has {len(raw)} bytes, expected {self.nbytes}")
+            raw = self.reader.record(f"data/{self.key}", self.nbytes, what=f"storage '{self.key}'")
             return bytearray(memoryview(raw)[start:start + nbytes])
         buffer = bytearray(nbytes)
         with open(self.reader.path, "rb") as f:
@@ -163,7 +168,7 @@ class _CheckpointReader(pickle.Unpickler):
         self.file_size = os.path.getsize(path)
         self.byteorder = "little"
         if prefix + "byteorder" in archive.namelist():
-            self.byteorder = self.record("byteorder").decode("ascii", "replace").strip()
+            self.byteorder = self.record("byteorder", limit=SMALL_RECORD).decode("ascii", "replace").strip()
             if self.byteorder not in ("little", "big"):
                 raise self.error(f"unknown byteorder '{self.byteorder}'")
         super().__init__(io.BytesIO(self.record("data.pkl")))
@@ -184,13 +189,27 @@ class _CheckpointReader(pickle.Unpickler):
     def error(self, message):
         return CheckpointError(f"{self.path}: {message}")
 
-    def record(self, name):
+    def record(self, name, expected: int = None, limit: int = None, what: str = None):
+        """The bytes of a record, after its declared size is checked: `expected` bytes exactly (a storage,
+        whose size the pickle declares), at most `limit`, and never more than MAX_COMPRESSION_RATIO
+        times what it takes in the file."""
         try:
-            return self.archive.read(self.prefix + name)
+            info = self.archive.getinfo(self.prefix + name)
         except KeyError:
             raise self.error(f"record '{self.prefix}{name}' is missing") from None
+        where = what or f"record '{self.prefix}{name}'"
+        if expected is not None and info.file_size != expected:
+            raise self.error(f"{where} has {info.file_size} bytes, expected {expected}")
+        if limit is not None and info.file_size > limit:
+            raise self.error(f"{where} declares {info.file_size} bytes, more than the {limit} it may have")
+        if info.file_size > MAX_COMPRESSION_RATIO * max(info.compress_size, 1) \
+                or info.compress_size > self.file_size:
+            raise self.error(f"{where} declares {info.file_size} bytes from {info.compress_size} stored: not a "
+                             "checkpoint's record (torch stores records uncompressed); refused before reading it")
+        try:
+            return self.archive.read(self.prefix + name)
         except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-            raise self.error(f"record '{self.prefix}{name}' is unreadable ({exc})") from exc
+            raise self.error(f"{where} is unreadable ({exc})") from exc
 
     def data_offset(self, name, nbytes):
         """Where a stored (uncompressed) record's data starts in the file, after its local header."""
@@ -274,6 +293,8 @@ def load_pth(path, lazy=False):
     lazy=True puts a StoredTensor (shape, dtype, data read on demand) in place of each
     tensor instead, keeping bfloat16 as bfloat16; the archive must be stored, as torch writes it."""
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the open; a folder fail it
+        raise CheckpointError(f"{path}: not a regular file (a checkpoint is read with seeks)")
     try:
         with open(path, "rb") as f:
             head = f.read(4)
