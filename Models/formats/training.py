@@ -51,14 +51,18 @@ def content_hash(examples) -> str:
 def resume_signature(llama_path: str, data_path, val_data_path, train, max_seq_len: int, examples) -> dict:
     """What a resumed run must share with its checkpoint besides the model's settings; `examples` the
     (train, val or None) lists it trains and validates on, compared by content."""
-    keys = ("val_fraction", "batch_size", "accum_iter", "epochs", "warmup_epochs", "lr", "min_lr",
-            "weight_decay", "clip_grad", "seed")
+    keys = ("val_fraction", "batch_size", "accum_iter", "epochs", "warmup_epochs", "warmup_steps", "lr_schedule",
+            "lr", "min_lr", "weight_decay", "clip_grad", "seed")
     return {**{k: getattr(train, k) for k in keys}, "max_seq_len": max_seq_len,
             "llama_path": os.path.abspath(llama_path),
             "data": os.path.abspath(data_path) if data_path else "synthetic",
             "val_data": os.path.abspath(val_data_path) if val_data_path else None,
             "train_sha256": content_hash(examples[0]),
             "val_sha256": content_hash(examples[1]) if examples[1] is not None else None}
+
+
+# what checkpoints written before these settings existed trained with
+SIGNATURE_BEFORE = {"warmup_steps": 0, "lr_schedule": "cosine"}
 
 
 def restore_checkpoint(path: str, model, optimizer, stopper, signature: dict) -> dict:
@@ -68,7 +72,7 @@ def restore_checkpoint(path: str, model, optimizer, stopper, signature: dict) ->
     if not isinstance(ckpt, dict) or "adapter" not in ckpt or "optimizer" not in ckpt:
         raise CheckpointError(f"{path}: not a training checkpoint of Math.py (no adapter/optimizer state)")
     differences = config_differences(ckpt["model_args"], model.args)
-    saved = ckpt.get("signature", {})
+    saved = {**SIGNATURE_BEFORE, **ckpt.get("signature", {})}
     differences += [f"{k}: checkpoint has {saved.get(k)!r}, this run has {v!r}"
                     for k, v in signature.items() if saved.get(k) != v]
     if differences:
