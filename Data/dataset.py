@@ -39,8 +39,9 @@ TEXT_FIELDS = ("instruction", "input", "output")
 PAD_TOKEN = 0  # what padding feeds the model; the mask makes it irrelevant
 
 
-def load_examples(path):
-    """Read a JSON list of {instruction, input, output, answer}; answers become strings."""
+def load_examples(path, need_answer=True):
+    """Read a JSON list of {instruction, input, output, answer}; answers become strings. Training
+    (need_answer=False) reads only instruction, input and output (code instruction sets have no answer)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file not found: {path}")
@@ -58,13 +59,13 @@ def load_examples(path):
     for i, item in enumerate(data):
         if not isinstance(item, dict):
             raise ValueError(f"{path}: item {i} is a {type(item).__name__}, expected an object with fields {FIELDS}")
-        for field in FIELDS:
+        for field in FIELDS if need_answer else TEXT_FIELDS:
             if field not in item:
                 raise ValueError(f"{path}: item {i} is missing the field '{field}'")
         for field in TEXT_FIELDS:
             if not isinstance(item[field], str):
                 raise ValueError(f"{path}: item {i} field '{field}' is a {type(item[field]).__name__}, expected a string")
-        examples.append({field: item[field] if field != "answer" else str(item[field]) for field in FIELDS})
+        examples.append({**{field: item[field] for field in TEXT_FIELDS}, "answer": str(item.get("answer", ""))})
     return examples
 
 

@@ -155,6 +155,11 @@ class TrainArgs:
     lr: typing.Optional[float] = setting(None, "absolute learning rate (overrides --blr)", above=0)
     min_lr: float = setting(0.0, "lr floor of the cosine schedule", at_least=0)
     warmup_epochs: float = setting(1.0, "epochs of linear lr warm-up (fractions allowed)", at_least=0)
+    warmup_steps: int = setting(0, "optimizer steps of linear lr warm-up; when > 0 it replaces --warmup_epochs",
+                                at_least=0)
+    lr_schedule: str = setting("cosine", "after the warm-up: cosine = half a cosine down to --min_lr at the end, "
+                                         "constant = --lr to the end (the authors' code runs)",
+                               choices=("cosine", "constant"))
     epochs: int = setting(2, "training epochs", at_least=1)
     batch_size: int = setting(32, "GLOBAL batch of one micro-step, split over the MPI ranks (the authors' was "
                                   "per GPU)", at_least=1)
@@ -195,6 +200,8 @@ class GenerationArgs:
     temperature: float = setting(0.0, "0 = greedy; the paper's runs sample with 0.1 and top_p 0.75", at_least=0,
                                  resumable=True)
     top_p: float = setting(0.75, "nucleus sampling mass when temperature > 0", above=0, at_most=1, resumable=True)
+    samples_per_task: int = setting(1, "completions generated per problem of a code data set (pass@k needs k); a "
+                                       "math or commonsense example gets one", at_least=1, resumable=True)
 
     def __post_init__(self):
         check_fields(self)
@@ -224,6 +231,13 @@ RECIPES = {
     "commonsense": dict(
         doc="the paper's commonsense runs: commonsense_15k, the math recipe's adapters",
         settings=dict(variant="sparse", **_PAPER_EXPERTS, **_PAPER_TRAINING, max_seq_len=200, max_gen_len=40),
+        soft=_SOFT_PROMPTS, sparse={}),
+    "code": dict(
+        doc="the authors' code runs (MoA_Transformers): CodeAlpaca-20k, scored on HumanEval and MBPP by pass@k",
+        settings=dict(variant="sparse", **_PAPER_EXPERTS, precision="bf16", lr=1e-4, lr_schedule="constant",
+                      warmup_steps=200, warmup_epochs=0.0, batch_size=4, accum_iter=4, epochs=5, weight_decay=0.0,
+                      clip_grad=0.0, val_fraction=0.0, seed=0, max_seq_len=500, max_gen_len=400, temperature=0.7,
+                      top_p=0.95, samples_per_task=10),
         soft=_SOFT_PROMPTS, sparse={}),
     "bench": dict(
         doc="the speed benchmark's adapters, as ../shared/ref/ref_bench.py builds the authors' model",

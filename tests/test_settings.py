@@ -97,7 +97,7 @@ def test_train_settings_are_checked():
 
 
 def test_infer_generation_settings_follow_the_run():
-    recorded = {"max_gen_len": 40, "temperature": 0.1, "top_p": 0.75}
+    recorded = {"max_gen_len": 40, "temperature": 0.1, "top_p": 0.75, "samples_per_task": 10}
     ns = Infer.get_args_parser().parse_args([])
     assert vars(Infer.generation_settings(ns, recorded)) == recorded
     ns = Infer.get_args_parser().parse_args(["--temperature", "0"])
