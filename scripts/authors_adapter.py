@@ -8,7 +8,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from Models.ModelArgs import ModelArgs  # noqa: E402
+from Models.formats.base_model import base_args  # noqa: E402
 from Models.formats.adapters import export_authors_adapter, import_authors_adapter  # noqa: E402
 
 
@@ -23,7 +23,7 @@ def main(argv=None):
     i = sub.add_parser("import", help="the authors' adapter.pth or checkpoint-N.pth -> our adapter directory")
     i.add_argument("authors", help="their adapter.pth (with their adapter_params.json beside it) or checkpoint-N.pth")
     i.add_argument("out", help="our adapter directory to write")
-    i.add_argument("--llama_path", required=True, help="the Meta checkpoint directory the adapter was trained on")
+    i.add_argument("--llama_path", required=True, help="the base the adapter was trained on (a Meta or Hugging Face LLaMA folder)")
     i.add_argument("--method", choices=["instance"], help="the file comes from LLaMA3_soft_moa_instance, whose "
                    "options and names are Soft MoA's (every other method is told from the file)")
     args = p.parse_args(argv)
@@ -31,7 +31,7 @@ def main(argv=None):
         if args.command == "export":
             export_authors_adapter(args.adapter, args.out, bf16=args.bf16)
         else:
-            import_authors_adapter(args.authors, args.out, ModelArgs.from_params_json(args.llama_path), args.method)
+            import_authors_adapter(args.authors, args.out, base_args(args.llama_path), args.method)
     except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
         p.exit(2, f"error: {e}\n")
     print(f"[authors_adapter] wrote {args.out}")

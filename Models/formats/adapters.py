@@ -18,7 +18,7 @@ lora_A.weight`, `llama.layers.0.adapter_type_router.w1.weight`, `lora_Q.lora_A_l
 The two json files are told apart by our `variant` field, which theirs lack. `load_adapter` reads
 both adapter layouts; `export_authors_adapter` writes theirs, `import_authors_adapter`
 turns theirs (or their checkpoint-N.pth) into ours. Our training checkpoints are
-Models/formats/training.py; Meta's base checkpoints Models/formats/meta.py.
+Models/formats/training.py; base checkpoints Models/formats/base_model.py.
 """
 import os
 
@@ -32,7 +32,7 @@ from Utils.misc import is_main_process, read_json_object, write_json
 from ..LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from ..ModelArgs import ModelArgs
 from ..kernels.precision import cast_to
-from .authors import authors_params, fields_from_authors, folder_of
+from .authors import authors_params, check_authors_base, fields_from_authors, folder_of
 from .pth import CheckpointError, PlainNamespace, load_pth, save_pth
 
 ADAPTER_WEIGHTS = "adapter.pth"
@@ -191,6 +191,8 @@ def import_authors_adapter(authors_path: str, out_dir: str, base: ModelArgs, met
     setting to repeat. `base` gives Meta's fields (dim, layers, ...), which their files lack;
     `method` "instance" marks an instance-level MoA file (its options are Soft MoA's)."""
     arrays, fields = read_authors(authors_path, method)
-    model = LLaMA_adapter(ModelArgs(**{**base.to_dict(), **fields}))
+    args = ModelArgs(**{**base.to_dict(), **fields})
+    check_authors_base(args)
+    model = LLaMA_adapter(args)
     assign_strict(model.adapter_parameters(), arrays, authors_path, "adapter")
     save_adapter(model, out_dir)
