@@ -86,8 +86,8 @@ def config_fields(config: dict, path: str) -> dict:
         refuse("attention_dropout", config["attention_dropout"], "dropout in attention")
     quantization = config.get("quantization_config")
     if quantization is not None:
-        refuse("quantization_config", quantization.get("quant_method") if isinstance(quantization, dict) else quantization,
-               "quantized weights")
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        refuse("quantization_config", method, "quantized weights")
     other_layers = [t for t in config.get("layer_types") or [] if t != "full_attention"]
     if other_layers:
         refuse("layer_types", other_layers[0], "an attention other than full attention")
@@ -115,7 +115,8 @@ def config_fields(config: dict, path: str) -> dict:
         for name, ours in LLAMA3_ROPE.items():
             value = rope.get(name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ValueError(f"{path}: field '{rope_key}.{name}' is {value!r}, expected a number (rope_type llama3)")
+                raise ValueError(f"{path}: field '{rope_key}.{name}' is {value!r}, expected a number (rope_type "
+                                 "llama3)")
             fields[ours] = int(value) if ours == "rope_original_context" else float(value)
     return fields
 
@@ -205,7 +206,8 @@ def open_tokenizer(folder: str, vocab_size: int) -> HFTokenizer:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no tokenizer.json (training and generating read the folder's tokenizer)")
     tokenizer = HFTokenizer(path)
-    settings_path, generation_path = os.path.join(folder, "tokenizer_config.json"), os.path.join(folder, "generation_config.json")
+    settings_path = os.path.join(folder, "tokenizer_config.json")
+    generation_path = os.path.join(folder, "generation_config.json")
     settings = read_json_object(settings_path, "tokenizer settings") if os.path.isfile(settings_path) else {}
     generation = read_json_object(generation_path, "generation settings") if os.path.isfile(generation_path) else {}
 
@@ -231,5 +233,6 @@ def open_tokenizer(folder: str, vocab_size: int) -> HFTokenizer:
     largest = max(tokenizer.n_words - 1, *tokenizer.stop_tokens)
     if largest >= vocab_size:
         raise CheckpointError(f"{path} (with {generation_path}) has token id {largest}, past the vocab_size "
-                              f"{vocab_size} of {os.path.join(folder, CONFIG)}: tokenizer and model do not belong together")
+                              f"{vocab_size} of {os.path.join(folder, CONFIG)}: tokenizer and model do not belong "
+                              "together")
     return tokenizer

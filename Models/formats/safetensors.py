@@ -76,7 +76,8 @@ def read_header(path: str) -> dict:
         if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
             raise bad(f"tensor '{name}': no dtype of the format ({', '.join(DTYPES)})")
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        sizes_ok = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+        if not sizes_ok:
             raise bad(f"tensor '{name}': shape {shape!r} is not a list of sizes")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
             raise bad(f"tensor '{name}': data_offsets {offsets!r} is not [begin, end]")
