@@ -48,7 +48,8 @@ def get_args_parser():
                    "0 = the recipe's epochs (default: 800)")
     p.add_argument("--max_examples", type=int, default=150, help="test examples per data set; 0 = all (default: 150)")
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks per training run (default: 2)")
-    p.add_argument("--llama_path", default=None, help="the base model (default: the recipe's, the tiny demo base)")
+    p.add_argument("--llama_path", default=None, help="the base model folder, Meta's or Hugging Face's (default: the "
+                   "recipe's, the tiny demo base)")
     p.add_argument("--data_path", default=None, help="training JSON (default: the synthetic math problems)")
     p.add_argument("--test_data", nargs="+", default=None, help="test files or dirs for Infer.py (default: each "
                    "run's synthetic test split)")

@@ -42,10 +42,10 @@ from Data import code_task
 from Data.dataset import load_examples
 from Data.prompts import format_prompt
 from Data.scoring import checked_labels, extract_answer, is_correct, scoring_rule
-from Models.ModelArgs import META_FIELDS, ModelArgs
+from Models.ModelArgs import BASE_FIELDS, ModelArgs
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
                                      read_adapter_config)
-from Models.formats.meta import build_model, open_tokenizer
+from Models.formats.base_model import base_args, build_model, open_tokenizer
 from Models.generate import check_kv_cache_memory, generate
 from Data.tiny_base import ensure_default_base
 from Models.formats.pth import CheckpointError
@@ -67,8 +67,9 @@ def get_args_parser():
                         "default: the newest ./output/*/adapter")
     p.add_argument("--output_root", default="./output", help="where training runs live (for the defaults)")
     p.add_argument("--llama_path", default=None,
-                   help="Meta base dir (params.json, consolidated.*.pth, tokenizer.model); default: the run's "
-                        "args.json llama_path, else the tiny demo base")
+                   help="the base: a Meta dir (params.json, consolidated.*.pth, tokenizer.model) or a Hugging Face "
+                        "one (config.json, *.safetensors, tokenizer.json); default: the run's args.json "
+                        "llama_path, else the tiny demo base")
     p.add_argument("--no_adapter", action="store_true", help="evaluate the base alone (no experts)")
     p.add_argument("--data_path", nargs="+", default=None,
                    help="test files (JSON lists in the LLM-Adapters schema) or dirs holding test.json or "
@@ -192,13 +193,13 @@ def model_overrides(args, adapter, llama_path):
     config_path = adapter_config_path(adapter)
     config = read_adapter_config(adapter)  # ours or the authors' (their option names)
     if config is not None:
-        base = ModelArgs.from_params_json(llama_path).to_dict()
-        other_base = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in META_FIELDS
+        base = base_args(llama_path).to_dict()
+        other_base = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in BASE_FIELDS
                       if k in config and config[k] != base[k]]
         if other_base:
             raise CheckpointError(f"{config_path}: adapter trained on another base than {llama_path}: "
                                   + "; ".join(other_base))
-        overrides = {k: v for k, v in config.items() if k not in META_FIELDS}
+        overrides = {k: v for k, v in config.items() if k not in BASE_FIELDS}
     return {**overrides, **given(args, ModelArgs)}
 
 
@@ -206,8 +207,8 @@ def load_model(args, adapter, llama_path, max_seq_len):
     """The base with the adapter's experts (none with --no_adapter), weights loaded strictly."""
     overrides = model_overrides(args, adapter, llama_path) if adapter else {}
     try:
-        model_args = ModelArgs.from_params_json(llama_path, **{**overrides, "max_seq_len": max_seq_len,
-                                                               "max_batch_size": args.batch_size})
+        model_args = base_args(llama_path, **{**overrides, "max_seq_len": max_seq_len,
+                                              "max_batch_size": args.batch_size})
         model = build_model(llama_path, model_args)
     except TypeError as e:  # a config field of the wrong type
         raise ValueError(str(e)) from None
@@ -357,7 +358,7 @@ def run(args, stop=None):
                                                   *(("--data_path", path) for _, path in sources)])
     gen = generation_settings(args, run_args, os.path.join(run_dir_path, "args.json") if run_dir_path else None)
     examples, test_sets = load_test_sets(sources, args.max_examples, gen.samples_per_task)
-    params = ModelArgs.from_params_json(llama_path)
+    params = base_args(llama_path)
     tok = open_tokenizer(llama_path, params.vocab_size)
     prompts = [tok.encode(format_prompt(ex), bos=True, eos=False) for ex in examples]
     config = read_adapter_config(adapter) if adapter else None

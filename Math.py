@@ -35,7 +35,7 @@ from Data.synthetic import make_splits
 from engine_finetune import NonFiniteLoss, Progress, RunContext, log_line, train
 from Models.formats.adapters import NonFiniteAdapter, load_adapter, save_adapter
 from Models.formats.training import restore_checkpoint, resume_signature
-from Models.formats.meta import build_model, open_tokenizer
+from Models.formats.base_model import base_args, build_model, open_tokenizer
 from Models.ModelArgs import INSTANCE_METHODS, ModelArgs
 from Data.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
@@ -60,7 +60,8 @@ def get_args_parser():
     a = p.add_argument
     a("--recipe", default=DEFAULT_RECIPE, help="named settings (see below) or a JSON file of settings; the flags "
       f"given override it (default: {DEFAULT_RECIPE})")
-    a("--llama_path", default=None, help="Meta checkpoint dir (params.json, consolidated.*.pth, tokenizer.model); "
+    a("--llama_path", default=None, help="the base: a Meta checkpoint dir (params.json, consolidated.*.pth, "
+      "tokenizer.model) or a Hugging Face one (config.json, *.safetensors, tokenizer.json; LLaMA-3.x or Qwen3); "
       "default: the shipped tiny demo base in assets/tiny-math-base")
     a("--data_path", default=None, help="training JSON (LLM-Adapters schema); default: synthetic math problems "
       "written to <output_dir>/data/")
@@ -138,10 +139,9 @@ def prepare(args):
             args.llama_path = ensure_default_base()
         except FileNotFoundError as err:
             fail(str(err))
-    params = ModelArgs.from_params_json(args.llama_path)
+    params = base_args(args.llama_path)
     model_settings, cfg, generation = resolve_settings(args, params.n_layers)
-    model_args = ModelArgs.from_params_json(args.llama_path, **model_settings,
-                                            max_batch_size=cfg.batch_size // args.world_size)
+    model_args = base_args(args.llama_path, **model_settings, max_batch_size=cfg.batch_size // args.world_size)
     examples = load_data(args, cfg)
     tokenizer = open_tokenizer(args.llama_path, model_args.vocab_size)
     # Instance-level routers pool every position, padding included: pad to max_seq_len as the

@@ -1,4 +1,5 @@
-"""A small byte-level BPE trainer that writes a tiktoken BPE file (loadable by Models.Tokenizer).
+"""A small byte-level BPE trainer that writes a tiktoken BPE file (loadable by Models.Tokenizer);
+`train_hf_bpe` makes a Hugging Face tokenizer.json with the `tokenizers` library instead.
 
 Ranks 0..255 are the single bytes in byte order; each later rank is the most frequent
 adjacent pair inside one pre-tokenised piece (LLaMA-3's regex). ASCII digits are never
@@ -14,6 +15,8 @@ import os
 from collections import Counter, defaultdict
 
 import regex
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from Models.Tokenizer import PRETOKENIZE_PATTERN
 
@@ -120,3 +123,20 @@ def train_bpe(texts, vocab_size, path):
 
     write_tiktoken_bpe(vocab, path)
     return path
+
+
+def train_hf_bpe(texts, vocab_size, path, special_tokens) -> tokenizers.Tokenizer:
+    """A byte-level BPE tokenizer.json learnt from texts by the `tokenizers` library: the 256 byte tokens,
+    merges up to vocab_size (digits split one by one, as Qwen's pre-tokenizer does), then
+    special_tokens; written to path."""
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                       pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_special_tokens(list(special_tokens))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tokenizer.save(str(path))
+    return tokenizer

@@ -81,6 +81,9 @@ class Attention(nn.Module):
         self.lora_K = lora_for(args, layer_id, "K", D, Hkv * hd)
         self.lora_V = lora_for(args, layer_id, "V", D, Hkv * hd)
         self.lora_O = lora_for(args, layer_id, "O", H * hd, D)
+        self.q_norm = self.k_norm = None
+        if args.qk_norm:  # Qwen3: an RMSNorm over each query and key head before RoPE
+            self.q_norm, self.k_norm = RMSNorm(hd, args.norm_eps), RMSNorm(hd, args.norm_eps)
         self.has_prompt = layer_id in args.prompt_layer_set
         if self.has_prompt:
             self.prompt = nn.Embedding(args.expert_num * args.prompt_len, D)  # expert e: rows e*len..
@@ -115,6 +118,8 @@ class Attention(nn.Module):
         xq, xk, xv = with_loras(x, [(self.wq, self.lora_Q, "Q"), (self.wk, self.lora_K, "K"),
                                     (self.wv, self.lora_V, "V")], route)
         xq, xk, xv = xq.reshape(B, T, H, hd), xk.reshape(B, T, Hkv, hd), xv.reshape(B, T, Hkv, hd)
+        if self.q_norm is not None:  # the Q and K experts' outputs are normed too, as in the authors' Qwen3 MoA
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
         keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
         out = attention(xq, keys, values, mask, self.wq.weight.dtype == "bfloat16")  # [B,T,H,hd]
@@ -124,11 +129,14 @@ class Attention(nn.Module):
         return with_lora(self.wo, self.lora_O, out, route, "O")
 
     def prompt_keys_values(self, start_pos):
-        """The learned prompt through the base projections, no RoPE: [L, Hkv*hd] each. With the KV
-        cache (generation) they are computed once per prefill: the prompt does not change meanwhile."""
+        """The learned prompt through the base projections (and k_norm), no RoPE: [L, Hkv*hd] each. With
+        the KV cache (generation) they are computed once per prefill: the prompt does not change meanwhile."""
         if start_pos is not None and self._prompt_kv is not None:
             return self._prompt_kv
-        kv = self.wk(self.prompt.weight), self.wv(self.prompt.weight)
+        keys = self.wk(self.prompt.weight)  # [L, Hkv*hd]
+        if self.k_norm is not None:  # normed as every key is (the authors' Qwen3 code norms its prompt keys too)
+            keys = self.k_norm(keys.reshape(-1, self.n_kv_heads, self.head_dim)).reshape(keys.shape)
+        kv = keys, self.wv(self.prompt.weight)
         if start_pos is not None:
             self._prompt_kv = kv
         return kv

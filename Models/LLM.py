@@ -135,9 +135,11 @@ class LLaMA(nn.Module):
         self.layers = nn.ModuleList([TransformerBlock(i, args) for i in range(args.n_layers)])
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = BaseLinear(args.dim, args.vocab_size)
+        if args.tied_embeddings:  # one Var, loaded, stored and counted once, as tok_embeddings.weight
+            self.output.weight = self.tok_embeddings.weight
         # Meta precomputes twice the context; kept on the host and sliced per call.
         self._rope_cos, self._rope_sin = rope_tables(args.head_dim, args.max_seq_len * 2, args.rope_theta,
-                                                     args.use_scaled_rope)
+                                                     args.rope_scaling)
 
     def reset_cache(self):
         for layer in self.layers:

@@ -1,4 +1,5 @@
-"""The one configuration dataclass: Meta's params.json plus the PEFT/MoA fields."""
+"""The one configuration dataclass: the base's shape (Meta's params.json, or a Hugging Face config.json
+read by Models/formats/hf.py) plus the PEFT/MoA fields."""
 import os
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -26,6 +27,12 @@ PRECISION_HELP = ("storage of the frozen base's matrices. bf16 halves the base's
                   "and prefill, attention's take bf16 operands with fp32 sums, as autocast does")
 META_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                "ffn_dim_multiplier", "norm_eps", "rope_theta", "use_scaled_rope")
+# What a base decides beyond Meta's params.json (a Hugging Face config.json sets them; Meta's bases
+# keep the defaults). An adapter records them all and loads onto the same values only.
+BASE_FIELDS = ("architecture",) + META_FIELDS + ("head_dim", "ffn_dim", "qk_norm", "tied_embeddings",
+                                                "rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                                                "rope_original_context")
+ARCHITECTURES = ("llama", "qwen3")
 
 
 def parse_layer_span(spec: str, n_layers: int, field: str = "layers") -> frozenset:
@@ -60,7 +67,18 @@ class ModelArgs:
     ffn_dim_multiplier: Optional[float] = checked_field(None, above=0)
     norm_eps: float = checked_field(1e-5, above=0, at_most=1)
     rope_theta: float = checked_field(500000.0, above=0)
-    use_scaled_rope: bool = False
+    use_scaled_rope: bool = False  # LLaMA-3.1's RoPE scaling, with the four rope_* parameters below
+    # the rest of the base's shape (Hugging Face config.json; Meta's bases keep these defaults)
+    architecture: str = "llama"  # llama (Meta's layout or HF LlamaForCausalLM) or qwen3 (Qwen3ForCausalLM)
+    head_dim: Optional[int] = checked_field(None, at_least=1)  # one attention head's width; None: dim // n_heads
+    ffn_dim: Optional[int] = checked_field(None, at_least=1)  # the FFN's hidden width (HF intermediate_size);
+    # None: Meta's rule from dim, multiple_of and ffn_dim_multiplier (ffn_hidden_dim)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3's q_norm, k_norm)
+    tied_embeddings: bool = False  # the output matrix is the embedding table (LLaMA-3.2 1B/3B, Qwen3 up to 4B)
+    rope_scale_factor: float = checked_field(8.0, above=0)  # scaled RoPE: wavelengths above original_context /
+    rope_low_freq_factor: float = checked_field(1.0, above=0)  # low_freq_factor are divided by the factor, those
+    rope_high_freq_factor: float = checked_field(4.0, above=0)  # below original_context / high_freq_factor kept,
+    rope_original_context: int = checked_field(8192, at_least=1)  # the ones between blended (LLaMA-3.1's values)
     # runtime
     max_batch_size: int = checked_field(32, at_least=1)
     max_seq_len: int = setting(2048, "tokens per sequence: training examples are cut to it; the KV cache holds it",
@@ -107,8 +125,12 @@ class ModelArgs:
         check_fields(self, "ModelArgs")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+            self.head_dim = self.dim // self.n_heads
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r}: choose one of {ARCHITECTURES}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
@@ -150,19 +172,25 @@ class ModelArgs:
                              "authors' code does: every p_adapter layer needs prompt tuning too")
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def targets(self) -> tuple:
         return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def rope_scaling(self):
+        """(factor, low_freq_factor, high_freq_factor, original_context) of scaled RoPE, or None."""
+        if not self.use_scaled_rope:
+            return None
+        return (self.rope_scale_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                self.rope_original_context)
 
     def type_names(self, layer: int) -> list:
         """The type router's columns in layer `layer`, in the authors' fixed order (MoA and instance)."""

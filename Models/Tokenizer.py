@@ -1,6 +1,7 @@
-"""LLaMA-3 tokenizer: a tiktoken byte-level BPE plus 256 special tokens (spec section 2).
+"""Tokenizers: LLaMA-3's (a tiktoken byte-level BPE plus 256 special tokens, spec section 2) for Meta's
+tokenizer.model, and HFTokenizer for a Hugging Face folder's tokenizer.json; one interface.
 
-Works with any tiktoken BPE file (Meta's 128000-token one or a small one written by
+Tokenizer works with any tiktoken BPE file (Meta's 128000-token one or a small one written by
 Data/bpe.py); the special tokens always come right after the base vocabulary.
 """
 import hashlib
@@ -8,6 +9,7 @@ import os
 import re
 
 import tiktoken
+import tokenizers
 from tiktoken.load import load_tiktoken_bpe
 
 # LLaMA-3's pre-tokenisation: contractions, words (with one leading non-letter),
@@ -128,11 +130,58 @@ class Tokenizer:
 
     def decode(self, ids):
         """Text of ids, skipping padding (negative ids); invalid UTF-8 becomes U+FFFD."""
-        ids = [int(i) for i in ids]
-        too_big = [i for i in ids if i >= self.n_words]
-        if too_big:
-            raise ValueError(f"token id {too_big[0]} is outside the vocabulary of {self.n_words}")
-        return self.model.decode([i for i in ids if i >= 0])
+        return self.model.decode(known_ids(ids, self.n_words))
+
+
+def known_ids(ids, n_words: int) -> list:
+    """ids as ints without padding (negative ids); an id past the vocabulary is an error."""
+    ids = [int(i) for i in ids]
+    too_big = [i for i in ids if i >= n_words]
+    if too_big:
+        raise ValueError(f"token id {too_big[0]} is outside the vocabulary of {n_words}")
+    return [i for i in ids if i >= 0]
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json through the `tokenizers` library, with Tokenizer's interface. The
+    folder's files name its special ids (Models/formats/hf.open_tokenizer calls use_special_ids);
+    text that spells a special token stays plain text, as in Tokenizer.encode."""
+
+    def __init__(self, path):
+        self.model_path = str(path)
+        try:
+            self.model = tokenizers.Tokenizer.from_file(self.model_path)
+        except Exception as err:  # the library raises a bare Exception for any file it cannot read
+            raise ValueError(f"{path} is not a tokenizer.json of the tokenizers library: {err}") from None
+        self.model.encode_special_tokens = True
+        self.n_words = max(self.model.get_vocab(with_added_tokens=True).values()) + 1
+        self.bos_id = self.eos_id = None
+        self.pad_id = -1
+        self.stop_tokens = set()
+
+    def token_id(self, text: str):
+        """The id of a token's text, or None."""
+        return self.model.token_to_id(text)
+
+    def use_special_ids(self, bos_id, eos_id: int, pad_id, stop_tokens: set):
+        """BOS (None: sequences start without one, as Qwen3's), EOS, pad (None: -1) and the ids that end
+        a generation."""
+        self.bos_id, self.eos_id, self.stop_tokens = bos_id, eos_id, set(stop_tokens)
+        self.pad_id = -1 if pad_id is None else pad_id
+
+    def encode(self, s, *, bos, eos):
+        """Token ids of s, with BOS first (if the tokenizer has one) and EOS last when asked."""
+        if not isinstance(s, str):
+            raise TypeError(f"HFTokenizer.encode expects a str, got {type(s).__name__}")
+        ids = [self.bos_id] if bos and self.bos_id is not None else []
+        ids.extend(self.model.encode(s, add_special_tokens=False).ids)
+        if eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids):
+        """Text of ids, skipping padding (negative ids); special tokens are written out."""
+        return self.model.decode(known_ids(ids, self.n_words), skip_special_tokens=False)
 
 
 class ChatFormat:

@@ -7,7 +7,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from Models.ModelArgs import ModelArgs  # noqa: E402
+from Models.formats.base_model import base_args  # noqa: E402
 from Models.formats.adapters import converted_files, export_authors_adapter, import_authors_adapter  # noqa: E402
 from Utils import output_dirs  # noqa: E402
 from Utils.settings import ArgumentParser  # noqa: E402
@@ -27,7 +27,7 @@ def main(argv=None):
     i = sub.add_parser("import", help="the authors' adapter.pth or checkpoint-N.pth -> our adapter directory")
     i.add_argument("authors", help="their adapter.pth (with their adapter_params.json beside it) or checkpoint-N.pth")
     i.add_argument("out", help="our adapter directory to write")
-    i.add_argument("--llama_path", required=True, help="the Meta checkpoint directory the adapter was trained on")
+    i.add_argument("--llama_path", required=True, help="the base the adapter was trained on (a Meta or Hugging Face LLaMA folder)")
     i.add_argument("--method", choices=["instance"], help="the file comes from LLaMA3_soft_moa_instance, whose "
                    "options and names are Soft MoA's (every other method is told from the file)")
     args = p.parse_args(argv)
@@ -37,7 +37,7 @@ def main(argv=None):
         folder, names = os.path.dirname(os.path.abspath(targets[0])), [os.path.basename(t) for t in targets]
         output_dirs.check_output_dir(folder, "out")
         output_dirs.check_claimable(folder, names, "out")  # never over a file the tools did not write
-        base = None if exporting else ModelArgs.from_params_json(args.llama_path)
+        base = None if exporting else base_args(args.llama_path)
         existed = [n for n in names if os.path.lexists(os.path.join(folder, n))]  # listed: ours to replace
         try:
             if exporting:

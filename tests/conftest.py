@@ -11,7 +11,9 @@ start mpirun; `bash test.sh -m "not slow"` is the quick run.
 """
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from Data.synthetic import make_splits  # noqa: E402
 from Models.formats.authors import args_from_authors  # noqa: E402
 from Models.formats.adapters import assign_strict  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
-from Data.tiny_base import write_random_base  # noqa: E402
+from Data.tiny_base import write_random_base, write_random_hf_base  # noqa: E402
 
 # Jittor's SIGCHLD handler quick-exits this whole process (status 1, no report) when any
 # child dies by a signal; the tests spawn Math.py, Infer.py and mpirun, so a crashing child
@@ -37,6 +39,7 @@ signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 GOLDEN = REPO / "tests" / "golden"
 DATA = REPO / "tests" / "data"
 SHARED = Path(os.environ.get("MOA_SHARED", REPO.parent / "shared"))
+MPIRUN = shutil.which("mpirun")
 
 # Math.py flags of a tiny, fast run on the tiny base; tests append their own (the last one wins).
 # Prompts of the tiny BPE run 127-164 tokens, so 256 keeps every answer.
@@ -93,6 +96,19 @@ def tiny_base(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """A random tiny Qwen3ForCausalLM folder (head_dim 32 != 64/4, q/k norms, tied embeddings) with a
+    tokenizer.json of its own, written by our safetensors writer (seeded); read-only."""
+    return write_random_hf_base(str(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3", head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_llama(tmp_path_factory):
+    """A random tiny LlamaForCausalLM folder (untied, scaled RoPE, a BOS) with a tokenizer.json; read-only."""
+    return write_random_hf_base(str(tmp_path_factory.mktemp("tiny_hf_llama")), "llama", tied=False)
+
+
+@pytest.fixture(scope="session")
 def synthetic_data(tmp_path_factory):
     """48 training and 8 validation problems of the synthetic math set (seed 1): {"train": path, "val": path};
     read-only."""
@@ -109,6 +125,13 @@ def write_synthetic_splits(folder, n_train, n_val, seed) -> dict:
         with open(paths[name], "w") as f:
             json.dump(split, f)
     return paths
+
+
+def mpirun(n, args, timeout=300):
+    """`mpirun -np n python Math.py args`; OMPI_ALLOW_RUN_AS_ROOT comes from Utils.jittor_env (imported
+    above) through the environment."""
+    command = [MPIRUN, "--oversubscribe", "-np", str(n), sys.executable, str(REPO / "Math.py"), *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def randomize_adapters(model, seed, scale):
@@ -201,3 +224,36 @@ def golden_params(data) -> dict:
 
 def max_abs(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
+
+
+LOAD_PEAK_PROBE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import Utils.jittor_env
+import numpy as np
+from Models.formats import hf, meta
+from Models.formats.base_model import base_args, base_layout, build_model
+from Models.LLaMA_Adapter import LLaMA_adapter
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+warm, big, precision = sys.argv[2:5]
+build_model(warm, base_args(warm, max_seq_len=8, precision=precision))  # compiles the ops
+model = LLaMA_adapter(base_args(big, max_seq_len=8, precision=precision))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM to the current RSS
+before = status("VmRSS")
+(meta if base_layout(big) == "meta" else hf).load_base(model, big)
+nbytes = sum(int(np.prod(p.shape)) * (2 if p.dtype == "bfloat16" else 4) for p in model.base_parameters().values())
+print(json.dumps({"increase": status("VmHWM") - before, "model_bytes": nbytes}))
+"""
+
+
+def load_peak(warm, big, precision) -> dict:
+    """{"increase", "model_bytes"}: how much loading the base folder `big` raises the peak RSS (VmHWM) of a
+    fresh process that compiled the read ops on the small base `warm` first, and the loaded base's bytes."""
+    out = subprocess.run([sys.executable, "-c", LOAD_PEAK_PROBE, str(REPO), str(warm), str(big), precision],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])

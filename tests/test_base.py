@@ -1,17 +1,15 @@
 """The LLaMA-3 base: Meta checkpoint loading, parity with the authors' logits, RoPE, bad input."""
 import json
 import shutil
-import subprocess
-import sys
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import kv_logits, max_abs
+from conftest import kv_logits, load_peak, max_abs
 import jittor as jt
-from Models.formats.meta import build_model, load_base
+from Models.formats.base_model import build_model
+from Models.formats.meta import load_base
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs, parse_layer_span
 from Models.formats.pth import CheckpointError, load_pth
@@ -41,8 +39,8 @@ def test_kv_cache_rejected_in_training_mode(tiny_meta):
 
 
 def test_scaled_rope_frequencies():
-    plain = rope_frequencies(128, 500000.0, use_scaled=False).astype(np.float64)
-    scaled = rope_frequencies(128, 500000.0, use_scaled=True).astype(np.float64)
+    plain = rope_frequencies(128, 500000.0).astype(np.float64)
+    scaled = rope_frequencies(128, 500000.0, ModelArgs(use_scaled_rope=True).rope_scaling).astype(np.float64)
     wavelen = 2 * np.pi / plain
     high = wavelen < 8192 / 4  # high frequencies: untouched
     low = wavelen > 8192 / 1  # low frequencies: divided by the factor 8
@@ -142,31 +140,6 @@ def test_layer_spans():
             parse_layer_span(bad, 4)
 
 
-PEAK_PROBE = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import Utils.jittor_env
-import numpy as np
-from Models.formats.meta import build_model, load_base
-from Models.LLaMA_Adapter import LLaMA_adapter
-from Models.ModelArgs import ModelArgs
-
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-warm, big, precision = sys.argv[2:5]
-build_model(warm, ModelArgs.from_params_json(warm, max_seq_len=8, precision=precision))  # compiles the ops
-model = LLaMA_adapter(ModelArgs.from_params_json(big, max_seq_len=8, precision=precision))
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM to the current RSS
-before = status("VmRSS")
-load_base(model, big)
-nbytes = sum(int(np.prod(p.shape)) * (2 if p.dtype == "bfloat16" else 4) for p in model.base_parameters().values())
-print(json.dumps({"increase": status("VmHWM") - before, "model_bytes": nbytes}))
-"""
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_streaming_load_peak_memory(tiny_meta, tmp_path, precision):
     """Loading a ~60 MB bf16 checkpoint raises the peak RSS by at most 1.15x the loaded base's bytes:
@@ -176,9 +149,7 @@ def test_streaming_load_peak_memory(tiny_meta, tmp_path, precision):
     params = params_for(16384, 512, 4, 8, 4, 256)
     (tmp_path / "params.json").write_text(json.dumps(params))
     save_pth(random_base_weights(ModelArgs(**params), 0), tmp_path / "consolidated.00.pth", bf16=True)
-    out = subprocess.run([sys.executable, "-c", PEAK_PROBE, str(Path(__file__).resolve().parents[1]), str(tiny_meta),
-                          str(tmp_path), precision], capture_output=True, text=True, check=True)
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = load_peak(tiny_meta, tmp_path, precision)
     assert report["model_bytes"] > 50e6
     assert report["increase"] <= 1.15 * report["model_bytes"], report
 

@@ -24,7 +24,7 @@ from Data.synthetic import make_splits
 from Models.ModelArgs import ModelArgs
 from Models.formats.adapters import export_authors_adapter, save_adapter
 from Models import LLM
-from Models.formats.meta import build_model
+from Models.formats.base_model import build_model
 from Models.generate import generate, prefill_length
 from Models.kernels.switch import fused_kernels_on
 from Models.kernels.precision import set_base_precision

@@ -57,7 +57,7 @@ def test_prompt_attention(T, H, Hkv, L):
 
 def test_rope():
     rng = np.random.default_rng(3)
-    cos, sin = (jt.array(t[4:9]) for t in rope_tables(8, 16, 500000.0, False))  # positions 4..8
+    cos, sin = (jt.array(t[4:9]) for t in rope_tables(8, 16, 500000.0))  # positions 4..8
     assert_same(rope, [normal(rng, (2, 5, 3, 8)), cos, sin], [0], atol=1e-6)
 
 

@@ -1,7 +1,6 @@
 """Data parallel over MPI: `mpirun -np 2 python Math.py` must train exactly like one rank."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -9,12 +8,11 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, TINY_FLAGS, write_synthetic_splits
+from conftest import MPIRUN, REPO, TINY_FLAGS, mpirun, write_synthetic_splits
 
 import Math
 from Models.formats.pth import load_pth
 
-MPIRUN = shutil.which("mpirun")
 pytestmark = [pytest.mark.mpi, pytest.mark.slow,
               pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data parallel)")]
 TINY = [*TINY_FLAGS, "--eval_interval", "2"]
@@ -28,12 +26,6 @@ def setup(tmp_path_factory, tiny_base):
 def argv(setup, out, *extra):
     return ["--llama_path", setup["base"], "--data_path", setup["train"], "--val_data_path", setup["val"],
             "--output_dir", str(out), *TINY, *[str(e) for e in extra]]
-
-
-def mpirun(n, args, timeout=300):
-    # OMPI_ALLOW_RUN_AS_ROOT comes from Utils.jittor_env (imported by conftest) through the environment
-    command = [MPIRUN, "--oversubscribe", "-np", str(n), sys.executable, str(REPO / "Math.py"), *args]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def records(out, event):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import golden_forward, golden_model, load_golden
-from Models.formats.meta import build_model
+from Models.formats.base_model import build_model
 from Models.generate import generate
 from Models.ModelArgs import ModelArgs
 from Data.tiny_base import DEFAULT_BASE_DIR

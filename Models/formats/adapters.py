@@ -18,7 +18,7 @@ lora_A.weight`, `llama.layers.0.adapter_type_router.w1.weight`, `lora_Q.lora_A_l
 The two json files are told apart by our `variant` field, which theirs lack. `load_adapter` reads
 both adapter layouts; `export_authors_adapter` writes theirs, `import_authors_adapter`
 turns theirs (or their checkpoint-N.pth) into ours. Our training checkpoints are
-Models/formats/training.py; Meta's base checkpoints Models/formats/meta.py.
+Models/formats/training.py; base checkpoints Models/formats/base_model.py.
 """
 import os
 
@@ -33,7 +33,7 @@ from Utils.settings import check_values
 from ..LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from ..ModelArgs import ModelArgs
 from ..kernels.precision import cast_to
-from .authors import authors_params, fields_from_authors, folder_of
+from .authors import authors_params, check_authors_base, fields_from_authors, folder_of
 from .pth import CheckpointError, PlainNamespace, load_pth, save_pth
 
 ADAPTER_WEIGHTS = "adapter.pth"
@@ -230,6 +230,8 @@ def import_authors_adapter(authors_path: str, out_dir: str, base: ModelArgs, met
     `method` "instance" marks an instance-level MoA file (its options are Soft MoA's)."""
     converted_files(authors_path, out_dir, out_is_dir=True)
     arrays, fields = read_authors(authors_path, method)
-    model = LLaMA_adapter(ModelArgs(**{**base.to_dict(), **fields}))
+    args = ModelArgs(**{**base.to_dict(), **fields})
+    check_authors_base(args)
+    model = LLaMA_adapter(args)
     assign_strict(model.adapter_parameters(), arrays, authors_path, "adapter")
     save_adapter(model, out_dir)

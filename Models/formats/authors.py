@@ -100,8 +100,16 @@ def args_from_authors(model_args: dict, folder: str, **overrides) -> ModelArgs:
     return ModelArgs(**{**fields_from_authors(model_args, f"authors' {folder} ModelArgs", folder), **overrides})
 
 
+def check_authors_base(args: ModelArgs):
+    """The authors' LLaMA3 folders build LLaMA-3 only: an adapter of another architecture has no form there."""
+    if args.architecture != "llama":
+        raise CheckpointError(f"an adapter of a {args.architecture} base has no form in the authors' LLaMA3 code, "
+                              f"which builds LLaMA-3 only (their MoA_Transformers is another layout: docs/hf_bases.md)")
+
+
 def authors_params(args: ModelArgs) -> dict:
     """Our ModelArgs -> the authors' adapter_params.json of the folder implementing it, their types."""
+    check_authors_base(args)
     folder = folder_of(args)
     if folder == "sparse" and args.expert_num > 1:
         raise CheckpointError("the authors' Sparse MoA has one expert per type; expert_num="

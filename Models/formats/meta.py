@@ -1,14 +1,10 @@
 """Meta checkpoint directories: params.json plus consolidated.NN.pth shards -> the frozen base.
 
 Every .pth goes through Models.formats.pth.load_pth, an allow-list unpickler that never runs
-code named by the file. Meta's names are our attribute names under `llama.`.
+code named by the file. Meta's names are our attribute names under `llama.` (meta_shapes).
 
-The base is loaded tensor by tensor: the shards are opened lazily (shapes only), then
-each tensor's bytes go from the file straight into a Jittor Var of the file's dtype
-(a pread inside a jt.code op: no numpy copy, and bf16 has no numpy dtype to pass
-through), are cast only if the base stores another precision, and replace the
-parameter before the next one is read. A 16 GB bf16 file thus needs about 16 GB, not
-the 32 GB of an fp32 copy; the model's random initialisation is replaced before it runs.
+The base is loaded tensor by tensor: the shards are opened lazily (shapes and file offsets
+only), then each tensor's bytes go from the file straight into its Var (reading.py).
 """
 import glob
 import os
@@ -19,46 +15,38 @@ import jittor as jt
 from .adapters import IGNORED_META_KEYS, check_strict
 from ..LLaMA_Adapter import LLaMA_adapter
 from ..ModelArgs import ModelArgs
-from ..kernels.precision import cast_to
 from ..Tokenizer import Tokenizer
 from .pth import CheckpointError, StoredTensor, load_pth
+from .reading import fill_base, read_var
 
-READ_HEADER = "#include <unistd.h>\n#include <cstdint>\n"
-# out0 <- nbytes of file descriptor fd from offset; pread may return less than asked (2 GB cap)
-READ_SOURCE = """
-const int fd = (int)data["fd"];
-const int64_t offset = (int64_t)data["offset"], nbytes = (int64_t)data["nbytes"];
-char *dst = (char *)out0_p + (int64_t)data["skip"];
-int64_t done = 0;
-while (done < nbytes) {
-    ssize_t got = pread(fd, dst + done, nbytes - done, offset + done);
-    if (got <= 0) break;
-    done += got;
-}
-if (done != nbytes) LOGf << "read" << done << "of" << nbytes << "bytes";
-"""
-# bf16 read into the back half of an fp32 output, widened front to back in place: element i is
-# written to bytes [4i, 4i+4), below every bf16 element j > i still to read at 2n + 2j.
-WIDEN_SOURCE = """
-const int64_t n = nbytes / 2;
-const uint16_t *bits = (const uint16_t *)((char *)out0_p + 2 * n);
-uint32_t *words = (uint32_t *)out0_p;
-for (int64_t i = 0; i < n; i++) words[i] = uint32_t(bits[i]) << 16;
-"""
+
+def meta_shapes(args: ModelArgs) -> dict:
+    """The base's tensor names (Meta's: our attribute names under `llama.`) and shapes."""
+    D, F, hd, V = args.dim, args.ffn_hidden_dim, args.head_dim, args.vocab_size
+    shapes = {"tok_embeddings.weight": (V, D)}
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "attention.wq.weight": (args.n_heads * hd, D), p + "attention.wk.weight": (args.n_kv_heads * hd, D),
+                       p + "attention.wv.weight": (args.n_kv_heads * hd, D), p + "attention.wo.weight": (D, args.n_heads * hd),
+                       p + "feed_forward.w1.weight": (F, D), p + "feed_forward.w2.weight": (D, F),
+                       p + "feed_forward.w3.weight": (F, D), p + "attention_norm.weight": (D,), p + "ffn_norm.weight": (D,)})
+        if args.qk_norm:
+            shapes.update({p + "attention.q_norm.weight": (hd,), p + "attention.k_norm.weight": (hd,)})
+    shapes["norm.weight"] = (D,)
+    if not args.tied_embeddings:
+        shapes["output.weight"] = (V, D)
+    return shapes
+
+
 # bf16 bits that came through numpy as uint16 -> a bfloat16 Var, same bytes
 REINTERPRET_SOURCE = "std::memcpy(out0_p, in0_p, in0->size);"
 
 
 def tensor_var(tensor: StoredTensor, fd: int, dtype: str) -> jt.Var:
-    """One stored tensor as a Var of `dtype`, read when the Var is executed. bf16 widens to fp32
-    inside the read, so the fp32 base needs no bf16 copy beside it."""
+    """One stored tensor as a Var of `dtype`, read when the Var is executed (reading.read_var)."""
     where = tensor.file_range()
     if where is not None:
-        offset, nbytes = where
-        widen = tensor.dtype == "bfloat16" and dtype == "float32"
-        return jt.code(tensor.shape, dtype if widen else tensor.dtype, [], cpu_header=READ_HEADER,
-                       cpu_src=READ_SOURCE + (WIDEN_SOURCE if widen else ""),
-                       data={"fd": fd, "offset": offset, "nbytes": nbytes, "skip": nbytes if widen else 0})
+        return read_var(fd, *where, tensor.shape, tensor.dtype, dtype)
     array = jt.array(tensor.numpy())  # non-contiguous or big-endian: rare, through numpy
     if tensor.dtype != "bfloat16":
         return array
@@ -132,33 +120,28 @@ def open_shards(paths: list) -> list:
     return shards
 
 
-def load_base(model: LLaMA_adapter, ckpt_dir: str):
-    """Fill the frozen base from Meta's consolidated.NN.pth shards (names without 'llama.'), one tensor at a time."""
+def checkpoint_paths(ckpt_dir: str) -> list:
+    """The directory's consolidated.NN.pth shards, in order."""
     paths = sorted(glob.glob(os.path.join(ckpt_dir, "consolidated.*.pth")))
     if not paths:
         raise FileNotFoundError(f"{ckpt_dir}: no consolidated.NN.pth checkpoint file")
+    return paths
+
+
+def load_base(model: LLaMA_adapter, ckpt_dir: str):
+    """Fill the frozen base from Meta's consolidated.NN.pth shards (names without 'llama.'), one tensor at a time."""
+    paths = checkpoint_paths(ckpt_dir)
     shards = open_shards(paths)
     base = {name[len("llama."):]: var for name, var in model.base_parameters().items()}
     source = paths[0] if len(paths) == 1 else f"{ckpt_dir} ({len(paths)} shards)"
     plan = join_plan(shards, {k: v.shape for k, v in base.items()}, source)
     check_strict(base, {name: joined_shape(*entry) for name, entry in plan.items()}, source, "base")
-    fds = {path: os.open(path, os.O_RDONLY) for path in paths}
-    try:
-        # Every parameter first points at its read op, then one sync runs them all: any Jittor
-        # sync also runs every pending Var, so syncing tensor by tensor would execute the random
-        # initialisation of all parameters not yet replaced (a full fp32 model) at the first one.
-        for name, var in base.items():
-            parts, dim = plan[name]
-            values = [tensor_var(part, fds[part.storage.reader.path], var.dtype) for part in parts]
-            value = values[0] if dim is None else jt.concat(values, dim)
-            var.assign(cast_to(value, var.dtype))
-        try:
-            jt.sync(list(base.values()))
-        except RuntimeError as exc:
-            raise CheckpointError(f"{source}: reading the tensors failed ({str(exc).splitlines()[0]})") from exc
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+
+    def value_of(name, var, fds):
+        parts, dim = plan[name]
+        values = [tensor_var(part, fds[part.storage.reader.path], var.dtype) for part in parts]
+        return values[0] if dim is None else jt.concat(values, dim)
+    fill_base(base, value_of, paths, source)
     model.freeze_base()
 
 
@@ -172,10 +155,3 @@ def open_tokenizer(llama_dir: str, vocab_size: int) -> Tokenizer:
                               f"the vocab_size {vocab_size} of {os.path.join(llama_dir, 'params.json')}: "
                               "tokenizer and model do not belong together")
     return tokenizer
-
-
-def build_model(llama_dir: str, args: ModelArgs) -> LLaMA_adapter:
-    """The model `args` describes, its frozen base read from a Meta checkpoint directory."""
-    model = LLaMA_adapter(args)
-    load_base(model, llama_dir)
-    return model

@@ -406,7 +406,7 @@ class TensorSource:
         self.ndim = len(self.shape)
 
 
-def _storage_bytes(source, dtype):
+def storage_bytes(source, dtype):
     """The little-endian bytes of one storage, converting floats to bf16 where asked."""
     array = source.make() if isinstance(source, TensorSource) else source
     if tuple(array.shape) != tuple(source.shape):
@@ -448,6 +448,6 @@ def save_pth(obj, path, bf16=False):
                 for name, data in records:
                     _write_record(archive, file, f"{_ARCHIVE}/{name}", data)
                 for name, (source, dtype) in storages:
-                    _write_record(archive, file, f"{_ARCHIVE}/{name}", _storage_bytes(source, dtype))
+                    _write_record(archive, file, f"{_ARCHIVE}/{name}", storage_bytes(source, dtype))
                 _write_record(archive, file, f"{_ARCHIVE}/version", b"3\n")
     atomic_write(path, write)

@@ -120,9 +120,10 @@ def lora_scaling_rank(block) -> tuple:
 
 
 def fuses_decode_step(block, x: jt.Var, start_pos) -> bool:
-    """A decode step (KV cache, no gradient, few rows) of a MoA layer with one expert per family."""
+    """A decode step (KV cache, no gradient, few rows) of a MoA layer with one expert per family and
+    no per-head query/key norm (a Qwen3 layer's decode step runs op by op)."""
     return (start_pos is not None and block.method == "moa" and block.attention.expert_num == 1
-            and decoding(x))
+            and block.attention.q_norm is None and decoding(x))
 
 
 def layer_input(block, x, cos, sin):

@@ -1,0 +1,60 @@
+"""A base model folder of either layout, told apart by its files: Meta's (params.json, consolidated.NN.pth,
+tokenizer.model: meta.py) or Hugging Face's (config.json, model.safetensors or shards with their index,
+tokenizer.json: hf.py). Math.py, Infer.py, Compare.py (through them), the scripts and bench/ open a
+base only through here; `load_base_model` is the public entry (`from Models import load_base_model`).
+"""
+import os
+
+from ..LLaMA_Adapter import LLaMA_adapter
+from ..ModelArgs import ModelArgs
+from . import hf, meta
+
+LAYOUTS = {"meta": "params.json", "hf": hf.CONFIG}
+
+
+def base_layout(path: str) -> str:
+    """'meta' or 'hf', by the settings file the folder holds."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such base model folder")
+    found = [layout for layout, settings in LAYOUTS.items() if os.path.isfile(os.path.join(path, settings))]
+    if len(found) == 2:
+        raise ValueError(f"{path}: holds both params.json (Meta's layout) and config.json (Hugging Face's): "
+                         "keep one layout per folder")
+    if not found:
+        raise FileNotFoundError(f"{path}: neither a Meta checkpoint folder (params.json, consolidated.NN.pth, "
+                                "tokenizer.model) nor a Hugging Face one (config.json, model.safetensors or its "
+                                "shards with model.safetensors.index.json, tokenizer.json)")
+    return found[0]
+
+
+def base_args(path: str, **overrides) -> ModelArgs:
+    """The base's settings (params.json or config.json) updated with runtime/MoA `overrides`."""
+    if base_layout(path) == "meta":
+        return ModelArgs.from_params_json(path, **overrides)
+    return hf.args_from_config(path, **overrides)
+
+
+def weight_paths(path: str) -> list:
+    """The files holding the base's weights."""
+    return meta.checkpoint_paths(path) if base_layout(path) == "meta" else hf.weight_paths(path)
+
+
+def build_model(path: str, args: ModelArgs) -> LLaMA_adapter:
+    """The model `args` describes, its frozen base read from the folder tensor by tensor."""
+    model = LLaMA_adapter(args)
+    (meta if base_layout(path) == "meta" else hf).load_base(model, path)
+    return model
+
+
+def open_tokenizer(path: str, vocab_size: int):
+    """The folder's tokenizer (tokenizer.model or tokenizer.json), refused when its ids reach past the
+    embedding table of `vocab_size` rows."""
+    return (meta if base_layout(path) == "meta" else hf).open_tokenizer(path, vocab_size)
+
+
+def load_base_model(path: str, **settings) -> LLaMA_adapter:
+    """A base of either layout as a LLaMA_adapter, its base loaded. `settings` are ModelArgs fields:
+    max_seq_len, max_batch_size, precision (the defaults: ModelArgs'), and MoA settings (no experts
+    unless given, e.g. lora_layers="all", variant="soft"). `model.llama(tokens)` gives logits
+    [B,T,vocab]; after `model.eval()`, `model.llama(tokens, start_pos=p)` runs through the KV cache."""
+    return build_model(path, base_args(path, **settings))
