@@ -139,7 +139,7 @@ def test_authors_adapter_both_ways(name, tmp_path):
     ({"method": "topk", "expert_num": 4, "top_k": 1, "lb_loss_coeff": 0.0}, "never learns"),
     ({"method": "adamole", "expert_num": 4, "p_adapter_layers": "0-1"}, "LoRA experts only"),
     ({"method": "unipeft", "p_adapter_layers": "0-2", "prompt_layers": "0-1"}, "every p_adapter layer needs prompt"),
-    ({"method": "sparse_moe"}, "choose one of"),
+    ({"method": "sparse_moe"}, "must be one of moa, moe, topk"),
 ])
 def test_settings_without_a_working_form_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
