@@ -701,7 +701,7 @@ def test_a_training_set_without_a_target_token_is_refused(tiny_base, synthetic_d
 # ---- bases: a tensor in several shards is one tensor, or refused ---------------------------------------------
 
 def test_duplicate_tensors_across_shards(tiny_meta, tmp_path):
-    from Models.formats.meta import build_model
+    from Models.formats.base_model import build_model
     from Models.formats.pth import CheckpointError, save_pth
     full = load_pth(tiny_meta / "consolidated.00.pth")
     runtime = dict(max_seq_len=16, max_batch_size=1, precision="fp32")
