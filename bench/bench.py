@@ -1,9 +1,9 @@
 """Training and decoding speed of MoA-Jittor on this machine; prints key=value pairs last.
 
-python bench/bench.py --variant sparse --config small [--precision fp32]
+python bench/bench.py --variant sparse --config small [--precision fp32] [--preset lora]
 The model is random (speed does not depend on the values); the sgemm roofline
 for MFU and the bf16 base matmul's rate are measured in the same run.
-bench/side_by_side.py runs this beside the authors' code.
+bench/side_by_side.py runs this beside the authors' code, or (--preset lora) beside peft.
 """
 import argparse
 import os
@@ -23,15 +23,11 @@ from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Models.ModelArgs import ModelArgs  # noqa: E402
 from Models.kernels.precision import base_linear  # noqa: E402
 from Models.kernels.adamw import build_optimizer  # noqa: E402
-from Utils.settings import ArgumentParser, add_arguments, given, recipe_values  # noqa: E402
+from Utils.settings import METHOD_PRESETS, ArgumentParser, add_arguments, given, recipe_values  # noqa: E402
+from common import (CONFIGS, DECODE_BATCH, DECODE_RUNS, LR, NEW_TOKENS, PROMPT_LEN, TIMED_STEPS,  # noqa: E402
+                    TRAIN_BATCH, TRAIN_SEQ, WARMUP_STEPS, WEIGHT_DECAY, describe_optimizer)  # bench/common.py
 
-CONFIGS = {
-    "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=64),
-    "medium": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=8192, multiple_of=128),
-}
-TRAIN_BATCH, TRAIN_SEQ = 8, 256
 GEMM_SIZE = 1024  # the bf16 roofline's n^3 product; bench/torch_gemm.py times torch on the same size
-DECODE_BATCH, PROMPT_LEN, NEW_TOKENS = 4, 32, 64
 
 
 def model_args(config: str, settings: dict) -> ModelArgs:
@@ -80,10 +76,15 @@ def base_matmul_gflops(n: int = GEMM_SIZE) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
-def time_training(model: LLaMA_adapter, steps: int = 5, warmup: int = 2):
+def time_training(model: LLaMA_adapter, steps: int = TIMED_STEPS, warmup: int = WARMUP_STEPS):
+    """(first step s, median step s, the optimizer's description, the loss's target tokens per step)."""
     rng = np.random.default_rng(0)
-    optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.05)  # Math.py's, with ref_bench.py's decay
+    optimizer = build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
     mask = jt.ones((TRAIN_BATCH, TRAIN_SEQ))
+    loss_tokens = int(mask[:, 1:].sum())  # LLaMA_adapter weighs predicting tokens[:, t] by mask[:, t], t >= 1
+    groups = [(sum(int(np.prod(p.shape)) for p in g["params"]), g.get("lr", optimizer.lr),
+               g.get("betas", optimizer.betas), g.get("eps", optimizer.eps), g["weight_decay"])
+              for g in optimizer.param_groups]
     times = []
     for step in range(warmup + steps):
         tokens = jt.array(rng.integers(0, model.args.vocab_size, (TRAIN_BATCH, TRAIN_SEQ)).astype(np.int32))
@@ -93,22 +94,23 @@ def time_training(model: LLaMA_adapter, steps: int = 5, warmup: int = 2):
         loss.sync()
         jt.sync_all(True)  # True: wait for the GPU too
         times.append(time.perf_counter() - start)
-    return times[0], float(np.median(times[warmup:]))
+    return times[0], float(np.median(times[warmup:])), describe_optimizer("AdamW", groups), loss_tokens
 
 
 def time_decoding(model: LLaMA_adapter):
-    """Greedy decoding through the KV cache, no stop tokens so every row makes NEW_TOKENS; tokens/s."""
+    """Greedy decoding through the KV cache, no stop tokens so every row makes NEW_TOKENS:
+    (tokens/s over the whole call, prefill included, tokens made per call)."""
     no_stops = SimpleNamespace(stop_tokens=set())
     model.eval()
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(1, model.args.vocab_size, PROMPT_LEN)) for _ in range(DECODE_BATCH)]
     generate(model, no_stops, prompts, max_gen_len=NEW_TOKENS)  # compile every shape the timed runs meet
     rates = []
-    for _ in range(3):  # the median of three runs: a shared machine is noisy
+    for _ in range(DECODE_RUNS):  # the median: a shared machine is noisy
         start = time.perf_counter()
         out = generate(model, no_stops, prompts, max_gen_len=NEW_TOKENS)
         rates.append(sum(len(o) for o in out) / (time.perf_counter() - start))
-    return float(np.median(rates))
+    return float(np.median(rates)), sum(len(o) for o in out)
 
 
 def main():
@@ -116,11 +118,15 @@ def main():
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="model size")
     parser.add_argument("--no_decode", action="store_true", help="skip the decoding benchmark")
+    parser.add_argument("--preset", choices=list(METHOD_PRESETS),
+                        help="a method as Compare.py runs it (Utils/settings.METHOD_PRESETS; lora = plain LoRA on "
+                             "the recipe's targets, no prompt, parallel adapter or router) over the bench recipe; "
+                             "the flags below override it")
     add_arguments(parser.add_argument_group("model and experts (default: the bench recipe)"), ModelArgs,
                   recipe_values("bench"), exclude=("max_seq_len",))
     opts = parser.parse_args()
     try:
-        settings = model_args(opts.config, given(opts, ModelArgs))
+        settings = model_args(opts.config, {**METHOD_PRESETS.get(opts.preset, {}), **given(opts, ModelArgs)})
     except ValueError as e:  # a setting's rule, or the rules joining several
         parser.exit(2, f"error: {e}\n")
     jt.set_global_seed(0)
@@ -129,16 +135,22 @@ def main():
     roofline = sgemm_gflops()
     bf16_gflops = base_matmul_gflops()
     model = LLaMA_adapter(settings)
-    first_step_s, train_s = time_training(model)
+    first_step_s, train_s, optimizer, loss_tokens = time_training(model)
     train_tok_s = TRAIN_BATCH * TRAIN_SEQ / train_s
-    decode_tok_s = 0.0 if opts.no_decode else time_decoding(model)
+    decode_tok_s, decode_tokens = (0.0, 0) if opts.no_decode else time_decoding(model)
     mfu = train_flops_per_token(model, TRAIN_SEQ) * train_tok_s / 1e9 / roofline
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     onednn = os.environ.get("use_mkl", "1") == "1"
-    print(f"variant={model.args.variant} config={opts.config} precision={model.args.precision} onednn={int(onednn)} train_ms={train_s * 1e3:.1f} "
+    counts, args = model.parameter_counts(), model.args
+    print(f"variant={args.variant} method={args.method} config={opts.config} precision={args.precision} "
+          f"onednn={int(onednn)} train_ms={train_s * 1e3:.1f} "
           f"train_tok_s={train_tok_s:.0f} decode_tok_s={decode_tok_s:.0f} peak_rss_mb={peak_rss_mb:.0f} "
           f"mfu={mfu:.3f} sgemm_gflops={roofline:.0f} bf16_matmul_gflops={bf16_gflops:.1f} gemm_n={GEMM_SIZE} "
-          f"first_step_s={first_step_s:.2f} warm_step_s={train_s:.3f}")
+          f"first_step_s={first_step_s:.2f} warm_step_s={train_s:.3f} "
+          f"trainable_params={counts['total']} base_params={counts['base']} "
+          f"train_tokens={TRAIN_BATCH * TRAIN_SEQ} loss_tokens={loss_tokens} decode_tokens={decode_tokens} "
+          f"optimizer={optimizer} lora_rank={args.lora_rank} lora_alpha={args.lora_alpha:g} "
+          f"lora_targets={','.join(args.targets)}")
 
 
 if __name__ == "__main__":

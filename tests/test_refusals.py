@@ -815,9 +815,29 @@ def test_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path):
              (["bench/bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"]),
              (["bench/bench.py", "--max_threshold", "nan"], ["--max_threshold must be a finite number"]),
              (["bench/bench.py", "--config", "huge"], ["--config", "invalid choice"]),
-             (["bench/side_by_side.py", "--configs", "huge"], ["--configs"])]
+             (["bench/bench.py", "--preset", "dora"], ["--preset", "invalid choice"]),
+             (["bench/side_by_side.py", "--configs", "huge"], ["--configs"]),
+             (["bench/side_by_side.py", "--against", "peft"], ["REFVENV"]),
+             (["bench/side_by_side.py", "--against", "peft", "--variants", "soft"], ["--variants", "plain LoRA"]),
+             (["bench/peft_bench.py", "--lora_targets", "Q,W"], ["--lora_targets", "Q,W"]),
+             (["bench/peft_bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"])]
     for argv, needles in cases:
         done = subprocess.run([PYTHON, str(REPO / argv[0]), *argv[1:]], cwd=REPO, capture_output=True, text=True,
                               timeout=120, env={**os.environ, "REFVENV": ""})
         assert done.returncode == 2, (argv, done.stderr)
         one_error_line(done.stderr, *needles)
+
+
+def test_side_by_side_gives_no_ratios_for_different_work(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the bench scripts import bench/common.py by name
+    from common import describe_optimizer
+    from side_by_side import SAME_WORK, same_work
+    ours = {"trainable_params": "118784", "base_params": "5048576", "train_tokens": "2048", "loss_tokens": "2040",
+            "decode_tokens": "256", "optimizer": describe_optimizer("AdamW", [(118784, 1e-4, (0.9, 0.95), 1e-8, 0.05)]),
+            "lora_rank": "8", "lora_alpha": "8", "lora_targets": "Q,K,V,O,FFN_UP,FFN_DOWN"}
+    assert set(ours) == set(SAME_WORK)
+    assert same_work(dict(ours), ours)[0] == []
+    no_decay = describe_optimizer("AdamW", [(118784, 1e-4, (0.9, 0.95), 1e-8, 0.0)])
+    differs, line = same_work({**ours, "optimizer": no_decay, "loss_tokens": "2048"}, ours)
+    assert differs == ["loss_tokens", "optimizer"]
+    assert line.startswith("DIFFERENT WORK") and "loss_tokens=2048|ours:2040" in line
