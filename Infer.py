@@ -34,14 +34,12 @@ import os
 import pickle
 import shutil
 import sys
-from collections import namedtuple
 
 from tqdm import tqdm
 
 from Data import code_task
-from Data.dataset import load_examples
 from Data.prompts import format_prompt
-from Data.scoring import checked_labels, extract_answer, is_correct, scoring_rule
+from Data.test_sets import TestSet, check_prompt_lengths, data_files, default_test_set, load_test_sets, score_set
 from Models.ModelArgs import BASE_FIELDS, ModelArgs
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
                                      read_adapter_config)
@@ -53,12 +51,6 @@ from Utils import misc, output_dirs, sandbox
 from Utils.jittor_env import StopFlag, Stopped
 from Utils.misc import print_main, read_json_object
 from Utils.settings import ArgumentParser, GenerationArgs, add_arguments, check_values, given
-
-SPLIT_NAMES = ("test", "val", "validation", "train")
-TEST_FILES = ("test.json", "test.jsonl")  # a math or commonsense set; a code set (HumanEval, MBPP)
-# One data set of the run: examples[first:first + count] of the joined list, scored by `rule`.
-TestSet = namedtuple("TestSet", "name path rule first count")
-
 
 def get_args_parser():
     p = ArgumentParser(description="Generate answers with a MoA adapter, score them, dump router weights.")
@@ -128,63 +120,6 @@ def resolve_run(args):
         raise ValueError(f"{run_args_path}: field 'llama_path' must be a string, got {run_args['llama_path']!r}")
     llama_path = args.llama_path or run_args.get("llama_path") or ensure_default_base()
     return adapter, run_dir, run_args, llama_path
-
-
-def dataset_name(path):
-    stem = os.path.splitext(os.path.basename(path))[0]
-    return os.path.basename(os.path.dirname(os.path.abspath(path))) if stem in SPLIT_NAMES else stem
-
-
-def data_files(paths):
-    """[(name, file)] from files and dirs (a dir's test.json or test.jsonl, or each sub-dir's)."""
-    files = []
-    for path in paths:
-        if os.path.exists(path) and not os.path.isdir(path):  # a file, or a FIFO (read by polling)
-            files.append((dataset_name(path), path))
-        elif os.path.isdir(path):
-            inside = [f for f in (os.path.join(path, name) for name in TEST_FILES) if os.path.isfile(f)] \
-                or sorted(f for name in TEST_FILES for f in glob.glob(os.path.join(path, "*", name)))
-            if not inside:
-                raise FileNotFoundError(f"{path}: no test.json or test.jsonl in it or in its sub-directories")
-            files += [(dataset_name(f), f) for f in inside]
-        else:
-            raise FileNotFoundError(f"{path}: no such test file or directory")
-    return files
-
-
-def default_test_set(run_dir):
-    """The test split the run recorded (Math.py writes <run>/data/test.json for its synthetic data)."""
-    path = os.path.join(run_dir, "data", "test.json") if run_dir else None
-    if path is None or not os.path.isfile(path):
-        where = f"{path} does not exist" if path else "no training run was found"
-        raise FileNotFoundError(f"no recorded test split ({where}): pass --data_path with the test files; "
-                                "a regenerated set could overlap what the adapter trained on")
-    return [("synthetic", path)]
-
-
-def load_test_sets(sources, max_examples, samples_per_task=1):
-    """[(name, file)] -> (joined examples, [TestSet]); two files of one name are refused (their results
-    would share one file). A code set's problems give samples_per_task examples each, its rule is its
-    kind (humaneval, mbpp); every other set's labels are checked against its scoring rule before any
-    generation."""
-    examples, test_sets, seen = [], [], {}
-    for name, source in sources:
-        if name in seen:
-            raise ValueError(f"{seen[name]} and {source} are both data set '{name}' (a file is named by its stem, "
-                             "a test.json by its folder): their results would overwrite each other; rename one")
-        seen[name] = source
-        if code_task.is_code_file(source):
-            rule, problems = code_task.load_problems(source, max_examples)
-            loaded = code_task.examples_for(rule, problems, samples_per_task)
-        else:
-            loaded = load_examples(source)
-            loaded = loaded[:max_examples] if max_examples else loaded
-            rule = scoring_rule(name, [ex["answer"] for ex in loaded], source)  # before any generation
-            for ex, label in zip(loaded, checked_labels(rule, [ex["answer"] for ex in loaded], source, name)):
-                ex["answer"] = label
-        test_sets.append(TestSet(name, source, rule, len(examples), len(loaded)))
-        examples += loaded
-    return examples, test_sets
 
 
 def model_overrides(args, adapter, llama_path):
@@ -276,25 +211,13 @@ def write_jsonl(path, rows):
 
 
 def score_and_write(test_sets, examples, results, output_dir, meta, code=None):
-    """Predictions JSONL per data set, scores.json (accuracy per data set and the average); returns scores.
+    """Predictions JSONL per data set, scores.json (each set's score and their average); returns the scores.
     code: (--code_fences, SandboxLimits) for the code sets, whose accuracy is their pass@1."""
     scores = {}
-    for name, path, rule, first, count in test_sets:
-        if rule in code_task.FIELDS:  # the programs run in the sandbox
-            rows, scores[name] = code_task.score_examples(rule, examples[first:first + count], [
-                results[i]["generation"] for i in range(first, first + count)], *code, path=path)
-            write_jsonl(os.path.join(output_dir, f"{name}_predictions.jsonl"), rows)
-            continue
-        rows, correct = [], 0
-        for i in range(first, first + count):
-            ex, generation = examples[i], results[i]["generation"]
-            ok = is_correct(rule, generation, ex["answer"])
-            correct += ok
-            rows.append({"index": i - first, "instruction": ex["instruction"], "input": ex["input"],
-                         "answer": ex["answer"], "generation": generation,
-                         "prediction": extract_answer(rule, generation), "correct": ok})
-        write_jsonl(os.path.join(output_dir, f"{name}_predictions.jsonl"), rows)
-        scores[name] = {"accuracy": correct / count, "correct": correct, "total": count, "rule": rule, "path": path}
+    for ts in test_sets:
+        generations = [results[i]["generation"] for i in range(ts.first, ts.first + ts.count)]
+        rows, scores[ts.name] = score_set(ts, examples, generations, code)
+        write_jsonl(os.path.join(output_dir, f"{ts.name}_predictions.jsonl"), rows)
     summary = {"datasets": scores, "average": sum(s["accuracy"] for s in scores.values()) / len(scores), **meta}
     if code is not None and any(ts.rule in code_task.FIELDS for ts in test_sets):
         summary["sandbox"] = {"isolation": sandbox.isolation(), "how": sandbox.describe(sandbox.isolation()),
@@ -323,16 +246,6 @@ def model_context(args, config) -> int:
     trained with), else ModelArgs' default. LLaMA-3's params.json states no limit of its own."""
     given_len = given(args, ModelArgs).get("max_seq_len")
     return given_len or (config or {}).get("max_seq_len") or ModelArgs.__dataclass_fields__["max_seq_len"].default
-
-
-def check_prompt_lengths(prompts, test_sets, context):
-    """Refuse prompts that leave no room to generate within the context, naming the first of them."""
-    too_long = [(ts, i) for ts in test_sets for i in range(ts.first, ts.first + ts.count) if len(prompts[i]) >= context]
-    if too_long:
-        ts, i = too_long[0]
-        raise ValueError(f"{ts.path}: example {i - ts.first} of data set '{ts.name}' has a prompt of {len(prompts[i])} "
-                         f"tokens, no room to generate within max_seq_len {context} ({len(too_long)} prompt(s) in "
-                         "all): raise --max_seq_len or leave them out")
 
 
 def code_settings(args):

@@ -16,6 +16,7 @@ import pytest
 from conftest import REPO, log_records, math_argv, one_error_line, train
 
 import Math
+from Data import test_sets
 from Data.prompts import format_prompt
 from Models.generate import check_kv_cache_memory, kv_cache_bytes
 from Models.ModelArgs import ModelArgs
@@ -651,16 +652,16 @@ def test_labels_are_normalised_or_refused_by_their_rule():
 
 
 def test_two_data_sets_of_one_name_are_refused(tmp_path):
-    import Infer
     make_entries(tmp_path, "a.json", "a/test.json", "a_2.json", "b/test.json", "root/b/test.json", "c/d/test.json",
                  "d.json", text=json.dumps([{"instruction": "q", "input": "", "output": "o", "answer": "1"}]))
     for paths, first, second in [(["a.json", "a", "a_2.json"], "a.json", "a/test.json"),
                                  (["b", "root"], "b/test.json", "root/b/test.json"),
                                  (["d.json", "c"], "d.json", "c/d/test.json"), (["a.json", "a.json"], "a.json", "a.json")]:
         with pytest.raises(ValueError, match="are both data set") as info:
-            Infer.load_test_sets(Infer.data_files([str(tmp_path / p) for p in paths]), None)
+            test_sets.load_test_sets(test_sets.data_files([str(tmp_path / p) for p in paths]), None)
         assert str(tmp_path / first) in str(info.value) and str(tmp_path / second) in str(info.value)
-    examples, sets = Infer.load_test_sets(Infer.data_files([str(tmp_path / p) for p in ("a.json", "a_2.json", "b")]), 1)
+    found = test_sets.data_files([str(tmp_path / p) for p in ("a.json", "a_2.json", "b")])
+    examples, sets = test_sets.load_test_sets(found, 1)
     assert [s.name for s in sets] == ["a", "a_2", "b"] and len(examples) == 3
 
 

@@ -1,0 +1,98 @@
+"""The test sets an evaluation runs: found from files and folders, loaded and checked before any
+generation, and scored into prediction rows (Infer.py writes them)."""
+import glob
+import os
+from collections import namedtuple
+
+from Data import code_task
+from Data.dataset import load_examples
+from Data.scoring import checked_labels, extract_answer, is_correct, scoring_rule
+
+SPLIT_NAMES = ("test", "val", "validation", "train")
+TEST_FILES = ("test.json", "test.jsonl")  # a math or commonsense set; a code set (HumanEval, MBPP)
+# One data set of the run: examples[first:first + count] of the joined list, scored by `rule`.
+TestSet = namedtuple("TestSet", "name path rule first count")
+
+
+def dataset_name(path):
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.basename(os.path.dirname(os.path.abspath(path))) if stem in SPLIT_NAMES else stem
+
+
+def data_files(paths):
+    """[(name, file)] from files and dirs (a dir's test.json or test.jsonl, or each sub-dir's)."""
+    files = []
+    for path in paths:
+        if os.path.exists(path) and not os.path.isdir(path):  # a file, or a FIFO (read by polling)
+            files.append((dataset_name(path), path))
+        elif os.path.isdir(path):
+            inside = [f for f in (os.path.join(path, name) for name in TEST_FILES) if os.path.isfile(f)] \
+                or sorted(f for name in TEST_FILES for f in glob.glob(os.path.join(path, "*", name)))
+            if not inside:
+                raise FileNotFoundError(f"{path}: no test.json or test.jsonl in it or in its sub-directories")
+            files += [(dataset_name(f), f) for f in inside]
+        else:
+            raise FileNotFoundError(f"{path}: no such test file or directory")
+    return files
+
+
+def default_test_set(run_dir):
+    """The test split the run recorded (Math.py writes <run>/data/test.json for its synthetic data)."""
+    path = os.path.join(run_dir, "data", "test.json") if run_dir else None
+    if path is None or not os.path.isfile(path):
+        where = f"{path} does not exist" if path else "no training run was found"
+        raise FileNotFoundError(f"no recorded test split ({where}): pass --data_path with the test files; "
+                                "a regenerated set could overlap what the adapter trained on")
+    return [("synthetic", path)]
+
+
+def load_test_sets(sources, max_examples, samples_per_task=1):
+    """[(name, file)] -> (joined examples, [TestSet]); two files of one name are refused (their results
+    would share one file). A code set's problems give samples_per_task examples each, its rule is its
+    kind (humaneval, mbpp); every other set's labels are checked against its scoring rule before any
+    generation."""
+    examples, test_sets, seen = [], [], {}
+    for name, source in sources:
+        if name in seen:
+            raise ValueError(f"{seen[name]} and {source} are both data set '{name}' (a file is named by its stem, "
+                             "a test.json by its folder): their results would overwrite each other; rename one")
+        seen[name] = source
+        if code_task.is_code_file(source):
+            rule, problems = code_task.load_problems(source, max_examples)
+            loaded = code_task.examples_for(rule, problems, samples_per_task)
+        else:
+            loaded = load_examples(source)
+            loaded = loaded[:max_examples] if max_examples else loaded
+            rule = scoring_rule(name, [ex["answer"] for ex in loaded], source)  # before any generation
+            for ex, label in zip(loaded, checked_labels(rule, [ex["answer"] for ex in loaded], source, name)):
+                ex["answer"] = label
+        test_sets.append(TestSet(name, source, rule, len(examples), len(loaded)))
+        examples += loaded
+    return examples, test_sets
+
+
+def check_prompt_lengths(prompts, test_sets, context):
+    """Refuse prompts that leave no room to generate within the context, naming the first of them."""
+    too_long = [(ts, i) for ts in test_sets for i in range(ts.first, ts.first + ts.count) if len(prompts[i]) >= context]
+    if too_long:
+        ts, i = too_long[0]
+        raise ValueError(f"{ts.path}: example {i - ts.first} of data set '{ts.name}' has a prompt of {len(prompts[i])} "
+                         f"tokens, no room to generate within max_seq_len {context} ({len(too_long)} prompt(s) in "
+                         "all): raise --max_seq_len or leave them out")
+
+
+def score_set(test_set, examples, generations, code=None):
+    """(prediction rows, score) of one set: accuracy by its rule (math, commonsense), or pass@k of its
+    programs run in the sandbox (code; `code` is (--code_fences, SandboxLimits))."""
+    name, path, rule, first, count = test_set
+    if rule in code_task.FIELDS:
+        return code_task.score_examples(rule, examples[first:first + count], generations, *code, path=path)
+    rows, correct = [], 0
+    for i, generation in zip(range(first, first + count), generations):
+        ex = examples[i]
+        ok = is_correct(rule, generation, ex["answer"])
+        correct += ok
+        rows.append({"index": i - first, "instruction": ex["instruction"], "input": ex["input"],
+                     "answer": ex["answer"], "generation": generation,
+                     "prediction": extract_answer(rule, generation), "correct": ok})
+    return rows, {"accuracy": correct / count, "correct": correct, "total": count, "rule": rule, "path": path}
