@@ -811,7 +811,7 @@ def test_a_stop_signal_ends_a_run_blocked_on_its_input(tiny_base, synthetic_data
 def test_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path):
     cases = [(["bench/scale.py", "--n_layers", "0"], ["--n_layers 0"]),
              (["bench/scale.py", "--variants", "sparse,dense"], ["--variants", "dense"]),
-             (["bench/scale.py", "--llama_path", str(tmp_path)], ["--llama_path", "no params.json"]),
+             (["bench/scale.py", "--llama_path", str(tmp_path)], ["--llama_path", "neither params.json", "nor config.json"]),
              (["bench/scale.py", "--tmp_dir", str(tmp_path / "none")], ["--tmp_dir"]),
              (["bench/bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"]),
              (["bench/bench.py", "--max_threshold", "nan"], ["--max_threshold must be a finite number"]),
