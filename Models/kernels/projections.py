@@ -55,7 +55,8 @@ def flat_vars(projections: list) -> list:
 
 
 def with_vars(projections: list, tensors) -> list:
-    """The projections with their Vars replaced by `tensors`, given in flat_vars' order."""
+    """The projections with their Vars replaced by `tensors`, given in flat_vars' order: a jt.Function's
+    execute gets taped copies of its Var arguments, and the op must read those for the gradient."""
     supply = iter(tensors)
     bases = [next(supply) for _ in projections]
 
