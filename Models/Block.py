@@ -16,9 +16,7 @@ from .kernels.attention import attention, prompt_attention
 from .Experts import MOELoraLayer
 from .SparseLoRA import SparseLoRAMoE
 from .kernels.elementwise import rms_norm, rms_norm_branches, rope, silu_gate
-from .kernels.experts import gated_projection
-from .kernels.projections import lora_projections
-from .kernels.switch import decoding
+from .kernels.projections import Projection, lora_projections, swiglu_down
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
 from .kernels.precision import BaseLinear
 
@@ -49,22 +47,25 @@ def lora_for(args: ModelArgs, layer_id: int, target: str, in_features: int, out_
 
 
 def single_expert(lora) -> bool:
-    """No expert, or one LoRA expert (not a mixture): the projection can run inside lora_projections."""
+    """No expert, or one LoRA expert (not a mixture): a term of its projection's kernel."""
     return lora is None or (isinstance(lora, MOELoraLayer) and lora.expert_num == 1)
 
 
+def projection(base: BaseLinear, lora, route, family: str) -> Projection:
+    """base and its single LoRA expert (or none) under the family's route weight, as the kernels take them."""
+    return Projection(base.weight, None if lora is None else lora.term(route.weight(family)))
+
+
 def with_loras(x: jt.Var, projections, route) -> list:
-    """[base(x) plus the LoRA expert (or mixture) on target under its route weight, for each (base, lora,
-    target) of `projections`]: the projections with no expert or a single one run as one op."""
+    """[base(x) + route.weight(family) * expert(x) for each (base, expert, family) of `projections`]:
+    with no expert or a single LoRA each, all of them in one kernel; mixtures add their own output."""
     if all(single_expert(lora) for _, lora, _ in projections):
-        return lora_projections(x, [(base.weight, None, None, None, None) if lora is None else
-                                    (base.weight, lora.lora_A.weight, lora.lora_B.weight, route.weight(target),
-                                     lora.scaling) for base, lora, target in projections])
-    return [base(x) if lora is None else lora(base(x), x, route, target) for base, lora, target in projections]
+        return lora_projections(x, [projection(base, lora, route, family) for base, lora, family in projections])
+    return [base(x) if lora is None else lora(base(x), x, route, family) for base, lora, family in projections]
 
 
-def with_lora(base: BaseLinear, lora, x: jt.Var, route, target: str) -> jt.Var:
-    return with_loras(x, [(base, lora, target)], route)[0]
+def with_lora(base: BaseLinear, lora, x: jt.Var, route, family: str) -> jt.Var:
+    return with_loras(x, [(base, lora, family)], route)[0]
 
 
 class Attention(nn.Module):
@@ -189,13 +190,10 @@ class FeedForward(nn.Module):
     def execute(self, x: jt.Var, route) -> jt.Var:
         # x [B,T,D] -> [B,T,D]; hidden [B,T,F]
         gate, up = with_loras(x, [(self.w1, self.lora_GATE, "FFN_GATE"), (self.w3, self.lora_UP, "FFN_UP")], route)
-        lora, weight = self.lora_DOWN, route.weight("FFN_DOWN")
-        if isinstance(lora, MOELoraLayer) and lora.fuses(weight) and not decoding(x):
-            # the hidden and the LoRA's A view of it in one op that rebuilds the hidden in the
-            # backward: the layer's largest activation [B,T,F] is not kept for the LoRA's gradient
-            hidden, low_rank = gated_projection(gate, up, lora.lora_A.weight)
-            return lora.add_low_rank(self.w2(hidden), low_rank, weight)
-        return with_lora(self.w2, lora, silu_gate(gate, up), route, "FFN_DOWN")
+        if single_expert(self.lora_DOWN):  # the SwiGLU and the down projection with its expert, one kernel
+            return swiglu_down(gate, up, projection(self.w2, self.lora_DOWN, route, "FFN_DOWN"))
+        hidden = silu_gate(gate, up)
+        return self.lora_DOWN(self.w2(hidden), hidden, route, "FFN_DOWN")
 
 
 def attention_mask(T: int, S: int, start_pos: int) -> np.ndarray:

@@ -2,12 +2,14 @@
 
 Prompt tuning lives in Block.Attention: it needs the layer's queries and projections.
 
-Every expert is called as expert(base, x, route, family): it adds its output on x, under
-the weight route.weight(family) [B,T] (None: unweighted), to the tensor it sits beside
-(base), in one fused pass; a single expert applies the weight to its last projection's narrow
-input (kernels/experts.add_projected), so its [B,T,out] output is never kept for the backward.
-The block owns the routing between families (Models/Routing.py); a family of several experts
-mixes them with its own softmax router and reports it on `route`.
+A single LoRA expert is a term of its projection, `term(route_weight)`: an ExpertTerm that the
+projection kernels (Models/kernels/projections.py) add to the base product. Any other expert is
+called as expert(base, x, route, family): it adds its output on x, under the weight
+route.weight(family) [B,T] (None: unweighted), to the tensor it sits beside (base), in one fused
+pass; a single parallel adapter applies the weight to its last projection's narrow input
+(kernels/experts.add_projected), so its [B,T,D] output is never kept for the backward. The block
+owns the routing between families (Models/Routing.py); a family of several experts mixes them with
+its own softmax router and reports it on `route`.
 """
 import math
 
@@ -17,6 +19,7 @@ from jittor import init, nn
 
 from .kernels.experts import add_projected, add_weighted
 from .kernels.linear import Linear, linear
+from .kernels.projections import ExpertTerm
 
 
 def zero_linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
@@ -49,11 +52,6 @@ def mix_experts(gate: jt.Var, outputs: list) -> jt.Var:
     for e in range(1, len(outputs)):
         mixed = mixed + outputs[e] * gate[:, :, e:e + 1]
     return mixed
-
-
-def weighs_single_expert(expert_num: int, weight) -> bool:
-    """Whether an expert adds itself through add_projected: one expert under a type weight."""
-    return expert_num == 1 and weight is not None
 
 
 def mix_low_rank(x: jt.Var, gate: jt.Var, A_weights: list, B_weights: list) -> jt.Var:
@@ -96,31 +94,20 @@ class MOELoraLayer(nn.Module):
             self.lora_A_l = nn.ModuleList([Linear(in_features, rank, bias=False) for _ in range(expert_num)])
         self.lora_B_l = nn.ModuleList([zero_linear(rank, out_features) for _ in range(expert_num)])
 
-    def unweighted(self, x: jt.Var, route, family: str) -> jt.Var:
-        """B(A x), mixed by the expert router when expert_num > 1; before scaling and type weight."""
-        # x [B,T,in] -> [B,T,out]
-        if self.expert_num == 1:
-            return self.lora_B(self.lora_A(x))
+    def term(self, route_weight) -> ExpertTerm:
+        """The single expert (expert_num 1) as its projection's term: route_weight [B,T] (None: weight 1)
+        * scaling * B(A x)."""
+        return ExpertTerm(self.lora_A.weight, self.lora_B.weight, route_weight, self.scaling)
+
+    def execute(self, base: jt.Var, x: jt.Var, route, family: str) -> jt.Var:
+        """base + the experts (expert_num > 1) on x mixed by the expert router, times route.weight(family)."""
+        # base [B,T,out], x [B,T,in] -> [B,T,out]
         logits = self.router(x)
         gate = nn.softmax(logits, dim=-1)  # [B,T,E]
         route.report(family, expert_router_logits=logits, expert_weights=gate)
         A = [self.lora_A.weight] if self.hydra else [a.weight for a in self.lora_A_l]  # hydra: one A feeds every B
-        return mix_low_rank(x, gate, A, [b.weight for b in self.lora_B_l])
-
-    def execute(self, base: jt.Var, x: jt.Var, route, family: str) -> jt.Var:
-        # base [B,T,out] + the expert's output on x [B,T,in], weighted by route.weight(family) [B,T] -> [B,T,out]
-        weight = route.weight(family)
-        if self.fuses(weight):
-            return self.add_low_rank(base, self.lora_A(x), weight)
-        return add_expert(base, self.unweighted(x, route, family), weight, self.scaling)
-
-    def fuses(self, weight) -> bool:
-        """Whether this expert adds itself from its low-rank input (one LoRA under a type weight)."""
-        return weighs_single_expert(self.expert_num, weight)
-
-    def add_low_rank(self, base: jt.Var, low_rank: jt.Var, weight: jt.Var) -> jt.Var:
-        # base [B,T,out] + weight [B,T] * scaling * B(low_rank [B,T,r]), low_rank = A x
-        return add_projected(base, low_rank, self.lora_B.weight, None, weight, self.scaling)
+        delta = mix_low_rank(x, gate, A, [b.weight for b in self.lora_B_l])
+        return add_expert(base, delta, route.weight(family), self.scaling)
 
 
 class PAdapterLayer(nn.Module):
@@ -164,7 +151,7 @@ class PAdapterLayer(nn.Module):
     def execute(self, base: jt.Var, x: jt.Var, route) -> jt.Var:
         # base [B,T,D] + the adapter's output on x [B,T,D] (the normalised FFN input), weighted by route [B,T]
         weight = route.weight("PADAPTER")
-        if weighs_single_expert(self.expert_num, weight):
+        if self.expert_num == 1 and weight is not None:  # the weight applied to the up projection's input
             hidden = nn.silu(self.down_proj(x))  # [B,T,size]
             return add_projected(base, hidden, self.up_proj.weight, self.up_proj.bias, weight, 1.0)
         return add_expert(base, self.unweighted(x, route), weight, 1.0)

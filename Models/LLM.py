@@ -5,6 +5,7 @@ from jittor import nn
 
 from .Block import Attention, FeedForward, RMSNorm, attention_mask
 from .kernels.decode_layer import decode_layer, fuses_decode_step
+from .kernels.switch import Kernel
 from .Experts import PAdapterLayer
 from .kernels.elementwise import branches, residual_add
 from .kernels.linear import Linear
@@ -17,13 +18,29 @@ SOFT_CLAMP = 65500.0  # the authors' fp16 guard, applied in fp32 too (not by Spa
 
 
 class TransformerBlock(nn.Module):
-    """One layer; it owns the routing between its expert families (route()).
+    """One layer, h = x + Attention(attention_norm(x)), out = h + FeedForward(ffn_norm(h)), with the
+    experts mixed in under the weights of the layer's own routing (route()). Each projection with
+    experts beside it (wq, wk, wv, wo; w1, w3, w2 of the FFN) computes, on its input x [B,T,in],
 
-    moa: the type router on each token's residual stream, sigmoid weights, and in Sparse MoA the
-    threshold Gamma. instance: the same router on the sequence mean. unipeft: one gate per family
-    from the sequence mean. moe, topk, adamole: no routing between families (their experts mix
-    inside a family). Instance-level decisions are taken on a whole sequence or on the KV-cache
-    prefill, and kept for the decode steps that follow, as the authors' code does.
+        y = x W^T + sum over its families f of  w_f(x) * expert_f(x)              [B,T,out]
+
+        LoRA (Q, K, V, O, FFN_*):  expert(x) = s * (x A^T) B^T     A [r,in], B [out,r], s = alpha / r
+                                   (one expert: a kernels.projections.ExpertTerm of its Projection)
+    and beside the attention and the FFN:
+        PROMPT:    attention += w * gate[h] * softmax(q (P W_k^T)^T / sqrt(hd)) (P W_v^T)   [B,T,H,hd]
+                   for the learned prompt rows P [L,D] (Soft MoA only)
+        PADAPTER:  out += w * up(silu(down(ffn_norm(h))))                                  [B,T,D]
+    and out is clamped to +-SOFT_CLAMP where self.clamp says so (the authors' fp16 guard).
+
+    The type weights w [B,T,n_types], one column per family in the authors' order, come from the
+    raw residual stream x [B,T,D] (router: SwiGLU, or Linear with swi_x 0):
+        Soft MoA:    w = sigmoid(router(x))
+        Sparse MoA:  w = p * 1[p >= Gamma(x)], p = sigmoid(router(x)),
+                     Gamma(x) = max_threshold * sigmoid(x W_g^T + b_g)  [B,T,1]: experts below it are off
+    The baselines (docs/baselines.md): instance routes the sequence mean of x with the same router,
+    unipeft one gate per family from it; moe, topk and adamole weigh no family (w = 1; their
+    experts mix inside a family). Instance-level decisions are taken on a whole sequence or on the
+    KV-cache prefill and kept for the decode steps that follow, as the authors' code does.
     """
 
     def __init__(self, layer_id: int, args: ModelArgs):
@@ -106,17 +123,18 @@ class TransformerBlock(nn.Module):
     def execute(self, x, cos, sin, mask, start_pos=None, records=None, aux=None):
         # x [B,T,D] -> [B,T,D]
         record = {"type_weight": None, "threshold": None} if records is not None else None
-        if fuses_decode_step(self, x, start_pos):  # this path is its plain reference
-            if records is not None:
-                records.append(record)
-            return decode_layer(self, x, cos, sin, mask, start_pos, record)
+        if records is not None:
+            records.append(record)
+        return layer_step(self, x, cos, sin, mask, start_pos, record, aux)
+
+    def op_by_op(self, x, cos, sin, mask, start_pos, record, aux):
+        """The layer's forward through the per-op kernels, in the order of the equation above; fills `record`."""
+        # x [B,T,D] -> [B,T,D]
         # x, h and the FFN's normed input each have several readers; the norms hand x and h on to
         # theirs, and `branches` the normed input, so each sums its readers' gradients in one pass.
         # residual_add: x + y in one threaded pass (Jittor's add runs on one thread)
         attention_input, route_input, x = self.attention_norm.with_branches(x, 2)
         route = LayerRoute(self.route(route_input, start_pos, record), record, aux)
-        if records is not None:
-            records.append(record)
         h = residual_add(x, self.attention(attention_input, cos, sin, mask, route, start_pos))
         normed, h = self.ffn_norm.with_branches(h, 1)
         ffn_input, adapter_input = branches(normed, 2) if self.p_adapter is not None else (normed, None)
@@ -126,6 +144,11 @@ class TransformerBlock(nn.Module):
         if self.clamp is not None:
             out = jt.clamp(out, -self.clamp, self.clamp)
         return out
+
+
+# One layer's forward: a decode step of a MoA layer with one expert per family as two ops
+# (Models/kernels/decode_layer.py), else op by op, which is the fused side's plain reference
+layer_step = Kernel(decode_layer, TransformerBlock.op_by_op, when=fuses_decode_step)
 
 
 class LLaMA(nn.Module):

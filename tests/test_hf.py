@@ -21,7 +21,7 @@ from Models.formats.base_model import base_args, open_tokenizer
 from Models.formats.meta import meta_shapes
 from Models.formats.pth import CheckpointError, bf16_bits_to_float32, float32_to_bf16_bits, load_pth
 from Models.formats.safetensors import open_checkpoint, read_header, save_safetensors
-from Models.kernels import precision, switch
+from Models.kernels import switch
 from Models.kernels.decode_layer import fuses_decode_step
 
 HF_GOLDEN = GOLDEN / "hf"
@@ -39,7 +39,6 @@ def kernels(request, monkeypatch):
     """Both paths of every switch.Kernel: the fused CPU kernels, and the plain-Jittor references."""
     if request.param == "plain":
         monkeypatch.setattr(switch, "fused_kernels_on", lambda: False)
-        monkeypatch.setattr(precision, "fused_kernels_on", lambda: False)
     elif not switch.fused_kernels_on():
         pytest.skip("fused kernels are off (no libdnnl or a GPU run)")
     return request.param
@@ -326,7 +325,6 @@ def test_qwen3_moa_fused_equals_plain_and_kv_cache(variant, monkeypatch):
         return float(loss.item()), logits.numpy(), [g.numpy() for g in jt.grad(loss, adapter)]
     fused = forward()
     monkeypatch.setattr(switch, "fused_kernels_on", lambda: False)
-    monkeypatch.setattr(precision, "fused_kernels_on", lambda: False)
     plain = forward()
     assert abs(fused[0] - plain[0]) <= 1e-5 and max_abs(fused[1], plain[1]) <= 1e-4
     assert all(max_abs(f, p) <= 1e-4 * max(np.abs(p).max(), 1e-3) for f, p in zip(fused[2], plain[2]))
@@ -337,8 +335,10 @@ def test_qwen3_moa_fused_equals_plain_and_kv_cache(variant, monkeypatch):
     step = jt.zeros((tokens.shape[0], 1, model.args.dim))
     llama = load_base_model(str(HF_GOLDEN / "llama31_tiny"), **experts, **RUNTIME)
     with jt.no_grad():
-        assert not any(fuses_decode_step(block, step, 5) for block in model.llama.layers)
-        assert all(fuses_decode_step(block, step, 5) for block in llama.llama.layers) == switch.fused_kernels_on()
+        def fused_step(block):
+            return fuses_decode_step(block, step, None, None, None, 5, None, None)
+        assert not any(fused_step(block) for block in model.llama.layers)
+        assert all(fused_step(block) for block in llama.llama.layers) == switch.fused_kernels_on()
 
 
 def test_adapter_records_its_base_and_refuses_another(tiny_qwen3, tiny_hf_llama, tmp_path):

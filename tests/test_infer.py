@@ -138,12 +138,12 @@ def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tok, prompts, varia
     model.eval()
     tokens = np.array([p[:8] for p in prompts[1::2]], np.int32)  # two prompts of >= 8 tokens
     calls = []
-    fused = LLM.decode_layer
-    monkeypatch.setattr(LLM, "decode_layer", lambda *a: calls.append(1) or fused(*a))
+    fused = LLM.layer_step.fused
+    monkeypatch.setattr(LLM.layer_step, "fused", lambda *a: calls.append(1) or fused(*a))
     with jt.no_grad():
         got = kv_logits(model.llama, tokens, prefill=3)
         assert len(calls) == 6 * len(model.llama.layers)  # the prefill and 5 steps, every layer
-        monkeypatch.setattr(LLM, "fuses_decode_step", lambda *a: False)
+        monkeypatch.setattr(LLM.layer_step, "when", lambda *a: False)
         want = kv_logits(model.llama, tokens, prefill=3)
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=2e-5 if precision == "fp32" else 2e-2)

@@ -7,12 +7,13 @@ from Models.Block import attention_mask
 from Models.kernels import elementwise
 from Models.kernels.elementwise import logit_rows, output_nll, rms_norm, rope, silu_gate
 from Models.kernels.experts import add_projected, add_weighted, gated_projection
-from Models.kernels.projections import lora_projections
+from Models.kernels.projections import (ExpertTerm, Projection, gemv_lora_projections, lora_projections,
+                                        plain_lora_projections, projections_op, swiglu_down)
 from Models.kernels.attention import attention, prompt_attention
 from Models.kernels.switch import fused_kernels_on
 from Models.kernels.linear import linear
 from Models.Routing import Gamma, swiglu_router, type_router, type_weights
-from Models.kernels.precision import BF16Linear, base_linear, cast_to, cpu_has_bf16_units, to_bf16
+from Models.kernels.precision import BF16Linear, bf16_linear, cast_to, cpu_has_bf16_units, to_bf16
 from Models.formats.pth import bf16_bits_to_float32, float32_to_bf16_bits
 from Models.rope import rope_tables
 
@@ -201,9 +202,8 @@ def test_bf16_linear(shape, N, units):
     fp32: the same as the plain reference and as float64 on the rounded operands, to fp32 summation."""
     rng = np.random.default_rng(8)
     x, weight = normal(rng, shape), bf16_weight(rng, (N, 96))
-    assert base_linear.when(x, weight) and not base_linear.when(x, weight.float32())
     flat = x.reshape(-1, 96)
-    fused, plain = BF16Linear(units=units)(flat, weight), base_linear.plain(flat, weight)
+    fused, plain = BF16Linear(units=units)(flat, weight), bf16_linear.plain(flat, weight)
     w64 = weight.float32().numpy().astype(np.float64)
     np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(fused.numpy(), rounded(flat.numpy()) @ w64.T, rtol=1e-5, atol=2e-5)
@@ -255,7 +255,8 @@ def projections_case(rng, base_dtype, rows):
     x = normal(rng, (*rows, 96))
     A1, B1, A2, B2 = normal(rng, (8, 96), 0.1), normal(rng, (150, 8), 0.1), normal(rng, (4, 96), 0.1), normal(rng, (40, 4), 0.1)
     weight = jt.array(rng.random(rows).astype(np.float32))
-    projections = [(base(150), A1, B1, weight, 2.0), (base(40), A2, B2, None, 0.5), (base(70), None, None, None, None)]
+    projections = [Projection(base(150), ExpertTerm(A1, B1, weight, 2.0)), Projection(base(40), ExpertTerm(A2, B2, None, 0.5)),
+                   Projection(base(70))]
     return x, projections, [A1, B1, weight, A2, B2]
 
 
@@ -264,7 +265,8 @@ def test_lora_projections_decoding(base_dtype):
     """A decode step's base projections with their LoRA experts: GEMV passes (4 rows, inference)."""
     x, projections, _ = projections_case(np.random.default_rng(12), base_dtype, (4, 1))
     with jt.no_grad():
-        for got, want in zip(lora_projections.fused(x, projections), lora_projections.plain(x, projections)):
+        assert lora_projections.when(x, projections)
+        for got, want in zip(gemv_lora_projections(x, projections), plain_lora_projections(x, projections)):
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=2e-5)
             assert got.shape == want.shape == [4, 1, want.shape[-1]]
 
@@ -279,12 +281,31 @@ def test_lora_projections_with_gradients(base_dtype, rows):
     reference gives them."""
     rng = np.random.default_rng(14)
     x, projections, trained = projections_case(rng, base_dtype, rows)
-    fused, plain = lora_projections.fused(x, projections), lora_projections.plain(x, projections)
+    fused, plain = projections_op.fused(x, projections), projections_op.plain(x, projections)
     out_grads = [normal(rng, out.shape) for out in plain]
     for got, want in zip(fused, plain):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=2e-5)
     loss = [sum((out * g).sum() for out, g in zip(outputs, out_grads)) for outputs in (fused, plain)]
     for got, want in zip(jt.grad(loss[0], [x] + trained), jt.grad(loss[1], [x] + trained)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+def test_swiglu_down(base_dtype):
+    """The FFN's down projection with its LoRA expert under a type weight: the SwiGLU hidden and its
+    low-rank view in one op (the hidden rebuilt in the backward), against silu_gate then the
+    projections' kernel; outputs and the gradients of gate, up, A, B and the type weight."""
+    rng = np.random.default_rng(17)
+    gate, up = normal(rng, (2, 9, 40), 2.0), normal(rng, (2, 9, 40), 2.0)
+    base = normal(rng, (24, 40), 0.1)
+    base = (base if base_dtype == "float32" else to_bf16(base)).stop_grad()
+    A, B, weight = normal(rng, (4, 40), 0.1), normal(rng, (24, 4), 0.1), jt.array(rng.random((2, 9)).astype(np.float32))
+    projection = Projection(base, ExpertTerm(A, B, weight, 2.0))
+    assert swiglu_down.when(gate, up, projection)
+    fused, plain = swiglu_down.fused(gate, up, projection), swiglu_down.plain(gate, up, projection)
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-5, atol=2e-5)
+    out_grad, wrt = normal(rng, fused.shape), [gate, up, A, B, weight]
+    for got, want in zip(jt.grad((fused * out_grad).sum(), wrt), jt.grad((plain * out_grad).sum(), wrt)):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=2e-4)
 
 

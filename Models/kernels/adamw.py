@@ -12,24 +12,17 @@ import numpy as np
 import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
 import jittor as jt
 
+from . import cpp
 from .switch import Kernel
 
-# Per parameter t, with the step's numbers h[t] = (decay, b0, 1 - b0, b1, 1 - b1, step_size, bc2_root, eps):
-# p' = p * decay - step_size * m' / (sqrt(v') / bc2_root + eps), m' = b0 m + (1 - b0) g,
-# v' = b1 v + (1 - b1) g g, in Jittor's operation order (so the same float32 roundings).
-ADAMW_ELEMENT = """
-static inline void adamw_element(const float *h, float p, float g, float m, float v, float *po, float *mo, float *vo) {
-    const float decayed = p * h[0];
-    const float m2 = h[1] * m + h[2] * g, v2 = h[3] * v + h[4] * g * g;
-    *mo = m2; *vo = v2;
-    *po = decayed - h[5] * m2 / (std::sqrt(v2) / h[6] + h[7]);
-}
-"""
-HYPER = 8
+# The update of one element (cpp/adamw.h) and the loop over a call's parameters (cpp/adamw.cc)
+ADAMW_HEADER = cpp.source("adamw.h")
+ADAMW_LOOP = cpp.source("adamw.cc")
+HYPER = 8  # numbers per parameter (step_numbers)
 
 
 def step_numbers(slot, updates: int) -> list:
-    """The per-parameter numbers of ADAMW_ELEMENT for the `updates`-th update."""
+    """The per-parameter numbers of adamw_element (cpp/adamw.h) for the `updates`-th update."""
     _, _, _, _, lr, weight_decay, (b0, b1), eps = slot
     return [1 - lr * weight_decay, b0, 1 - b0, b1, 1 - b1, lr / (1 - b0 ** updates), math.sqrt(1 - b1 ** updates), eps]
 
@@ -53,23 +46,14 @@ def adamw_op(slots: list, updates: int):
 
     def array(declaration: str, items) -> str:  # a C array of n items
         return f"{declaration}[S] = {{{', '.join(items)}}};\n"
-    src = (f"const int64_t S = {n};\n" + array("const int64_t sizes", map(str, sizes))
+    src = (f"const int64_t S = {n}, HYPER = {HYPER};\n" + array("const int64_t sizes", map(str, sizes))
            + "".join(array(f"const float *{name}", (f"in{1 + k + 4 * i}_p" for i in range(n)))
                      for k, name in enumerate(("params", "grads", "ms", "vs")))
            + "".join(array(f"float *{name}", (f"out{k + 3 * i}_p" for i in range(n)))
-                     for k, name in enumerate(("params_out", "ms_out", "vs_out")))
-           + """
-#pragma omp parallel
-for (int64_t s = 0; s < S; s++) {
-    const float *h = in0_p + s * """ + str(HYPER) + """;
-    #pragma omp for simd schedule(static)
-    for (int64_t i = 0; i < sizes[s]; i++)
-        adamw_element(h, params[s][i], grads[s][i], ms[s][i], vs[s][i], params_out[s] + i, ms_out[s] + i, vs_out[s] + i);
-}
-""")
+                     for k, name in enumerate(("params_out", "ms_out", "vs_out"))))
     shapes = [t.shape for p, _, m, v, *_ in slots for t in (p, m, v)]
     outputs = jt.code(shapes, ["float32"] * len(shapes), inputs,
-                      cpu_header="#include <cmath>\n#include <cstdint>\n" + ADAMW_ELEMENT, cpu_src=src)
+                      cpu_header=ADAMW_HEADER, cpu_src=src + ADAMW_LOOP)
     for i, (p, _, m, v, *_) in enumerate(slots):
         p.update(outputs[3 * i])
         m.update(outputs[3 * i + 1])

@@ -12,138 +12,15 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .linear import SGEMM_DECLARATION
-from .precision import BF16_HEADER, cpu_has_bf16_units
+from . import cpp
+from .precision import cpu_has_bf16_units
 from .switch import GEMV_ROWS, Kernel
 
-# The products in the base's precision. fp32: the fp32 operands through sgemm. bf16 (training and
-# prefill of a bf16 base, as autocast does): q, k, v, the probabilities and, backwards, the incoming
-# gradient and the scores' gradient rounded to bf16, products summed in fp32: bf16 bits on the bf16
-# units (E = uint16_t), else their fp32 values through sgemm (E = float, ROUND). Softmax, the
-# log-sum-exp and every output stay fp32.
-ATTENTION_HEADER = BF16_HEADER + """
-#include <cmath>
-#include <type_traits>
-static inline void gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
-                        const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
-    dnnl_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-}
-static inline void gemm(char ta, char tb, int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A, int64_t lda,
-                        const uint16_t *B, int64_t ldb, float beta, float *C, int64_t ldc) {
-    dnnl_gemm_bf16bf16f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-}
-// rows x cols of x (row stride ld) as operands: x itself in fp32, else a rounded copy in buf (rows * ld)
-template <typename E>
-static const E *operands(const float *x, int64_t rows, int64_t cols, int64_t ld, bool round, E *buf) {
-    if (std::is_same<E, float>::value && !round) return reinterpret_cast<const E *>(x);
-    #pragma omp parallel for if (rows * cols > 65536)
-    for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) round_to(x[r * ld + c], buf + r * ld + c);
-    return buf;
-}
-// a buffer for operands(): n elements where they are rounded copies, none where fp32 operands are read in place
-template <typename E>
-static std::unique_ptr<E[]> operand_buffer(bool round, int64_t n) { return scratch<E>(round ? n : 0); }
-"""
-
-# Key spans: query t sees keys [0, span[t]) (beyond, the additive mask is -inf), and a
-# block of ROWS queries works on the widest span in it. Causal training then skips
-# the upper triangle block by block, and a decode step reads only the filled cache.
-KEY_SPANS = """
-const int64_t ROWS = 64, n_blocks = (T + ROWS - 1) / ROWS;
-std::vector<int64_t> span(T), width(n_blocks, 0);
-#pragma omp parallel for
-for (int64_t t = 0; t < T; t++) {  // from the row's end back to its last unmasked key
-    int64_t s = S;
-    while (s > 0 && !(mask[t * S + s - 1] > -1e30f)) s--;
-    span[t] = s;
-}
-for (int64_t t = 0; t < T; t++) width[t / ROWS] = std::max(width[t / ROWS], span[t]);
-const auto q_buf = operand_buffer<E>(ROUND, B * T * H * hd), k_buf = operand_buffer<E>(ROUND, B * S * Hkv * hd),
-           v_buf = operand_buffer<E>(ROUND, B * S * Hkv * hd);
-const E *qe = operands(in0_p, B * T * H, hd, hd, ROUND, q_buf.get()),
-        *ke = operands(in1_p, B * S * Hkv, hd, hd, ROUND, k_buf.get()),
-        *ve = operands(in2_p, B * S * Hkv, hd, hd, ROUND, v_buf.get());
-"""
-
-# The probabilities of a block of queries live in a per-thread scratch: the forward keeps
-# each row's log-sum-exp [B,H,T] and the backward recomputes them from it, so no [B,H,T,S]
-# tensor outlives the op (at 300 tokens and 32 heads, 11.5 MB per layer held for the backward).
-SCORES = "gemm('N', 'T', rows, w, hd, scale, q, H * hd, k, Hkv * hd, 0.f, p, S);\n"
-
-ATTENTION_FORWARD = """
-#pragma omp parallel for collapse(2)
-for (int64_t b = 0; b < B; b++)
-for (int64_t h = 0; h < H; h++) {
-    const auto scores = scratch<float>(ROWS * S);
-    const auto p_buf = operand_buffer<E>(ROUND, ROWS * S);
-    float *p = scores.get();
-    const E *k = ke + (b * S * Hkv + h / n_rep) * hd, *v = ve + (b * S * Hkv + h / n_rep) * hd;
-    for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
-        const int64_t rows = std::min(ROWS, T - t0), w = width[t0 / ROWS];
-        const E *q = qe + ((b * T + t0) * H + h) * hd;
-        float *o = out0_p + ((b * T + t0) * H + h) * hd, *lse = out1_p + (b * H + h) * T + t0;
-        if (w > 0) """ + SCORES + """
-        for (int64_t t = 0; t < rows; t++) {
-            float *row = p + t * S, top = -INFINITY, total = 0.f;
-            const float *m = mask + (t0 + t) * S;
-            const int64_t n = span[t0 + t];
-            for (int64_t s = 0; s < n; s++) { row[s] += m[s]; top = std::max(top, row[s]); }
-            for (int64_t s = 0; s < n; s++) { row[s] = std::exp(row[s] - top); total += row[s]; }
-            for (int64_t s = 0; s < n; s++) row[s] /= total;
-            for (int64_t s = n; s < w; s++) row[s] = 0.f;
-            lse[t] = top + std::log(total);
-        }
-        if (w > 0) gemm('N', 'N', rows, hd, w, 1.f, operands(p, rows, w, S, ROUND, p_buf.get()), S, v, Hkv * hd, 0.f, o, H * hd);
-        else for (int64_t t = 0; t < rows; t++) std::fill(o + t * H * hd, o + t * H * hd + hd, 0.f);
-    }
-}
-"""
-
-ATTENTION_BACKWARD = """
-const auto dout_buf = operand_buffer<E>(ROUND, B * T * H * hd);
-const E *dout_e = operands(in4_p, B * T * H, hd, hd, ROUND, dout_buf.get());
-#pragma omp parallel for collapse(2)
-for (int64_t b = 0; b < B; b++)
-for (int64_t g = 0; g < Hkv; g++) {
-    const auto scores = scratch<float>(ROWS * S), ds = scratch<float>(ROWS * S);
-    const auto p_buf = operand_buffer<E>(ROUND, ROWS * S), ds_buf = operand_buffer<E>(ROUND, ROWS * S);
-    float *p = scores.get();
-    const E *k = ke + (b * S * Hkv + g) * hd, *v = ve + (b * S * Hkv + g) * hd;
-    float *dk = out1_p + (b * S * Hkv + g) * hd, *dv = out2_p + (b * S * Hkv + g) * hd;
-    for (int64_t s = 0; s < S; s++) {
-        std::fill(dk + s * Hkv * hd, dk + s * Hkv * hd + hd, 0.f);
-        std::fill(dv + s * Hkv * hd, dv + s * Hkv * hd + hd, 0.f);
-    }
-    for (int64_t r = 0; r < n_rep; r++)
-    for (int64_t t0 = 0; t0 < T; t0 += ROWS) {
-        const int64_t h = g * n_rep + r, rows = std::min(ROWS, T - t0), w = width[t0 / ROWS];
-        const E *q = qe + ((b * T + t0) * H + h) * hd, *dout = dout_e + ((b * T + t0) * H + h) * hd;
-        const float *lse = in3_p + (b * H + h) * T + t0;
-        float *dq = out0_p + ((b * T + t0) * H + h) * hd;
-        if (w == 0) {
-            for (int64_t t = 0; t < rows; t++) std::fill(dq + t * H * hd, dq + t * H * hd + hd, 0.f);
-            continue;
-        }
-        """ + SCORES + """        for (int64_t t = 0; t < rows; t++) {
-            float *row = p + t * S;
-            const float *m = mask + (t0 + t) * S;
-            const int64_t n = span[t0 + t];
-            for (int64_t s = 0; s < n; s++) row[s] = std::exp(row[s] + m[s] - lse[t]);
-            for (int64_t s = n; s < w; s++) row[s] = 0.f;
-        }
-        gemm('T', 'N', w, hd, rows, 1.f, operands(p, rows, w, S, ROUND, p_buf.get()), S, dout, H * hd, 1.f, dv, Hkv * hd);
-        gemm('N', 'T', rows, w, hd, 1.f, dout, H * hd, v, Hkv * hd, 0.f, ds.get(), w);
-        for (int64_t t = 0; t < rows; t++) {
-            const float *pr = p + t * S; float *dr = ds.get() + t * w, dot = 0.f;
-            for (int64_t s = 0; s < w; s++) dot += dr[s] * pr[s];
-            for (int64_t s = 0; s < w; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
-        }
-        const E *dse = operands(ds.get(), rows, w, w, ROUND, ds_buf.get());
-        gemm('N', 'N', rows, hd, w, 1.f, dse, w, k, Hkv * hd, 0.f, dq, H * hd);
-        gemm('T', 'N', w, hd, rows, 1.f, dse, w, q, H * hd, 1.f, dk, Hkv * hd);
-    }
-}
-"""
+# The products take the base's precision (cpp/attention.h); the causal attention's two bodies each
+# start with cpp/attention_key_spans.cc.
+ATTENTION_HEADER = cpp.source("attention.h")
+ATTENTION_FORWARD = cpp.source("attention_forward.cc")
+ATTENTION_BACKWARD = cpp.source("attention_backward.cc")
 
 
 def operand_type(bf16: bool) -> str:
@@ -173,7 +50,7 @@ class FusedAttention(jt.Function):
                  f"n_rep = {H // Hkv}; const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n" + operand_type(bf16))
         out, lse = jt.code([(B, T, H, hd), (B, H, T)], ["float32", "float32"], [q, k, v, mask],
                            cpu_header=ATTENTION_HEADER,
-                           cpu_src=sizes + "const float *mask = in3_p;\n" + KEY_SPANS + ATTENTION_FORWARD)
+                           cpu_src=sizes + "const float *mask = in3_p;\n" + ATTENTION_FORWARD)
         self.saved = (q, k, v, lse.detach(), mask, sizes)
         return out
 
@@ -181,7 +58,7 @@ class FusedAttention(jt.Function):
         q, k, v, lse, mask, sizes = self.saved
         dq, dk, dv = jt.code([q.shape, k.shape, v.shape], ["float32"] * 3, [q, k, v, lse, grad_out, mask],
                              cpu_header=ATTENTION_HEADER,
-                             cpu_src=sizes + "const float *mask = in5_p;\n" + KEY_SPANS + ATTENTION_BACKWARD)
+                             cpu_src=sizes + "const float *mask = in5_p;\n" + ATTENTION_BACKWARD)
         return dq, dk, dv, None, None
 
 
@@ -216,88 +93,10 @@ attention = Kernel(fused_attention, plain_attention)
 # batch, no mask. The batch's rows are one matrix per head, so each product is one sgemm over all
 # B*T rows (a few dozen calls per layer) instead of one per (sequence, head, block of 64 queries):
 # with L in the tens, those calls cost more than they computed. The op also weighs the result by
-# the head's gate and the row's type weight and adds it to `base` (the causal attention's output):
-# built from Jittor ops, those products and their gradients' reductions were a dozen more passes.
-PROMPT_ATTENTION_FORWARD = """
-const bool few_rows = BT <= GEMV_ROWS;  // a decode step: plain loops, no sgemm set-up per head
-const float *gate = in3_p, *tw = in4_p, *base = in5_p;
-for (int64_t h = 0; h < H; h++) {
-    const float *q = in0_p + h * hd, *k = in1_p + h / n_rep * hd;
-    if (!few_rows) dnnl_sgemm('N', 'T', BT, L, hd, scale, q, H * hd, k, Hkv * hd, 0.f, out1_p + h * L, H * L);
-    else for (int64_t r = 0; r < BT; r++) for (int64_t s = 0; s < L; s++) {
-        float dot = 0.f;
-        for (int64_t i = 0; i < hd; i++) dot += q[r * H * hd + i] * k[s * Hkv * hd + i];
-        out1_p[(r * H + h) * L + s] = dot * scale;
-    }
-}
-#pragma omp parallel for if (!few_rows)
-for (int64_t row = 0; row < BT * H; row++) {
-    float *p = out1_p + row * L, top = -INFINITY, total = 0.f;
-    for (int64_t s = 0; s < L; s++) top = std::max(top, p[s]);
-    for (int64_t s = 0; s < L; s++) { p[s] = std::exp(p[s] - top); total += p[s]; }
-    for (int64_t s = 0; s < L; s++) p[s] /= total;
-}
-attend_prompt(out1_p, in2_p, BT, H, hd, L, Hkv, n_rep, out0_p);
-#pragma omp parallel for if (!few_rows)
-for (int64_t row = 0; row < BT * H; row++) {
-    const float c = gate[row % H] * tw[row / H];
-    for (int64_t i = 0; i < hd; i++) out0_p[row * hd + i] = base[row * hd + i] + c * out0_p[row * hd + i];
-}
-"""
-
-# g = grad_out, c = gate[h] tw[bt] per row. The prompt's raw output is probs v, so g . raw is
-# sum_s p_s (g . v_s): the softmax backward's own expectation, and dgate[h] = sum_bt tw[bt] (g . raw),
-# dtw[bt] = sum_h gate[h] (g . raw) come without rebuilding raw; the scores' gradient and dv carry c.
-PROMPT_ATTENTION_BACKWARD = """
-const float *gate = in5_p, *tw = in6_p, *g = in4_p;
-std::vector<float> dots(BT * H), ds(BT * H * L), scaled(BT * H * L);
-for (int64_t h = 0; h < H; h++)
-    dnnl_sgemm('N', 'T', BT, L, hd, 1.f, g + h * hd, H * hd, in2_p + h / n_rep * hd, Hkv * hd,
-               0.f, ds.data() + h * L, H * L);
-#pragma omp parallel for
-for (int64_t row = 0; row < BT * H; row++) {
-    const float *p = in3_p + row * L, c = gate[row % H] * tw[row / H];
-    float *dr = ds.data() + row * L, expected = 0.f;
-    for (int64_t s = 0; s < L; s++) expected += p[s] * dr[s];
-    for (int64_t s = 0; s < L; s++) {
-        dr[s] = c * p[s] * (dr[s] - expected) * scale;
-        scaled[row * L + s] = c * p[s];
-    }
-    dots[row] = expected;
-}
-for (int64_t h = 0; h < H; h++) out3_p[h] = 0.f;
-for (int64_t bt = 0; bt < BT; bt++) {
-    float sum = 0.f;
-    for (int64_t h = 0; h < H; h++) { sum += gate[h] * dots[bt * H + h]; out3_p[h] += tw[bt] * dots[bt * H + h]; }
-    out4_p[bt] = sum;
-}
-std::fill(out1_p, out1_p + L * Hkv * hd, 0.f);
-std::fill(out2_p, out2_p + L * Hkv * hd, 0.f);
-for (int64_t h = 0; h < H; h++) {
-    const int64_t kv = h / n_rep;
-    dnnl_sgemm('N', 'N', BT, hd, L, 1.f, ds.data() + h * L, H * L, in1_p + kv * hd, Hkv * hd, 0.f, out0_p + h * hd, H * hd);
-    dnnl_sgemm('T', 'N', L, hd, BT, 1.f, ds.data() + h * L, H * L, in0_p + h * hd, H * hd, 1.f, out1_p + kv * hd, Hkv * hd);
-    dnnl_sgemm('T', 'N', L, hd, BT, 1.f, scaled.data() + h * L, H * L, g + h * hd, H * hd, 1.f, out2_p + kv * hd, Hkv * hd);
-}
-"""
-PROMPT_ATTENTION_HEADER = (SGEMM_DECLARATION + f"static const int64_t GEMV_ROWS = {GEMV_ROWS};\n"
-                           "#include <cmath>\n#include <algorithm>\n#include <vector>\n" + """
-// out [BT,H,hd] = probs [BT,H,L] v [L,Hkv*hd], kv head h / n_rep serving query head h
-static void attend_prompt(const float *probs, const float *v, int64_t BT, int64_t H, int64_t hd, int64_t L,
-                          int64_t Hkv, int64_t n_rep, float *out) {
-    if (BT > GEMV_ROWS) {
-        for (int64_t h = 0; h < H; h++)
-            dnnl_sgemm('N', 'N', BT, hd, L, 1.f, probs + h * L, H * L, v + h / n_rep * hd, Hkv * hd, 0.f, out + h * hd, H * hd);
-        return;
-    }
-    for (int64_t r = 0; r < BT; r++) for (int64_t h = 0; h < H; h++) {  // a decode step: plain loops
-        float *o = out + (r * H + h) * hd;
-        const float *p = probs + (r * H + h) * L, *vh = v + h / n_rep * hd;
-        for (int64_t i = 0; i < hd; i++) o[i] = 0.f;
-        for (int64_t s = 0; s < L; s++) for (int64_t i = 0; i < hd; i++) o[i] += p[s] * vh[s * Hkv * hd + i];
-    }
-}
-""")
+# the head's gate and the row's type weight and adds it to `base` (the causal attention's output).
+PROMPT_ATTENTION_HEADER = cpp.source("prompt_attention.h")
+PROMPT_ATTENTION_FORWARD = cpp.source("prompt_attention_forward.cc")
+PROMPT_ATTENTION_BACKWARD = cpp.source("prompt_attention_backward.cc")
 
 
 class PromptAttention(jt.Function):

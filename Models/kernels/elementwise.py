@@ -9,27 +9,13 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .precision import BF16_BITS, base_linear, base_linear_input_grad, bf16_bits_input_grad
+from . import cpp
+from .linear import fused_linear_input_grad
+from .precision import base_linear, bf16_bits_input_grad
 from .switch import Kernel
 
-# One head vector x [2*half] rotated pairwise by +-angle (sign); y may be x.
-ROTATE_HEADER = """
-#include <cstdint>
-static inline void rotate_pairs_row(const float *x, float *y, const float *c, const float *s, int64_t half, float sign) {
-    for (int64_t i = 0; i < half; i++) {
-        float even = x[2 * i], odd = x[2 * i + 1], sine = sign * s[i];
-        y[2 * i] = even * c[i] - odd * sine;
-        y[2 * i + 1] = even * sine + odd * c[i];
-    }
-}
-"""
-ROTATE_PAIRS = """
-#pragma omp parallel for
-for (int64_t bt = 0; bt < B * T; bt++)
-    for (int64_t h = 0; h < H; h++)
-        rotate_pairs_row(in0_p + (bt * H + h) * 2 * half, out0_p + (bt * H + h) * 2 * half,
-                         in1_p + (bt % T) * half, in2_p + (bt % T) * half, half, sign);
-"""
+ROTATE_HEADER = cpp.source("rotate.h")
+ROTATE_PAIRS = cpp.source("rope.cc")
 
 
 def rotate_pairs(x: jt.Var, cos: jt.Var, sin: jt.Var, sign: float) -> jt.Var:
@@ -65,33 +51,10 @@ def plain_rope(x: jt.Var, cos: jt.Var, sin: jt.Var) -> jt.Var:
 rope = Kernel(lambda x, cos, sin: Rope.apply(x, cos, sin), plain_rope)
 
 
-# nll [N] = logsumexp(logits [N,V]) - logits[target]; with GRAD an output, also each row's gradient
-# before its loss weight, softmax - onehot [N,V], as GRAD_T: fp32, or bf16 bits for a bf16 output
-# matrix (the product that reads it rounds it to bf16 anyway: written so, it is half the bytes and
-# the product has no rounding pass)
-CROSS_ENTROPY_HEADER = BF16_BITS + """
-#include <cmath>
-#include <algorithm>
-static inline void store(float *d, float v) { *d = v; }
-static inline void store(uint16_t *d, float v) { *d = narrow(v); }
-"""
-CROSS_ENTROPY = """
-GRAD_T *grad = (GRAD_T *)GRAD;
-#pragma omp parallel for
-for (int64_t r = 0; r < N; r++) {
-    const float *x = in0_p + r * V;
-    float top = -INFINITY, total = 0.f;
-    for (int64_t v = 0; v < V; v++) top = std::max(top, x[v]);
-    for (int64_t v = 0; v < V; v++) total += std::exp(x[v] - top);
-    const float lse = top + std::log(total);
-    const int64_t target = in1_p[r];
-    out0_p[r] = lse - x[target];
-    if (grad) {
-        GRAD_T *g = grad + r * V;
-        for (int64_t v = 0; v < V; v++) store(g + v, std::exp(x[v] - lse) - (v == target ? 1.f : 0.f));
-    }
-}
-"""
+# nll [N] and, when a gradient will be asked for, softmax - onehot [N,V] (fp32, or bf16 bits for a bf16
+# output matrix: cpp/cross_entropy.cc)
+CROSS_ENTROPY_HEADER = cpp.source("cross_entropy.h")
+CROSS_ENTROPY = cpp.source("cross_entropy.cc")
 
 LOGIT_BYTES = 32 << 20  # fp32 logits alive at once: 2048 rows at a vocabulary of 4096, 65 at LLaMA-3's 128256
 
@@ -125,7 +88,7 @@ class OutputNLL(jt.Function):
                 nll = outputs[0]
                 if wants_grad:  # [n,D]
                     grads.append(bf16_bits_input_grad(outputs[1], weight) if bits else
-                                 base_linear_input_grad(outputs[1], weight))
+                                 fused_linear_input_grad(outputs[1], weight))
                 jt.sync([nll] + grads[-1:])
                 nlls.append(nll)
         self.grad_h = jt.concat(grads) if len(grads) > 1 else (grads[0] if grads else None)
@@ -151,26 +114,9 @@ def plain_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var) -> jt.Var:
 output_nll = Kernel(fused_output_nll, plain_output_nll)
 
 
-# The SwiGLU product silu(g) * u of one element, and its gradients for an incoming d.
-SWIGLU_HEADER = """
-#include <cmath>
-static inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
-static inline float swiglu(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
-static inline void swiglu_grads(float g, float u, float d, float *dg, float *du) {
-    const float s = sigmoid(g);
-    *dg = d * u * s * (1.f + g * (1.f - s));
-    *du = d * g * s;
-}
-"""
-SWIGLU_FORWARD = """
-#pragma omp parallel for simd
-for (int64_t i = 0; i < N; i++) out0_p[i] = swiglu(in0_p[i], in1_p[i]);
-"""
-
-SWIGLU_BACKWARD = """
-#pragma omp parallel for simd
-for (int64_t i = 0; i < N; i++) swiglu_grads(in0_p[i], in1_p[i], in2_p[i], out0_p + i, out1_p + i);
-"""
+SWIGLU_HEADER = cpp.source("swiglu.h")
+SWIGLU_FORWARD = cpp.source("swiglu_forward.cc")
+SWIGLU_BACKWARD = cpp.source("swiglu_backward.cc")
 
 
 class SiluGate(jt.Function):
@@ -192,35 +138,9 @@ class SiluGate(jt.Function):
 silu_gate = Kernel(lambda gate, up: SiluGate.apply(gate.float32(), up.float32()), lambda gate, up: nn.silu(gate) * up)
 
 
-RMS_HEADER = """
-#include <cmath>
-#include <cstdint>
-static inline float rms_inverse(const float *x, int64_t D, float eps) {  // 1 / sqrt(mean(x^2) + eps)
-    float squares = 0.f;
-    for (int64_t i = 0; i < D; i++) squares += x[i] * x[i];
-    return 1.f / std::sqrt(squares / D + eps);
-}
-"""
-RMS_NORM_FORWARD = """
-#pragma omp parallel for
-for (int64_t r = 0; r < N; r++) {
-    const float *x = in0_p + r * D, *w = in1_p, inv = rms_inverse(x, D, eps);
-    float *y = out0_p + r * D;
-    out1_p[r] = inv;
-    for (int64_t i = 0; i < D; i++) y[i] = x[i] * inv * w[i];
-}
-"""
-
-RMS_NORM_BACKWARD = """
-#pragma omp parallel for
-for (int64_t r = 0; r < N; r++) {
-    const float *x = in0_p + r * D, *w = in1_p, *d = in3_p + r * D, inv = in2_p[r];
-    float *dx = out0_p + r * D, dot = 0.f;
-    for (int64_t i = 0; i < D; i++) dot += d[i] * w[i] * x[i];
-    const float k = inv * inv * inv * dot / D;
-    for (int64_t i = 0; i < D; i++) dx[i] = d[i] * w[i] * inv - x[i] * k BRANCH_GRADS;
-}
-"""
+RMS_HEADER = cpp.source("rms.h")
+RMS_NORM_FORWARD = cpp.source("rms_norm_forward.cc")
+RMS_NORM_BACKWARD = cpp.source("rms_norm_backward.cc")
 
 
 class FrozenRMSNorm(jt.Function):
@@ -246,14 +166,11 @@ class FrozenRMSNorm(jt.Function):
             return (sum_of(present) if present else None), None, None, None
         added = "".join(f" + in{4 + i}_p[r * D + i]" for i in range(len(present)))
         dx = jt.code(x.shape, "float32", [x, weight, inv, grad_out] + present,
-                     cpu_src=self.sizes + RMS_NORM_BACKWARD.replace("BRANCH_GRADS", added))
+                     cpu_src=self.sizes + f"#define BRANCH_GRADS{added}\n" + RMS_NORM_BACKWARD)
         return dx, None, None, None
 
 
-SUM_OF = """
-#pragma omp parallel for simd
-for (int64_t i = 0; i < N; i++) out0_p[i] = TERMS;
-"""
+SUM_OF = cpp.source("sum_of.cc")
 
 
 def sum_of(terms: list) -> jt.Var:
@@ -262,7 +179,7 @@ def sum_of(terms: list) -> jt.Var:
         return terms[0]
     added = " + ".join(f"in{i}_p[i]" for i in range(len(terms)))
     return jt.code(terms[0].shape, "float32", terms,
-                   cpu_src=f"const int64_t N = {terms[0].numel()};\n" + SUM_OF.replace("TERMS", added))
+                   cpu_src=f"const int64_t N = {terms[0].numel()};\n#define TERMS {added}\n" + SUM_OF)
 
 
 class Sum(jt.Function):

@@ -1,17 +1,20 @@
 """The one switch between fused CPU kernels and plain Jittor ops.
 
-Every fused op of the project is a `Kernel`: a fused CPU implementation (C++ through jt.code,
-OpenMP, oneDNN) paired with its plain-Jittor reference, defined next to each other.
-`fused_kernels_on()` alone decides which one runs; tests call `.fused` and `.plain` directly and
-compare values and gradients.
+Every choice between a fused op and plain Jittor ops is a `Kernel`: a fused CPU implementation (C++
+through jt.code, OpenMP, oneDNN; its source in Models/kernels/cpp/) paired with its plain-Jittor
+reference, defined next to each other. `fused_kernels_on()` alone decides which one runs, with the
+kernel's own `when` for the inputs its fused side handles; tests call `.fused` and `.plain`
+directly and compare values and gradients.
 """
 import math
 
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
+from .cpp import constant
+
 # Products of at most this many rows run as one GEMV pass over the weights (a decode step)
-GEMV_ROWS = 16
+GEMV_ROWS = constant("gemv.h", "GEMV_ROWS")
 
 
 def fused_kernels_on() -> bool:
@@ -21,16 +24,18 @@ def fused_kernels_on() -> bool:
 
 
 def decoding(x: jt.Var) -> bool:
-    """Fused kernels, no gradient and at most GEMV_ROWS rows of x [..., K]: a decode step, where
-    the cost of each op dominates, so a layer's routing and each base projection with its expert
-    run as one op (Routing.type_weights, projections.lora_projections, decode_layer)."""
-    return jt.flags.no_grad and fused_kernels_on() and math.prod(x.shape[:-1]) <= GEMV_ROWS
+    """No gradient and at most GEMV_ROWS rows of x [..., K]: a decode step, where the cost of each op
+    dominates, so the kernels that serve it (a `when`) run a layer's routing, each base projection
+    with its expert, or the whole layer as one op."""
+    return jt.flags.no_grad and math.prod(x.shape[:-1]) <= GEMV_ROWS
 
 
 class Kernel:
     """A fused CPU kernel and its plain-Jittor reference; calling it runs the one the switch picks.
 
-    `when(*args)`, if given, further limits the fused kernel to the inputs it handles.
+    `when(*args)`, if given, further limits the fused kernel to the inputs it handles; the others take
+    `plain`. A plain side may be built from other Kernels (each then decided the same way), which is
+    also how an op with two fused forms reads: Kernel(fused_for_some, Kernel(fused, plain), when).
     """
 
     def __init__(self, fused, plain, when=None):

@@ -1,0 +1,71 @@
+"""The kernels' C++ (Models/kernels/cpp/) as the text jt.code compiles, and the names of an op's operands.
+
+cpp/*.h are headers several ops share, each guarded and including what it uses; cpp/*.cc are op
+bodies: the statements jt.code runs, where in<i>_p and out<i>_p are the op's inputs and outputs,
+and the sizes and flags one call fixes are declared in Python ahead of them. `source(name)` is a
+file with every `#include "x"` replaced by x's text, each file once: jt.code receives the whole
+source, and Jittor keys its compile cache on that text, so editing a header recompiles exactly the
+ops that include it.
+"""
+import re
+from pathlib import Path
+
+CPP = Path(__file__).with_name("cpp")
+INCLUDE = re.compile(r'^[ \t]*#include "([^"]+)"[ \t]*\n', re.M)
+
+
+def source(name: str) -> str:
+    """cpp/<name> with its includes resolved, for jt.code's cpu_header (a .h) or cpu_src (a .cc)."""
+    return resolve(name, set())
+
+
+def resolve(name: str, seen: set) -> str:
+    if name in seen:
+        return ""
+    seen.add(name)
+    return INCLUDE.sub(lambda match: resolve(match.group(1), seen), (CPP / name).read_text())
+
+
+def constant(header: str, name: str) -> int:
+    """The integer `static const int64_t <name> = <n>;` that cpp/<header> declares."""
+    found = re.search(rf"static const int64_t {name} = (\d+);", (CPP / header).read_text())
+    return int(found.group(1))
+
+
+def flag(value: bool) -> str:
+    """A Python bool as a C++ literal."""
+    return str(bool(value)).lower()
+
+
+class CodeInputs:
+    """A jt.code op's inputs in order (`vars`), as its C++ names them: `pointer(var)` is var's in<i>_p,
+    `add(name, var)` declares `name` as it in `code`. A None var is a nullptr and takes no input."""
+
+    def __init__(self):
+        self.vars, self.code = [], ""
+
+    def pointer(self, var) -> str:
+        if var is None:
+            return "nullptr"
+        self.vars.append(var)
+        return f"in{len(self.vars) - 1}_p"
+
+    def add(self, name: str, var, ctype: str = "const float *"):
+        pointer = self.pointer(var)
+        self.code += f"{ctype}{name} = {pointer if var is None else f'(const {ctype.split()[1]} *){pointer}'};\n"
+
+    def lora_expert(self, target: str, lora):
+        """A_<target> and B_<target>: a single LoRA expert's matrices, or nullptr without one."""
+        self.add(f"A_{target}", None if lora is None else lora.lora_A.weight)
+        self.add(f"B_{target}", None if lora is None else lora.lora_B.weight)
+
+
+class CodeOutputs:
+    """A jt.code op's outputs in order (`shapes`): `pointer(shape)` is the next one's out<i>_p."""
+
+    def __init__(self):
+        self.shapes = []
+
+    def pointer(self, shape) -> str:
+        self.shapes.append(tuple(shape))
+        return f"out{len(self.shapes) - 1}_p"

@@ -1,0 +1,22 @@
+// A decode step's MoA layer in two ops (Models/kernels/decode_layer.py), from the pieces the per-op
+// kernels use: lora_project, rms_inverse, rotate_pairs_row and route_row.cc.
+#ifndef MOA_DECODE_LAYER_H
+#define MOA_DECODE_LAYER_H
+#include "lora_project.h"
+#include "rms.h"
+#include "rotate.h"
+#include "router.h"
+#include <algorithm>
+// out [hd] += gain * softmax_s(q . k_s * scale) v_s over the n keys/values k_s, v_s (row stride ld)
+static void attend(const float *q, const float *k, const float *v, int64_t n, int64_t ld, int64_t hd,
+                   float scale, float gain, float *out, float *scores) {
+    float top = -INFINITY, total = 0.f;
+    for (int64_t s = 0; s < n; s++) { scores[s] = dot(q, k + s * ld, hd) * scale; top = std::max(top, scores[s]); }
+    for (int64_t s = 0; s < n; s++) { scores[s] = std::exp(scores[s] - top); total += scores[s]; }
+    for (int64_t s = 0; s < n; s++) {
+        const float p = gain * scores[s] / total;
+        for (int64_t i = 0; i < hd; i++) out[i] += p * v[s * ld + i];
+    }
+}
+static inline float column(const float *probs, int64_t NT, int64_t m, int64_t col) { return col < 0 ? 1.f : probs[m * NT + col]; }
+#endif

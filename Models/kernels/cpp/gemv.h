@@ -1,0 +1,57 @@
+// Products of a few rows (a decode step) as one pass over the weights: a block of weight rows dotted
+// with every row of x in vector registers, threads over the weight rows. oneDNN's sgemm has a fixed
+// cost per call that was most of a decode step's small products; this runs at memory speed. The
+// weights may be fp32 or bf16 bits (widened as read); vf16 is 16 floats, split by the compiler
+// without AVX-512.
+#ifndef MOA_GEMV_H
+#define MOA_GEMV_H
+#include <cstdint>
+#include <cstring>
+// Products of at most this many rows take the GEMV pass (Models/kernels/switch.py reads it from here)
+static const int64_t GEMV_ROWS = 16;
+static inline float widen(uint16_t b) { uint32_t u = uint32_t(b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+typedef float vf16 __attribute__((vector_size(64)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+static inline vf16 load16(const float *p) { vf16 v; std::memcpy(&v, p, 64); return v; }
+static inline vf16 load16(const uint16_t *p) {
+    vh16 h; std::memcpy(&h, p, 32);
+    const vu16 u = __builtin_convertvector(h, vu16) << 16;
+    vf16 v; std::memcpy(&v, &u, 64); return v;
+}
+static inline float load1(float w) { return w; }
+static inline float load1(uint16_t w) { return widen(w); }
+// Y[m, n0..n0+NB) = X[m] . W[n0..n0+NB) for every m < M
+template <int64_t M, int NB, typename T>
+static inline void gemv_rows(int64_t N, int64_t K, const float *X, const T *W, float *Y, int64_t n0) {
+    vf16 acc[M][NB] = {};
+    const int64_t K16 = K / 16 * 16;
+    for (int64_t k = 0; k < K16; k += 16) {
+        vf16 w[NB];
+        for (int j = 0; j < NB; j++) {
+            w[j] = load16(W + (n0 + j) * K + k);
+            __builtin_prefetch(W + (n0 + j + 2 * NB) * K + k);  // two blocks ahead: 1.5x the bandwidth from DRAM
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const vf16 x = load16(X + m * K + k);
+            for (int j = 0; j < NB; j++) acc[m][j] += x * w[j];
+        }
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int j = 0; j < NB; j++) {
+            float sum = 0.f;
+            for (int i = 0; i < 16; i++) sum += acc[m][j][i];
+            for (int64_t k = K16; k < K; k++) sum += X[m * K + k] * load1(W[(n0 + j) * K + k]);
+            Y[m * N + n0 + j] = sum;
+        }
+}
+// Y [M,N] = X [M,K] W [N,K]^T
+template <int64_t M, typename T>
+static void gemv(int64_t N, int64_t K, const float *X, const T *W, float *Y) {
+    constexpr int NB = M <= 4 ? 4 : M <= 8 ? 2 : 1;  // accumulators M * NB stay in registers
+    const int64_t blocks = N / NB;
+    #pragma omp parallel for schedule(static) if (N * K >= 32768)
+    for (int64_t b = 0; b < blocks; b++) gemv_rows<M, NB>(N, K, X, W, Y, NB * b);
+    for (int64_t n = NB * blocks; n < N; n++) gemv_rows<M, 1>(N, K, X, W, Y, n);
+}
+#endif
