@@ -36,7 +36,7 @@ import time
 from collections import namedtuple
 from dataclasses import dataclass
 
-from Utils.settings import setting
+from Utils.settings import check_fields, setting
 
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")
 PASSED, FAILED, TIMED_OUT, CRASHED = "passed", "failed", "timed out", "crashed"
@@ -60,19 +60,13 @@ Result = namedtuple("Result", "status error exit_code stderr")
 class SandboxLimits:
     """What one sandboxed program may use (Infer.py's code execution flags)."""
     exec_timeout: float = setting(3.0, "CPU seconds a program and its tests may use (the authors' 3 s); the wall "
-                                       "clock allows 3x that plus 2 s")
-    exec_memory_mb: int = setting(1024, "address space of each sandboxed process, MiB")
-    exec_processes: int = setting(8, "processes and threads a program may have at once")
-    exec_workers: int = setting(0, "programs run at once; 0 = one per core (never more than the cores)")
+                                       "clock allows 3x that plus 2 s", above=0)
+    exec_memory_mb: int = setting(1024, "address space of each sandboxed process, MiB", at_least=1)
+    exec_processes: int = setting(8, "processes and threads a program may have at once", at_least=1)
+    exec_workers: int = setting(0, "programs run at once; 0 = one per core (never more than the cores)", at_least=0)
 
     def __post_init__(self):
-        if not self.exec_timeout > 0:
-            raise ValueError(f"--exec_timeout must be positive, got {self.exec_timeout}")
-        for name in ("exec_memory_mb", "exec_processes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.exec_workers < 0:
-            raise ValueError(f"--exec_workers must be >= 0, got {self.exec_workers}")
+        check_fields(self)
 
     @property
     def wall_seconds(self) -> float:
