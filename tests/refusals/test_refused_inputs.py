@@ -61,7 +61,6 @@ def test_infer_refuses_bad_input(tiny_base, addsub, tmp_path, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     n_words = Tokenizer(os.path.join(tiny_base, "tokenizer.model")).n_words
-
     data = ["--data_path", addsub]
     cases = [
         (["--output_dir", str(a_file)], 2, [str(a_file), "is a file"]),
@@ -75,9 +74,9 @@ def test_infer_refuses_bad_input(tiny_base, addsub, tmp_path, capsys):
         (["--max_seq_len", "100000000", "--max_gen_len", "10000000", "--batch_size", "64"], 2,
          ["KV cache", "--batch_size 64", "GiB available"]),
     ]
-    for extra, code, needles in cases:
+    for extra, code, needles in cases:  # later flags win; nothing written
         out = tmp_path / "eval"
-        assert_refused(capsys, lambda: infer_base_alone(tiny_base, out, *data, *extra), *needles, code=code)  # later win
+        assert_refused(capsys, lambda: infer_base_alone(tiny_base, out, *data, *extra), *needles, code=code)
         assert not out.exists()
 
 

@@ -281,8 +281,9 @@ def test_a_failed_write_keeps_the_earlier_results(tiny_base, two_sets, tmp_path,
         return real_fsync(fd)
     monkeypatch.setattr(os, "fsync", full_disk)
     capsys.readouterr()
-    assert_refused(capsys, lambda: infer_base_alone(tiny_base, out, "--data_path", two_sets["AddSub"], two_sets["SVAMP"]),
-                   "scores.json", "No space left on device", code=4)
+    both = ["--data_path", two_sets["AddSub"], two_sets["SVAMP"]]
+    assert_refused(capsys, lambda: infer_base_alone(tiny_base, out, *both), "scores.json", "No space left on device",
+                   code=4)
     assert snapshot(out) == before  # the SVAMP predictions already written stayed in the staging folder
     assert not [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)]
 
@@ -342,9 +343,9 @@ def test_a_non_finite_adapter_is_refused_everywhere(tiny_base, addsub, tmp_path,
     arrays[name][0] = np.inf
     write_adapter(arrays, args.to_dict(), str(tmp_path / "run" / "adapter"))
     import Infer
-    assert_refused(capsys, lambda: Infer.main(["--adapter_path", str(tmp_path / "run" / "adapter"), "--data_path",
-                                               addsub, "--llama_path", tiny_base, "--output_dir", str(tmp_path / "eval")]),
-                   "adapter.pth", name, "NaN or inf")
+    argv = ["--adapter_path", str(tmp_path / "run" / "adapter"), "--data_path", addsub, "--llama_path", tiny_base,
+            "--output_dir", str(tmp_path / "eval")]
+    assert_refused(capsys, lambda: Infer.main(argv), "adapter.pth", name, "NaN or inf")
     assert not (tmp_path / "eval").exists()
 
 

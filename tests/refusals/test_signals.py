@@ -29,17 +29,18 @@ def no_temp_files(folder):
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks, stop, code, logged", [
     (1, signal.SIGINT, 130, 1), (1, signal.SIGTERM, 143, 2),
-    pytest.param(2, signal.SIGTERM, 143, 3, marks=MPI, id="mpirun-2-SIGTERM")])  # mpirun forwards it to both ranks
+    pytest.param(2, signal.SIGTERM, 1, 3, marks=MPI, id="mpirun-2-SIGTERM")])  # mpirun forwards it to both ranks
 def test_a_stop_signal_checkpoints_the_last_step(tiny_base, synthetic_data, tmp_path, ranks, stop, code, logged):
     """Sent once `logged` lines are in log.txt, so that it falls inside the training loop; one process resumes
-    from the checkpoint it left and goes on from the next step."""
+    from the checkpoint it left and goes on from the next step. mpirun itself exits 1 when its ranks stop by a
+    signal (each rank says so)."""
     out = tmp_path / "run"
     command = python_program("Math.py", *math_argv(tiny_base, synthetic_data, out, "--epochs", 50))
     if ranks > 1:
         command = [MPIRUN, "--oversubscribe", "-np", str(ranks), *command]
     done = run_and_signal(command, stop, log_lines(out, logged))
     output = done.stdout + done.stderr
-    assert done.returncode == code, output
+    assert done.returncode == code, output[-3000:]
     assert f"stopped by {stop.name}" in output and "Traceback" not in output and "quick exit" not in output
     steps = [r["step"] for r in log_records(out, "train")]
     assert load_pth(out / "checkpoint-latest.pth")["global_step"] == steps[-1] >= logged
