@@ -11,8 +11,8 @@ cd "$HERE"
 CACHE="$("$PYTHON" -c 'import Utils.jittor_env, jittor_utils; print(jittor_utils.cache_path)' 2>/dev/null || true)"
 MARKER="$CACHE/moa_tests_compiled"
 if [ -n "$CACHE" ] && [ ! -e "$MARKER" ]; then
-  echo "[test] Jittor's kernel cache ($CACHE) has not run this suite yet: this first run compiles the kernels" \
-       "the tests use, most of its time (the quick run: about 25 minutes instead of 6 on 2 cores)"
+  echo "[test] Jittor's kernel cache ($CACHE) has not run this suite yet: this first run is mostly Jittor" \
+       "compiling the kernels the tests use (each shape once, kept in the cache); later runs are much quicker"
 fi
 whole=1
 for arg in "$@"; do [ -e "${arg%%::*}" ] && whole=0; done  # a file or folder named: part of the suite

@@ -56,7 +56,6 @@ def test_math_refuses_bad_input(tiny_base, synthetic_data, tmp_path, capsys):
         assert not (tmp_path / "out").exists()
 
 
-
 def test_infer_refuses_bad_input(tiny_base, addsub, tmp_path, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
@@ -78,7 +77,6 @@ def test_infer_refuses_bad_input(tiny_base, addsub, tmp_path, capsys):
         out = tmp_path / "eval"
         assert_refused(capsys, lambda: infer_base_alone(tiny_base, out, *data, *extra), *needles, code=code)
         assert not out.exists()
-
 
 
 def test_infer_refuses_a_bad_adapter_or_data_set(capsys, tmp_path, tiny_run, addsub):
@@ -176,7 +174,6 @@ def test_labels_are_normalised_or_refused_by_their_rule():
             checked_labels(rule, labels, "f.json", "x")
 
 
-
 def test_two_data_sets_of_one_name_are_refused(tmp_path):
     make_entries(tmp_path, "a.json", "a/test.json", "a_2.json", "b/test.json", "root/b/test.json", "c/d/test.json",
                  "d.json", text=json.dumps([{"instruction": "q", "input": "", "output": "o", "answer": "1"}]))
@@ -189,7 +186,6 @@ def test_two_data_sets_of_one_name_are_refused(tmp_path):
     found = test_sets.data_files([str(tmp_path / p) for p in ("a.json", "a_2.json", "b")])
     examples, sets = test_sets.load_test_sets(found, 1)
     assert [s.name for s in sets] == ["a", "a_2", "b"] and len(examples) == 3
-
 
 
 def test_labels_are_checked_before_the_first_token_and_scored_normalised(tiny_base, tmp_path, monkeypatch, capsys):
@@ -216,7 +212,6 @@ def test_labels_are_checked_before_the_first_token_and_scored_normalised(tiny_ba
     assert {n: s["correct"] for n, s in summary["datasets"].items()} == {"boolq": 1, "AQuA": 2, "AddSub": 1}
 
 
-
 def test_a_training_set_without_a_target_token_is_refused(tiny_base, synthetic_data, tmp_path, capsys):
     long = tmp_path / "long.json"
     long.write_text(json.dumps([{"instruction": "many words " * 200, "input": "", "output": "x", "answer": "1"}] * 8))
@@ -224,7 +219,6 @@ def test_a_training_set_without_a_target_token_is_refused(tiny_base, synthetic_d
                  ["training set", str(long), "no example keeps a target token", "--max_seq_len 256"])
     math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys,
                  ["--data_path", str(long), "--val_data_path", str(long)], ["validation set", str(long)])
-
 
 
 @pytest.mark.slow
@@ -238,7 +232,6 @@ def test_cut_examples_are_counted(tiny_base, synthetic_data, tmp_path, capsys):
     assert 0 < longer < len(rows)  # the data straddles the limit, so the count means something
     assert train(tiny_base, synthetic_data, str(tmp_path / "run"), "--max_steps", 1, "--max_seq_len", 180) == 0
     assert f"training: {longer} of {len(rows)} examples are longer than --max_seq_len 180" in capsys.readouterr().out
-
 
 
 # ---- bases, and bounded reading: sizes checked before a byte is read --------------------------------------
@@ -271,7 +264,6 @@ def test_duplicate_tensors_across_shards(tiny_meta, tmp_path):
         assert os.path.join(folder, "consolidated.00.pth") in str(info.value)
 
 
-
 def rezipped(source, target, deflate=(), replace=None):
     """`source` (a torch zip) copied to `target`, the records named in `deflate` compressed and those in
     `replace` ({name suffix: bytes}) swapped for other bytes."""
@@ -283,7 +275,6 @@ def rezipped(source, target, deflate=(), replace=None):
             method = zipfile.ZIP_DEFLATED if any(info.filename.endswith(d) for d in deflate) else zipfile.ZIP_STORED
             dst.writestr(zipfile.ZipInfo(info.filename), data, compress_type=method)
     return str(target)
-
 
 
 def test_a_records_declared_size_is_checked_before_it_is_read(tmp_path):
@@ -313,7 +304,6 @@ def test_a_records_declared_size_is_checked_before_it_is_read(tmp_path):
         load_pth(fifo)
 
 
-
 def test_kv_cache_memory_check():
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97)
     assert kv_cache_bytes(args, 8, 100_000) == 8 * 2 * 2 * 2 * 16 * 100_000 * 4 == 409_600_000
@@ -323,7 +313,6 @@ def test_kv_cache_memory_check():
     # LLaMA-3-8B's shape: 32 layers, 8 kv heads of 128; batch 8 x 8192 tokens is 16 GiB in fp32
     big = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256)
     assert kv_cache_bytes(big, 8, 8192) == 16 * 2**30
-
 
 
 # ---- the bench scripts -------------------------------------------------------------------------------------
@@ -348,7 +337,6 @@ def test_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path):
                               env={**os.environ, "REFVENV": ""})
         assert done.returncode == 2, (argv, done.stderr)
         one_error_line(done.stderr, *needles)
-
 
 
 def test_side_by_side_gives_no_ratios_for_different_work(monkeypatch):

@@ -107,7 +107,6 @@ def test_two_runs_started_into_one_folder(tiny_base, synthetic_data, tmp_path):
     assert [r["step"] for r in log_records(out) if r["event"] == "train"] == [1, 2]
 
 
-
 # ---- what a run removes or overwrites: only what a manifest of the tools lists ----------------------------
 
 def test_overwrite_removes_only_what_the_tools_wrote(tmp_path):
@@ -188,7 +187,6 @@ def test_a_symlinked_evaluation_folder_is_followed(tiny_base, addsub, tmp_path, 
     assert not [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)]
 
 
-
 @pytest.mark.slow
 def test_results_are_replaced_whole_never_mixed(tiny_base, two_sets, tmp_path, capsys):
     out = tmp_path / "eval"
@@ -209,7 +207,6 @@ def test_results_are_replaced_whole_never_mixed(tiny_base, two_sets, tmp_path, c
     assert_refused(capsys, lambda: infer_base_alone(tiny_base, out, "--data_path", two_sets["SVAMP"]), str(out),
                    "notes.txt", "not an evaluation's results")
     assert snapshot(out) == before
-
 
 
 def test_conversions_never_write_over_their_source_or_the_users_files(tmp_path, monkeypatch, capsys):
@@ -245,7 +242,6 @@ def test_conversions_never_write_over_their_source_or_the_users_files(tmp_path, 
         assert snapshot(theirs) == before[theirs]
 
 
-
 # ---- full disks and temporary files ------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -265,7 +261,6 @@ def test_full_disk_is_one_line_and_keeps_what_was_written(tiny_base, synthetic_d
     one_error_line(capsys.readouterr().err, os.path.join(out, "checkpoint-latest.pth"), "No space left on device")
     assert snapshot(out)["checkpoint-latest.pth"] == saved["checkpoint-latest.pth"]  # the last whole one
     assert not [n for n in os.listdir(out) if n.startswith(misc.TMP_PREFIX)]
-
 
 
 @pytest.mark.slow
@@ -288,7 +283,6 @@ def test_a_failed_write_keeps_the_earlier_results(tiny_base, two_sets, tmp_path,
     assert not [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)]
 
 
-
 def test_stale_temp_files_of_dead_writers_only():
     folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moa-stale-{os.getpid()}")
     os.makedirs(os.path.join(folder, "adapter"), exist_ok=True)
@@ -305,7 +299,6 @@ def test_stale_temp_files_of_dead_writers_only():
     np.testing.assert_equal(len(os.listdir(folder)), 4)  # adapter/ and the three kept
 
 
-
 # ---- finite weights: no non-finite adapter is ever written or scored ---------------------------------------
 
 def test_nonfinite_count_fused_equals_plain():
@@ -320,7 +313,6 @@ def test_nonfinite_count_fused_equals_plain():
         tensors = [jt.array(a) for a in arrays]
         expected = sum(len(v) for v in bad.values())
         assert nonfinite_count.fused(tensors).item() == nonfinite_count.plain(tensors).item() == expected, bad
-
 
 
 def test_a_non_finite_adapter_is_refused_everywhere(tiny_base, addsub, tmp_path, capsys):
@@ -347,7 +339,6 @@ def test_a_non_finite_adapter_is_refused_everywhere(tiny_base, addsub, tmp_path,
             "--output_dir", str(tmp_path / "eval")]
     assert_refused(capsys, lambda: Infer.main(argv), "adapter.pth", name, "NaN or inf")
     assert not (tmp_path / "eval").exists()
-
 
 
 @pytest.mark.slow

@@ -78,7 +78,6 @@ def test_recorded_decoding_and_adapter_settings_are_checked(tmp_path):
         read_adapter_config(str(ours))
 
 
-
 @pytest.mark.slow
 def test_resume_refuses_settings_it_cannot_change(tiny_base, synthetic_data, tmp_path, capsys):
     out = tmp_path / "run"
@@ -93,7 +92,6 @@ def test_resume_refuses_settings_it_cannot_change(tiny_base, synthetic_data, tmp
     # what a resumed run may change: its length, its logging, the decoding recorded for Infer.py
     assert train(tiny_base, synthetic_data, out, "--max_steps", 2, "--resume", "auto", "--log_interval", "5") == 0
     assert json.loads((out / "args.json").read_text())["log_interval"] == 5
-
 
 
 @pytest.mark.slow
@@ -115,7 +113,6 @@ def test_resume_refuses_changed_data_at_the_same_path(tiny_base, synthetic_data,
     assert snapshot(out) == saved
 
 
-
 def test_batch_size_and_world_size():
     def args(batch_size, world_size):
         ns = Math.get_args_parser().parse_args(["--batch_size", str(batch_size)])
@@ -127,7 +124,6 @@ def test_batch_size_and_world_size():
         Math.resolve_settings(args(5, 2), 2)
     model_settings, cfg, _ = Math.resolve_settings(args(8, 2), 2)
     assert cfg.lr == pytest.approx(cfg.blr * 8 / 256) and model_settings["lora_layers"] == "all"
-
 
 
 @pytest.mark.slow
@@ -182,7 +178,6 @@ def test_authors_options_we_do_not_implement_are_refused(tmp_path):
     save_adapter(LLaMA_adapter(gated), str(tmp_path / "gated"))
     with pytest.raises(CheckpointError, match="no FFN_GATE LoRA"):
         export_authors_adapter(str(tmp_path / "gated"), str(tmp_path / "x" / "adapter.pth"))
-
 
 
 def test_a_moa_flag_must_equal_the_adapters_setting(tiny_run, addsub, tmp_path, monkeypatch, capsys):
