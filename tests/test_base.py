@@ -1,4 +1,4 @@
-"""The LLaMA-3 base: Meta checkpoint loading, parity with the authors' logits, RoPE, bad input."""
+"""The LLaMA-3 base: Meta checkpoint loading, RoPE, bad input (parity with the authors' logits: tests/test_golden.py)."""
 import json
 import shutil
 import zipfile
@@ -6,7 +6,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from conftest import kv_logits, load_peak, max_abs
+from conftest import load_peak
 import jittor as jt
 from Models.formats.base_model import build_model
 from Models.formats.meta import load_base
@@ -17,18 +17,6 @@ from Models.formats.pth import save_pth
 from Models.rope import rope_frequencies
 
 RUNTIME = dict(max_seq_len=32, max_batch_size=4, precision="fp32")  # parity is checked in fp32
-
-
-def test_base_logits_match_authors(tiny_meta):
-    ref = np.load(tiny_meta / "base_logits.npz", allow_pickle=False)
-    model = build_model(str(tiny_meta), ModelArgs.from_params_json(str(tiny_meta), **RUNTIME))
-    assert model.adapter_parameters() == {}
-    tokens = ref["tokens"].astype(np.int32)
-    logits = model.llama(jt.array(tokens)).numpy()
-    assert max_abs(logits, ref["logits"]) <= 1e-4
-    model.eval()
-    prefill = json.loads(str(ref["meta"]))["kv_prefill"]
-    assert max_abs(kv_logits(model.llama, tokens, prefill), ref["kv_logits"]) <= 1e-4
 
 
 def test_kv_cache_rejected_in_training_mode(tiny_meta):

@@ -1,20 +1,20 @@
 """Every baseline method through the whole pipeline on the tiny base: Math.py training (the
 load-balancing loss logged), resume, Infer.py scoring with --save_weights (each method's own router
-outputs), the authors' adapter files both ways, and the settings refused before anything runs."""
+outputs), Compare.py's table (the authors' files of each method: tests/test_golden.py; settings refused:
+tests/refusals)."""
 import json
 import os
 import pickle
 
 import numpy as np
 import pytest
-from conftest import BASELINE_FILES, TINY_FLAGS, authors_round_trip, golden_model, golden_params, write_synthetic_splits
+from conftest import TINY_FLAGS, log_records, train, write_synthetic_splits
 
 import Infer
-import Math
-from Models.formats.adapters import (export_authors_adapter, import_authors_adapter, load_adapter, read_adapter_config, save_adapter)
+from Models.formats.adapters import read_adapter_config
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
-from Models.formats.pth import CheckpointError, load_pth
+from Models.formats.pth import load_pth
 
 LORA_ONLY = ["--lora_layers", "all", "--lora_targets", "Q,V,FFN_DOWN", "--prompt_layers", "0-0",
              "--p_adapter_layers", "0-0"]
@@ -43,22 +43,16 @@ def data(tmp_path_factory):
     return paths
 
 
-def train(base, data, out, method, *extra):
-    argv = ["--llama_path", base, "--data_path", data["train"], "--val_data_path", data["val"], "--output_dir",
-            str(out), *TINY_FLAGS, "--batch_size", "4", "--max_seq_len", "192", *METHODS[method], *extra]
-    return Math.main([str(a) for a in argv])
-
-
-def log(out):
-    with open(os.path.join(out, "log.txt")) as f:
-        return [r for r in map(json.loads, f) if r["event"] == "train"]
+def train_method(base, data, out, method, *extra):
+    """Math.main on the tiny flags with `method`'s flags; its exit code."""
+    return train(base, data, out, "--max_seq_len", 192, *METHODS[method], *extra)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", list(METHODS))
 def test_method_trains_and_is_scored_with_its_router_outputs(method, tiny_base, data, tmp_path):
-    assert train(tiny_base, data, tmp_path / "run", method, "--max_steps", 3) == 0
-    records = log(tmp_path / "run")
+    assert train_method(tiny_base, data, tmp_path / "run", method, "--max_steps", 3) == 0
+    records = log_records(tmp_path / "run", "train")
     assert len(records) == 3 and all(np.isfinite(r["train_loss"]) for r in records)
     if method in ("topk", "adamole"):  # the load-balancing term: at least 1 per module (3 targets x 2 layers)
         assert all(r["aux_loss"] >= 6 * 0.5 for r in records), records
@@ -102,67 +96,22 @@ def test_method_trains_and_is_scored_with_its_router_outputs(method, tiny_base, 
 @pytest.mark.parametrize("method", ["topk", "unipeft"])
 def test_resume_equals_straight_run(method, tiny_base, data, tmp_path):
     extra = ["--eval_interval", "2"]
-    assert train(tiny_base, data, tmp_path / "straight", method, "--max_steps", 4, *extra) == 0
-    assert train(tiny_base, data, tmp_path / "split", method, "--max_steps", 2, *extra) == 0
-    assert train(tiny_base, data, tmp_path / "split", method, "--max_steps", 4, "--resume", "auto", *extra) == 0
+    assert train_method(tiny_base, data, tmp_path / "straight", method, "--max_steps", 4, *extra) == 0
+    assert train_method(tiny_base, data, tmp_path / "split", method, "--max_steps", 2, *extra) == 0
+    assert train_method(tiny_base, data, tmp_path / "split", method, "--max_steps", 4, "--resume", "auto", *extra) == 0
     a, b = (load_pth(tmp_path / run / "adapter" / "adapter.pth") for run in ("straight", "split"))
     assert set(a) == set(b) and max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-6
-    for ra, rb in zip(log(tmp_path / "straight"), log(tmp_path / "split")):
+    for ra, rb in zip(log_records(tmp_path / "straight", "train"), log_records(tmp_path / "split", "train")):
         assert abs(ra["train_loss"] - rb["train_loss"]) <= 1e-6
         assert abs(ra.get("aux_loss", 0) - rb.get("aux_loss", 0)) <= 1e-6
     if method == "unipeft":  # trained for 4 steps, yet the gate the authors never read is where it started
         c = load_pth(tmp_path / "split" / "checkpoint-latest.pth")["adapter"]
         gates = [k for k in a if "p_adapter_gate" in k]
         assert gates and all(np.array_equal(a[k], c[k]) for k in gates)
-        assert train(tiny_base, data, tmp_path / "one", method, "--max_steps", 1) == 0
+        assert train_method(tiny_base, data, tmp_path / "one", method, "--max_steps", 1) == 0
         start = load_pth(tmp_path / "one" / "adapter" / "adapter.pth")
         assert all(np.array_equal(a[k], start[k]) for k in gates)
         assert not all(np.array_equal(a[k], start[k]) for k in a if "lora_gate" in k)
-
-
-@pytest.mark.parametrize("name", BASELINE_FILES)
-def test_authors_adapter_both_ways(name, tmp_path):
-    """Ours -> their adapter.pth + adapter_params.json (their folder's fields) -> ours, unchanged."""
-    model, data, meta = golden_model(f"baselines/{name}")
-    instance = meta["variant"] == "instance"  # it writes Soft MoA's options and names
-    theirs = authors_round_trip(model, data, meta, tmp_path, "instance" if instance else None)
-    assert read_adapter_config(theirs)["method"] == ("moa" if instance else model.args.method)
-    fresh = LLaMA_adapter(model.args)
-    load_adapter(fresh, theirs)  # their pair read directly too
-    params = golden_params(data)
-    assert all(np.array_equal(var.numpy(), params[n]) for n, var in fresh.adapter_parameters().items())
-
-
-@pytest.mark.parametrize("settings, message", [
-    ({"method": "topk", "expert_num": 1}, "expert_num must be >= 2"),
-    ({"method": "topk", "expert_num": 4, "top_k": 5}, "top_k=5 must be between 1"),
-    ({"method": "topk", "expert_num": 4, "top_k": 1, "lb_loss_coeff": 0.0}, "never learns"),
-    ({"method": "adamole", "expert_num": 4, "p_adapter_layers": "0-1"}, "LoRA experts only"),
-    ({"method": "unipeft", "p_adapter_layers": "0-2", "prompt_layers": "0-1"}, "every p_adapter layer needs prompt"),
-    ({"method": "sparse_moe"}, "must be one of moa, moe, topk"),
-])
-def test_settings_without_a_working_form_are_refused(settings, message):
-    with pytest.raises(ValueError, match=message):
-        ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=97, lora_layers="0-2", **settings)
-
-
-def test_authors_options_we_do_not_implement_are_refused(tmp_path):
-    model, data, meta = golden_model("baselines/sparse_moe_topk2_e4_s0")
-    save_adapter(model, str(tmp_path / "ours"))
-    export_authors_adapter(str(tmp_path / "ours"), str(tmp_path / "theirs" / "adapter.pth"))
-    path = tmp_path / "theirs" / "adapter_params.json"
-    fields = json.loads(path.read_text())
-    path.write_text(json.dumps({**fields, "noisy_router": True}))
-    with pytest.raises(CheckpointError, match=r"\['noisy_router'\].*not implement"):
-        import_authors_adapter(str(tmp_path / "theirs" / "adapter.pth"), str(tmp_path / "back"), model.args)
-    path.write_text(json.dumps({**fields, "adamole": "False"}))  # their type=bool flag: any string is True
-    arrays_args = ModelArgs(**{**model.args.to_dict(), "method": "adamole"})
-    with pytest.raises(CheckpointError, match="missing adapter tensor"):
-        import_authors_adapter(str(tmp_path / "theirs" / "adapter.pth"), str(tmp_path / "back"), arrays_args)
-    gated = ModelArgs(**{**model.args.to_dict(), "lora_targets": "Q,FFN_GATE"})
-    save_adapter(LLaMA_adapter(gated), str(tmp_path / "gated"))
-    with pytest.raises(CheckpointError, match="no FFN_GATE LoRA"):
-        export_authors_adapter(str(tmp_path / "gated"), str(tmp_path / "x" / "adapter.pth"))
 
 
 @pytest.mark.slow

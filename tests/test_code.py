@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DATA, REPO, shared_path
+from conftest import DATA, REPO, shared_path, write_samples
 
 import Infer
 import Math
@@ -123,34 +123,6 @@ def test_the_floor_when_bubblewrap_is_missing(monkeypatch):
     assert sandbox.isolation() == "rlimit"
     assert "bubblewrap is not installed" in sandbox.describe("rlimit")
     assert sandbox.SandboxLimits(exec_workers=64).workers() == len(os.sched_getaffinity(0))
-
-
-def expect_exit_2(capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        Infer.main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and message in err and "Traceback" not in err, err
-
-
-def write_samples(path, rows):
-    with open(path, "w") as f:
-        f.writelines(json.dumps({"task_id": t, "completion": c}) + "\n" for t, c in rows)
-    return str(path)
-
-
-def test_samples_refusals(capsys, tmp_path):
-    out = ["--output_dir", str(tmp_path / "eval")]
-    good = write_samples(tmp_path / "good.jsonl", [(f"HumanEval/{i}", "    pass\n") for i in range(3)])
-    expect_exit_2(capsys, ["--data_path", str(CODE), "--samples", good], "needs --data_path")
-    unknown = write_samples(tmp_path / "unknown.jsonl", [("HumanEval/999", "pass")])
-    expect_exit_2(capsys, ["--data_path", str(CODE), "--samples", unknown, *out], "line 1: task_id 'HumanEval/999'")
-    partial = write_samples(tmp_path / "partial.jsonl", [("HumanEval/0", "pass"), ("HumanEval/2", "pass")])
-    expect_exit_2(capsys, ["--data_path", str(CODE), "--samples", partial, *out], "the first: HumanEval/1")
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"task_id": "HumanEval/0", "completion": 3}\n')
-    expect_exit_2(capsys, ["--data_path", str(CODE), "--samples", str(bad), *out], "line 1: expected an object")
-    expect_exit_2(capsys, ["--data_path", str(DATA / "math" / "AddSub"), "--samples", good, *out], "code data sets")
-    expect_exit_2(capsys, ["--data_path", str(CODE), "--samples", good, *out, "--exec_timeout", "0"], "--exec_timeout")
 
 
 # ---- the data sets' own solutions ------------------------------------------------------------

@@ -8,11 +8,10 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import MPIRUN, TINY_FLAGS, mpirun, write_synthetic_splits
+from conftest import MPIRUN, TINY_FLAGS, log_records, math_argv, mpirun, train, write_synthetic_splits
 
 import Compare
 import Infer
-import Math
 from Models.formats.pth import load_pth
 from scripts import authors_adapter
 from Utils.settings import METHOD_PRESETS
@@ -26,26 +25,16 @@ def data(tmp_path_factory):
     return write_synthetic_splits(tmp_path_factory.mktemp("hf_data"), 48, 4, seed=4)
 
 
-def argv(base, data, out, *extra):
-    return ["--llama_path", base, "--data_path", data["train"], "--val_data_path", data["val"], "--output_dir", str(out),
-            *TINY_FLAGS, *[str(e) for e in extra]]
-
-
 def infer(adapter, data, out, *extra):
     return Infer.main(["--adapter_path", str(adapter), "--data_path", data["val"], "--output_dir", str(out),
                        "--max_gen_len", "3", "--batch_size", "2", *extra])
-
-
-def log(out, event="train"):
-    with open(out / "log.txt") as f:
-        return [r for r in map(json.loads, f) if r["event"] == event]
 
 
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data parallel)")
 @pytest.mark.parametrize("variant", ["sparse", "soft"])
 def test_qwen3_moa_on_two_ranks_resumes_exactly_and_is_scored(variant, tiny_qwen3, data, tmp_path):
-    run = lambda out, *extra: mpirun(2, argv(tiny_qwen3, data, out, "--variant", variant, "--prompt_len", 2,  # noqa: E731
+    run = lambda out, *extra: mpirun(2, math_argv(tiny_qwen3, data, out, "--variant", variant, "--prompt_len", 2,  # noqa: E731
                                               "--eval_interval", 2, *extra))
     for done in (run(tmp_path / "straight", "--max_steps", 4), run(tmp_path / "split", "--max_steps", 2),
                  run(tmp_path / "split", "--max_steps", 4, "--resume", "auto")):
@@ -54,7 +43,8 @@ def test_qwen3_moa_on_two_ranks_resumes_exactly_and_is_scored(variant, tiny_qwen
     assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)  # bit for bit
     assert ("prompt" in " ".join(a)) == (variant == "soft")
     assert max(float(np.abs(a[k]).max()) for k in a if "lora_B" in k) > 1e-3  # it did train
-    assert [r["train_loss"] for r in log(tmp_path / "straight")] == [r["train_loss"] for r in log(tmp_path / "split")]
+    losses = [[r["train_loss"] for r in log_records(tmp_path / run, "train")] for run in ("straight", "split")]
+    assert losses[0] == losses[1]
     summary = infer(tmp_path / "split" / "adapter", data, tmp_path / "eval", "--save_weights")
     assert [s["total"] for s in summary["datasets"].values()] == [4]
     with open(tmp_path / "eval" / "type_weight.pkl", "rb") as f:
@@ -73,8 +63,8 @@ def test_every_baseline_trains_and_is_scored_on_a_qwen3_base(tiny_qwen3, data, t
             continue
         out = tmp_path / method
         fewer = ["--expert_num", 2] if preset.get("expert_num", 1) > 1 else []
-        assert Math.main(argv(tiny_qwen3, data, out, "--max_steps", 1, *Compare.preset_flags(preset), *fewer)) == 0
-        assert np.isfinite(log(out)[0]["train_loss"]), method
+        assert train(tiny_qwen3, data, out, "--max_steps", 1, *Compare.preset_flags(preset), *fewer) == 0
+        assert np.isfinite(log_records(out, "train")[0]["train_loss"]), method
         summary = infer(out / "adapter", data, out / "eval", "--max_examples", "2")
         assert [s["total"] for s in summary["datasets"].values()] == [2], method
     compare = ["--methods", "lora", "--ranks", "1", "--max_steps", "1", "--max_examples", "2", "--llama_path",
@@ -86,7 +76,7 @@ def test_every_baseline_trains_and_is_scored_on_a_qwen3_base(tiny_qwen3, data, t
 
 
 def test_authors_files_of_an_hf_llama_adapter_and_refusals(tiny_hf_llama, tiny_qwen3, data, tmp_path, capsys):
-    assert Math.main(argv(tiny_hf_llama, data, tmp_path / "run", "--max_steps", 1)) == 0
+    assert train(tiny_hf_llama, data, tmp_path / "run", "--max_steps", 1) == 0
     ours = load_pth(tmp_path / "run" / "adapter" / "adapter.pth")
     authors_adapter.main(["export", str(tmp_path / "run" / "adapter"), str(tmp_path / "theirs" / "adapter.pth")])
     authors_adapter.main(["import", str(tmp_path / "theirs" / "adapter.pth"), str(tmp_path / "back"), "--llama_path",
@@ -103,7 +93,7 @@ def test_authors_files_of_an_hf_llama_adapter_and_refusals(tiny_hf_llama, tiny_q
     crafted = tmp_path / "crafted"
     shutil.copytree(tiny_qwen3, crafted)
     (crafted / "model.safetensors").write_bytes((10_000).to_bytes(8, "little") + b"{}")
-    assert Math.main(argv(str(crafted), data, tmp_path / "bad", "--max_steps", 1)) == 2
+    assert train(str(crafted), data, tmp_path / "bad", "--max_steps", 1) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {crafted / 'model.safetensors'}: the header length 10000 reaches past the end")
     assert err.count("\n") == 1 and not (tmp_path / "bad").exists()

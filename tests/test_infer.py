@@ -1,4 +1,5 @@
-"""Generation through the KV cache, Infer.py end to end, the weight pickles and the plots.
+"""Generation through the KV cache, Infer.py end to end, the weight pickles and the plots (Infer.py's refusals:
+tests/refusals).
 
 A tiny random base (conftest's tiny_base) with random adapter weights, so that the
 experts and the router really change the outputs.
@@ -6,14 +7,11 @@ experts and the router really change the outputs.
 import json
 import os
 import pickle
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import DATA, kv_logits, randomize_adapters
+from conftest import DATA, MPIRUN, assert_refused, kv_logits, mpirun, randomize_adapters
 import jittor as jt
 from matplotlib import image as mpimg
 
@@ -28,7 +26,6 @@ from Models.formats.base_model import build_model
 from Models.generate import generate, prefill_length
 from Models.kernels.switch import fused_kernels_on
 from Models.kernels.precision import set_base_precision
-from Data.tiny_base import write_random_base
 from Utils import plots
 
 MOA = {"sparse": dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2",
@@ -37,7 +34,6 @@ MOA = {"sparse": dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2
 TEXTS = ["Tom had 3 apples.", "Mary had 12 marbles and lost 5 of them. How many are left?", "Hi",
          "Sam picked 4 books and Leo picked 7 books. They shared them equally."]
 GEN = 12
-pytestmark = pytest.mark.slow  # generation and Infer.py runs on a tiny base
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +276,7 @@ def test_infer_authors_adapter_reads_their_params(monkeypatch, tok, run_dir, bas
               "--output_dir", str(tmp_path / "eval")]
     assert Infer.main(common)["datasets"]["AddSub"]["accuracy"] == pytest.approx(0.75)  # no MoA flag needed
     os.remove(os.path.join(os.path.dirname(authors), "adapter_params.json"))
-    expect_exit_2(capsys, common, "needs the MoA flags")  # the message also names the unexpected tensors
+    assert_refused(capsys, lambda: Infer.main(common), "needs the MoA flags")  # it also names the unexpected tensors
     flags = ["--variant", "sparse", "--lora_layers", "0-2", "--p_adapter_layers", "0-2",
              "--lora_targets", "Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"]
     assert Infer.main(common + flags)["datasets"]["AddSub"]["accuracy"] == pytest.approx(0.75)
@@ -294,6 +290,7 @@ def weights_run(run_dir):
     return summary, os.path.join(run_dir, "eval")
 
 
+@pytest.mark.slow
 def test_weight_pickles_structure(weights_run, tok):
     summary, out = weights_run
     assert summary["datasets"]["synthetic"]["total"] == 5
@@ -318,6 +315,7 @@ def test_weight_pickles_structure(weights_run, tok):
             assert np.all((gex["weights"][layer] > 0) & (gex["weights"][layer] < 0.5))  # max_threshold 0.5
 
 
+@pytest.mark.slow
 def test_pngs_exist_not_blank_with_expert_names(weights_run, tmp_path):
     _, out = weights_run
     for name in ("type_weight", "token_weight", "router_stats", "loss_curves"):
@@ -341,16 +339,6 @@ def test_pngs_exist_not_blank_with_expert_names(weights_run, tmp_path):
 
 # ---- bad input: one clear message, exit code 2 ----------------------------------------
 
-def test_missing_recorded_test_split_is_an_error(run_dir, tmp_path, capsys):
-    """Never a regenerated test set, which could overlap the training data."""
-    run = tmp_path / "run2"
-    shutil.copytree(run_dir, run)
-    os.remove(run / "data" / "test.json")
-    expect_exit_2(capsys, ["--adapter_path", str(run / "adapter"), "--output_dir", str(tmp_path / "eval")],
-                  "no recorded test split")
-    assert not os.path.exists(tmp_path / "eval" / "scores.json")
-
-
 def test_base_alone_is_scored_on_the_runs_test_split(monkeypatch, tok, run_dir, tmp_path):
     """--no_adapter --adapter_path RUN/adapter (as demo.sh scores the base): the run's recorded split."""
     monkeypatch.setattr(Infer, "generate", lambda model, tokenizer, prompts, *a, **k: [[] for _ in prompts])
@@ -360,51 +348,15 @@ def test_base_alone_is_scored_on_the_runs_test_split(monkeypatch, tok, run_dir, 
     assert summary["datasets"]["synthetic"]["path"] == os.path.join(run_dir, "data", "test.json")
 
 
-def expect_exit_2(capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        Infer.main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2
-    assert message in err and "Traceback" not in err, err
-
-
-def test_bad_inputs(capsys, tmp_path, run_dir, base_dir, crafted_dirs):
-    adapter = ["--adapter_path", os.path.join(run_dir, "adapter"), "--output_dir", str(tmp_path / "eval")]
-    data = ["--data_path", crafted_dirs[0]]
-    expect_exit_2(capsys, adapter + data + ["--variant", "soft"], "adapter from another configuration")
-    other_base = write_random_base(str(tmp_path / "other_base"), dim=32, n_layers=2)
-    expect_exit_2(capsys, adapter + data + ["--llama_path", other_base], "adapter trained on another base")
-    missing_field = write_json(str(tmp_path / "bad" / "test.json"), [{"instruction": "q", "input": "", "output": "a"}])
-    expect_exit_2(capsys, adapter + ["--data_path", missing_field], "missing the field 'answer'")
-    empty = write_json(str(tmp_path / "empty.json"), [])
-    expect_exit_2(capsys, adapter + ["--data_path", empty], "empty")
-    expect_exit_2(capsys, adapter + ["--data_path", str(tmp_path / "nope.json")], "no such test file")
-    expect_exit_2(capsys, ["--adapter_path", str(tmp_path / "none"), *data], "no such adapter")
-    expect_exit_2(capsys, ["--output_root", str(tmp_path / "no_runs"), *data], "no adapter under")
-
-
-def test_bad_input_from_the_command_line(tmp_path, run_dir):
-    """The real process: a message on stderr, exit status 2, no stack trace."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(repo, "Infer.py"), "--adapter_path",
-                           os.path.join(run_dir, "adapter"), "--data_path", str(tmp_path / "missing.json")],
-                          capture_output=True, text=True, cwd=str(tmp_path), timeout=120)
-    assert proc.returncode == 2
-    assert "no such test file" in proc.stderr and "Traceback" not in proc.stderr
-
-
+@pytest.mark.slow
 @pytest.mark.mpi
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs OpenMPI's mpirun")
+@pytest.mark.skipif(MPIRUN is None, reason="needs OpenMPI's mpirun")
 def test_mpirun_two_ranks_equal_one(tmp_path, run_dir, crafted_dirs):
     """Rank r takes examples r::2; rank 0 merges them back into input order: the same files as one process."""
     common = ["--adapter_path", os.path.join(run_dir, "adapter"), "--data_path", *crafted_dirs,
               "--max_gen_len", "8", "--batch_size", "2"]
     Infer.main(common + ["--output_dir", str(tmp_path / "one")])
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", sys.executable, os.path.join(repo, "Infer.py"),
-                           *common, "--output_dir", str(tmp_path / "two")], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1",
-                                            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    proc = mpirun(2, [*common, "--output_dir", str(tmp_path / "two")], program="Infer.py")
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name in CRAFTED:
         one = (tmp_path / "one" / f"{name}_predictions.jsonl").read_text()
@@ -415,6 +367,7 @@ def test_mpirun_two_ranks_equal_one(tmp_path, run_dir, crafted_dirs):
 COMMONSENSE = ("boolq", "piqa", "social_i_qa", "winogrande", "ARC-Challenge", "ARC-Easy", "openbookqa")
 
 
+@pytest.mark.slow
 def test_infer_commonsense_tiny_run(base_dir, tmp_path):
     """The tiny base over the commonsense sets: accuracy per set by its own rule, and the average."""
     root = str(DATA / "commonsense")
@@ -426,12 +379,3 @@ def test_infer_commonsense_tiny_run(base_dir, tmp_path):
     assert summary["average"] == pytest.approx(np.mean([s["accuracy"] for s in sets.values()]))
     with open(tmp_path / "scores.json") as f:
         assert json.load(f)["datasets"]["boolq"]["total"] == 2
-
-
-def test_unknown_scoring_rule_fails_before_generation(monkeypatch, capsys, base_dir, tmp_path):
-    def no_generation(*args, **kwargs):
-        raise AssertionError("generation ran before the scoring rule was checked")
-    monkeypatch.setattr(Infer, "generate", no_generation)
-    path = write_json(str(tmp_path / "mystery" / "test.json"), [example("Is the sky green?", "false")])
-    expect_exit_2(capsys, ["--no_adapter", "--llama_path", base_dir, "--data_path", path,
-                           "--output_dir", str(tmp_path / "eval")], "data set 'mystery'")

@@ -110,19 +110,6 @@ def test_adapter_from_another_configuration(tmp_path, change, message):
         load_adapter(other, str(tmp_path))
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("lora_targets", "Q,FFN_MID", "unknown target"),
-    ("lora_layers", "0-", "lora_layers"),
-    ("lora_layers", "3-1", "ends before it starts"),
-    ("p_adapter_layers", "0-9", "past the model"),
-    ("prompt_layers", "0-2", "Sparse MoA"),
-    ("gamma_grad", "soft", "gamma_grad"),
-])
-def test_bad_moa_config(field, value, message):
-    with pytest.raises(ValueError, match=message):
-        ModelArgs(**{**BASE, **ALL_ON, "variant": "sparse", field: value})
-
-
 def test_parameter_counts_per_type():
     args = ModelArgs(**{**BASE, **ALL_ON, "variant": "soft", "prompt_layers": "0-2", "prompt_len": 3})
     counts = LLaMA_adapter(args).parameter_counts()

@@ -1,0 +1,354 @@
+"""Inputs, refused before the first token with one line naming the file, field, example or flag (exit 2), and
+nothing written: Math.py's and Infer.py's bad flags, data sets and labels (each scored by its rule or refused),
+adapters and bases (a tensor in several shards is one tensor), sizes checked before a byte is read, the KV cache
+checked against memory and generation bounded by the context, the bench scripts' arguments."""
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from conftest import (DATA, REPO, assert_refused, edited_base, infer_base_alone, make_entries, math_refuses,
+                      one_error_line, python_program, train, write_samples)
+
+import Infer
+from Data import test_sets
+from Data.prompts import format_prompt
+from Data.tiny_base import write_random_base
+from Models.generate import check_kv_cache_memory, kv_cache_bytes
+from Models.ModelArgs import ModelArgs
+from Models.Tokenizer import Tokenizer
+from Models.formats.pth import load_pth
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+# ---- bad flags and files: one line, exit 2, nothing written -----------------------------------------------
+
+def test_math_refuses_bad_input(tiny_base, synthetic_data, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    n_words = Tokenizer(os.path.join(tiny_base, "tokenizer.model")).n_words
+    cases = [  # (how to break it, what the one line must name)
+        (lambda: ["--llama_path", edited_base(tiny_base, tmp_path / "str_dim", dim="128")],
+         ["params.json", "dim", "'128'"]),
+        (lambda: ["--output_dir", str(a_file)], [str(a_file), "is a file"]),
+        (lambda: ["--output_dir", str(a_file / "run")], [str(a_file / "run"), "which is a file"]),
+        (lambda: ["--llama_path", edited_base(tiny_base, tmp_path / "small_vocab", vocab_size=n_words - 1)],
+         ["tokenizer.model", f"{n_words} token ids", f"vocab_size {n_words - 1}", "params.json"]),
+        (lambda: ["--max_seq_len", "100"], ["validation set", synthetic_data["val"], "no example keeps a target token",
+                                            "--max_seq_len 100"]),
+        (lambda: ["--overwrite", "--resume", "auto"], ["--overwrite", "--resume"]),
+        (lambda: ["--data_path", str(tmp_path / "missing.json")], ["missing.json"]),
+        (lambda: ["--data_path", write(tmp_path / "broken.json", '[{"instruction": "x",\n oops}]')],
+         ["broken.json: malformed JSON at line 2"]),
+        (lambda: ["--data_path", write(tmp_path / "empty.json", "[]")], ["empty.json: the list of examples is empty"]),
+        (lambda: ["--batch_size", "100"], ["cannot fill one global batch of 100"]),
+        (lambda: ["--lora_layers", "0-9"], ["reaches past the model's 2 layers"]),
+        (lambda: ["--accum_iter", "0"], ["--accum_iter must be at least 1"]),
+    ]
+    for make, needles in cases:  # later flags win; nothing written before the input is known to be good
+        math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, make(), needles)
+        assert not (tmp_path / "out").exists()
+
+
+def test_infer_refuses_bad_input(tiny_base, addsub, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    n_words = Tokenizer(os.path.join(tiny_base, "tokenizer.model")).n_words
+    data = ["--data_path", addsub]
+    cases = [
+        (["--output_dir", str(a_file)], 2, [str(a_file), "is a file"]),
+        (["--output_dir", str(a_file / "eval")], 2, ["which is a file"]),
+        (["--llama_path", edited_base(tiny_base, tmp_path / "str_dim", dim="128")], 2, ["params.json", "dim"]),
+        (["--llama_path", edited_base(tiny_base, tmp_path / "small_vocab", vocab_size=n_words - 1)], 2,
+         ["tokenizer.model", f"{n_words} token ids", f"vocab_size {n_words - 1}"]),
+        (["--max_seq_len", "40"], 2, [addsub, "example 0 of data set 'AddSub'", "max_seq_len 40",
+                                      "2 prompt(s)"]),
+        # about 300 GB of keys and values: refused before a byte is allocated
+        (["--max_seq_len", "100000000", "--max_gen_len", "10000000", "--batch_size", "64"], 2,
+         ["KV cache", "--batch_size 64", "GiB available"]),
+    ]
+    for extra, code, needles in cases:  # later flags win; nothing written
+        out = tmp_path / "eval"
+        assert_refused(capsys, lambda: infer_base_alone(tiny_base, out, *data, *extra), *needles, code=code)
+        assert not out.exists()
+
+
+def test_infer_refuses_a_bad_adapter_or_data_set(capsys, tmp_path, tiny_run, addsub):
+    adapter = ["--adapter_path", str(tiny_run / "adapter"), "--output_dir", str(tmp_path / "eval")]
+    data = ["--data_path", addsub]
+    other_base = write_random_base(str(tmp_path / "other_base"), dim=32, n_layers=2)
+    missing_field = tmp_path / "bad" / "test.json"
+    make_entries(tmp_path / "bad", "test.json", text=json.dumps([{"instruction": "q", "input": "", "output": "a"}]))
+    make_entries(tmp_path, "empty.json", text="[]")
+    cases = [(adapter + data + ["--variant", "soft"], ["adapter from another configuration"]),
+             (adapter + data + ["--llama_path", other_base], ["adapter trained on another base"]),
+             (adapter + ["--data_path", str(missing_field)], ["missing the field 'answer'"]),
+             (adapter + ["--data_path", str(tmp_path / "empty.json")], ["empty"]),
+             (adapter + ["--data_path", str(tmp_path / "nope.json")], ["no such test file"]),
+             (["--adapter_path", str(tmp_path / "none"), *data], ["no such adapter"]),
+             (["--output_root", str(tmp_path / "no_runs"), *data], ["no adapter under"])]
+    for argv, needles in cases:
+        assert_refused(capsys, lambda: Infer.main(argv), *needles)
+        assert not (tmp_path / "eval").exists()
+
+
+def test_missing_recorded_test_split_is_an_error(tiny_run, tmp_path, capsys):
+    """Never a regenerated test set, which could overlap the training data."""
+    run = tmp_path / "run2"
+    shutil.copytree(tiny_run, run)
+    os.remove(run / "data" / "test.json")
+    assert_refused(capsys, lambda: Infer.main(["--adapter_path", str(run / "adapter"), "--output_dir",
+                                               str(tmp_path / "eval")]), "no recorded test split")
+    assert not os.path.exists(tmp_path / "eval" / "scores.json")
+
+
+def test_unknown_scoring_rule_fails_before_generation(monkeypatch, capsys, tiny_base, tmp_path):
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generation ran before the scoring rule was checked")
+    monkeypatch.setattr(Infer, "generate", no_generation)
+    make_entries(tmp_path / "mystery", "test.json", text=json.dumps([{"instruction": "Is the sky green?", "input": "",
+                                                                        "output": "false", "answer": "false"}]))
+    assert_refused(capsys, lambda: infer_base_alone(tiny_base, tmp_path / "eval", "--data_path",
+                                                    tmp_path / "mystery" / "test.json"), "data set 'mystery'")
+
+
+@pytest.mark.slow
+def test_bad_input_from_the_command_line(tmp_path, tiny_run):
+    """The real process: one line on stderr, exit status 2, no stack trace."""
+    proc = subprocess.run(python_program("Infer.py", "--adapter_path", tiny_run / "adapter", "--data_path",
+                                         tmp_path / "missing.json"), capture_output=True, text=True, cwd=str(tmp_path),
+                          timeout=120)
+    assert proc.returncode == 2
+    one_error_line(proc.stderr, "no such test file")
+
+
+@pytest.mark.slow
+def test_generation_is_bounded_by_the_context(tiny_base, addsub, tmp_path):
+    summary = infer_base_alone(tiny_base, tmp_path / "eval", "--data_path", addsub, "--max_gen_len", 1000000,
+                               "--max_seq_len", 200)
+    assert summary["max_seq_len"] == 200  # not prompt + 1000000
+    rows = [json.loads(line) for line in open(tmp_path / "eval" / "AddSub_predictions.jsonl")]
+    assert len(rows) == 2
+
+
+def test_a_samples_file_is_checked_before_any_program_runs(capsys, tmp_path):
+    code = DATA / "code"  # the first 3 problems of HumanEval and of MBPP
+    out = ["--output_dir", str(tmp_path / "eval")]
+    good = write_samples(tmp_path / "good.jsonl", [(f"HumanEval/{i}", "    pass\n") for i in range(3)])
+    unknown = write_samples(tmp_path / "unknown.jsonl", [("HumanEval/999", "pass")])
+    partial = write_samples(tmp_path / "partial.jsonl", [("HumanEval/0", "pass"), ("HumanEval/2", "pass")])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"task_id": "HumanEval/0", "completion": 3}\n')
+    cases = [(["--data_path", code, "--samples", good], "needs --data_path"),
+             (["--data_path", code, "--samples", unknown, *out], "line 1: task_id 'HumanEval/999'"),
+             (["--data_path", code, "--samples", partial, *out], "the first: HumanEval/1"),
+             (["--data_path", code, "--samples", bad, *out], "line 1: expected an object"),
+             (["--data_path", DATA / "math" / "AddSub", "--samples", good, *out], "code data sets"),
+             (["--data_path", code, "--samples", good, *out, "--exec_timeout", "0"], "--exec_timeout")]
+    for argv, message in cases:
+        assert_refused(capsys, lambda: Infer.main([*map(str, argv)]), message)
+
+
+# ---- data sets: every set and label scored by its rule, or refused before the first token -----------------
+
+def test_labels_are_normalised_or_refused_by_their_rule():
+    from Data.scoring import checked_labels
+    good = [("boolq", ["True", "false", " FALSE ", "true"], ["true", "false", "false", "true"]),
+            ("AQuA", ["b", " C", "E"], ["B", "C", "E"]),
+            ("gsm8k", ["1,234", " 5 ", "-2.5", "3.0", "1,000,000"], ["1234", "5", "-2.5", "3.0", "1000000"]),
+            ("piqa", ["solution2", "Solution1"], ["solution2", "solution1"]),
+            ("winogrande", ["option1"], ["option1"]), ("synthetic", ["42"], ["42"])]
+    for rule, labels, expected in good:
+        assert checked_labels(rule, labels, "f.json", rule) == expected
+    bad = [("boolq", ["true", "yes"], 1), ("piqa", ["solution1", "1"], 1), ("AQuA", ["A", "F"], 1),
+           ("AQuA", ["AB"], 0), ("AddSub", ["3", "twelve"], 1), ("gsm8k", ["1.2.3"], 0), ("SVAMP", [""], 0),
+           ("winogrande", ["option3"], 0), ("ARC-Easy", ["answer1", "A"], 1), ("hellaswag", ["ending5"], 0)]
+    for rule, labels, index in bad:
+        with pytest.raises(ValueError, match=f"f.json: example {index} of data set 'x' has the label"):
+            checked_labels(rule, labels, "f.json", "x")
+
+
+def test_two_data_sets_of_one_name_are_refused(tmp_path):
+    make_entries(tmp_path, "a.json", "a/test.json", "a_2.json", "b/test.json", "root/b/test.json", "c/d/test.json",
+                 "d.json", text=json.dumps([{"instruction": "q", "input": "", "output": "o", "answer": "1"}]))
+    for paths, first, second in [(["a.json", "a", "a_2.json"], "a.json", "a/test.json"),
+                                 (["b", "root"], "b/test.json", "root/b/test.json"),
+                                 (["d.json", "c"], "d.json", "c/d/test.json"), (["a.json", "a.json"], "a.json", "a.json")]:
+        with pytest.raises(ValueError, match="are both data set") as info:
+            test_sets.load_test_sets(test_sets.data_files([str(tmp_path / p) for p in paths]), None)
+        assert str(tmp_path / first) in str(info.value) and str(tmp_path / second) in str(info.value)
+    found = test_sets.data_files([str(tmp_path / p) for p in ("a.json", "a_2.json", "b")])
+    examples, sets = test_sets.load_test_sets(found, 1)
+    assert [s.name for s in sets] == ["a", "a_2", "b"] and len(examples) == 3
+
+
+def test_labels_are_checked_before_the_first_token_and_scored_normalised(tiny_base, tmp_path, monkeypatch, capsys):
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generation ran before the labels were checked")
+    monkeypatch.setattr(Infer, "generate", no_generation)
+    rows = lambda name, *answers: json.dumps([{"instruction": f"{name} q{i}", "input": "", "output": "o",  # noqa: E731
+                                               "answer": a} for i, a in enumerate(answers)])
+    for name, answers, index in [("boolq", [True, "maybe"], 1), ("piqa", ["solution1", 1], 1), ("AQuA", ["F"], 0),
+                                 ("AddSub", ["1,2,3.4.5"], 0)]:
+        make_entries(tmp_path / "bad", f"{name}/test.json", text=rows(name, *answers))
+        assert_refused(capsys, lambda: infer_base_alone(tiny_base, tmp_path / "eval", "--data_path",
+                                                        tmp_path / "bad" / name),
+                       str(tmp_path / "bad" / name / "test.json"), f"example {index}", f"data set '{name}'")
+    # the authors' known variants, scored by what they mean: JSON booleans, a lower-case letter, "1,234"
+    sets = {"boolq": ([True, False], "true"), "AQuA": (["b", "B"], "B"), "AddSub": (["1,234", "7"], "1234")}
+    for name, (answers, _) in sets.items():
+        make_entries(tmp_path / "good", f"{name}/test.json", text=rows(name, *answers))
+    monkeypatch.setattr(Infer, "generate", lambda model, tok, prompts, *a, **k: [  # one answer to both questions
+        tok.encode(next(said for name, (_, said) in sets.items() if f"\n{name} q" in tok.decode(p)), bos=False,
+                   eos=False) for p in prompts])
+    summary = infer_base_alone(tiny_base, tmp_path / "eval", "--data_path", *(tmp_path / "good" / n for n in sets))
+    assert {n: s["correct"] for n, s in summary["datasets"].items()} == {"boolq": 1, "AQuA": 2, "AddSub": 1}
+
+
+def test_a_training_set_without_a_target_token_is_refused(tiny_base, synthetic_data, tmp_path, capsys):
+    long = tmp_path / "long.json"
+    long.write_text(json.dumps([{"instruction": "many words " * 200, "input": "", "output": "x", "answer": "1"}] * 8))
+    math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, ["--data_path", str(long)],
+                 ["training set", str(long), "no example keeps a target token", "--max_seq_len 256"])
+    math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys,
+                 ["--data_path", str(long), "--val_data_path", str(long)], ["validation set", str(long)])
+
+
+@pytest.mark.slow
+def test_cut_examples_are_counted(tiny_base, synthetic_data, tmp_path, capsys):
+    tok = Tokenizer(os.path.join(tiny_base, "tokenizer.model"))
+    with open(synthetic_data["train"]) as f:
+        rows = json.load(f)
+    lengths = [len(tok.encode(format_prompt(r), bos=True, eos=False)) + len(tok.encode(r["output"], bos=False, eos=True))
+               for r in rows]
+    longer = sum(n > 180 for n in lengths)
+    assert 0 < longer < len(rows)  # the data straddles the limit, so the count means something
+    assert train(tiny_base, synthetic_data, str(tmp_path / "run"), "--max_steps", 1, "--max_seq_len", 180) == 0
+    assert f"training: {longer} of {len(rows)} examples are longer than --max_seq_len 180" in capsys.readouterr().out
+
+
+# ---- bases, and bounded reading: sizes checked before a byte is read --------------------------------------
+
+def test_duplicate_tensors_across_shards(tiny_meta, tmp_path):
+    from Models.formats.base_model import build_model
+    from Models.formats.pth import CheckpointError, save_pth
+    full = load_pth(tiny_meta / "consolidated.00.pth")
+    runtime = dict(max_seq_len=16, max_batch_size=1, precision="fp32")
+    single = build_model(str(tiny_meta), ModelArgs.from_params_json(str(tiny_meta), **runtime))
+
+    def base(name, shards):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "params.json").write_text((tiny_meta / "params.json").read_text())
+        for i, shard in enumerate(shards):
+            save_pth(shard, folder / f"consolidated.0{i}.pth", bf16=True)
+        return str(folder)
+    same = build_model(base("same", [full, dict(full)]), single.args)  # two equal copies: read once
+    assert all(np.array_equal(v.numpy(), same.base_parameters()[n].numpy()) for n, v in single.base_parameters().items())
+    other = {**full, "layers.1.attention.wv.weight": full["layers.1.attention.wv.weight"] + 1}
+    halves = [{k: (v if "norm" in k else np.array_split(v, 2, axis=0)[i]) for k, v in full.items()} for i in range(2)]
+    halves[1]["norm.weight"] = halves[1]["norm.weight"] * 2  # a replicated norm that differs between the shards
+    for name, shards, tensor in [("other", [full, other], "layers.1.attention.wv.weight"),
+                                 ("three", [full, full, other], "layers.1.attention.wv.weight"),
+                                 ("split", halves, "norm.weight")]:
+        folder = base(name, shards)
+        with pytest.raises(CheckpointError, match=f"hold different copies of '{tensor}'") as info:
+            build_model(folder, single.args)
+        assert os.path.join(folder, "consolidated.00.pth") in str(info.value)
+
+
+def rezipped(source, target, deflate=(), replace=None):
+    """`source` (a torch zip) copied to `target`, the records named in `deflate` compressed and those in
+    `replace` ({name suffix: bytes}) swapped for other bytes."""
+    import zipfile
+    with zipfile.ZipFile(source) as src, zipfile.ZipFile(target, "w") as dst:
+        for info in src.infolist():
+            data = next((v for k, v in (replace or {}).items() if info.filename.endswith(k)), None)
+            data = src.read(info) if data is None else data
+            method = zipfile.ZIP_DEFLATED if any(info.filename.endswith(d) for d in deflate) else zipfile.ZIP_STORED
+            dst.writestr(zipfile.ZipInfo(info.filename), data, compress_type=method)
+    return str(target)
+
+
+def test_a_records_declared_size_is_checked_before_it_is_read(tmp_path):
+    import tracemalloc
+    from Models.formats.pth import CheckpointError, save_pth
+    plain = tmp_path / "plain.pth"
+    save_pth({"w": np.zeros(16 << 20, np.float32)}, plain)  # 64 MB of zeros: deflate makes them about 64 KB
+    import pickle
+    huge_pickle = b"\x80\x02" + pickle.dumps("x" * (64 << 20), protocol=2)[2:]  # a 64 MB string as data.pkl
+    cases = [(rezipped(plain, tmp_path / "bomb.pth", deflate=["data/0"]), "storage '0' declares", False),
+             (rezipped(plain, tmp_path / "bomb.pth", deflate=["data/0"]), "compressed or has", True),
+             (rezipped(plain, tmp_path / "pkl.pth", deflate=["data.pkl"], replace={"data.pkl": huge_pickle}),
+              "data.pkl' declares", False),
+             (rezipped(plain, tmp_path / "order.pth", replace={"byteorder": b"little" * 4096}),
+              "byteorder' declares 24576 bytes", False),
+             (rezipped(plain, tmp_path / "short.pth", replace={"data/0": b"\0" * 64}), "has 64 bytes, expected", False)]
+    for path, message, lazy in cases:
+        tracemalloc.start()
+        with pytest.raises(CheckpointError, match=message) as info:
+            load_pth(path, lazy=lazy)["w"].numpy() if lazy else load_pth(path)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert path in str(info.value) and peak < 8 << 20, (message, peak)  # never the 64 MB it declares
+    fifo = tmp_path / "fifo.pth"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="not a regular file"):  # no writer: an open would block
+        load_pth(fifo)
+
+
+def test_kv_cache_memory_check():
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97)
+    assert kv_cache_bytes(args, 8, 100_000) == 8 * 2 * 2 * 2 * 16 * 100_000 * 4 == 409_600_000
+    check_kv_cache_memory(args, 8, 100_000, available=409_600_000)  # fits exactly
+    with pytest.raises(ValueError, match=r"needs 0\.38 GiB, more than the 0\.38 GiB available.*--batch_size"):
+        check_kv_cache_memory(args, 8, 100_000, available=409_599_999)
+    # LLaMA-3-8B's shape: 32 layers, 8 kv heads of 128; batch 8 x 8192 tokens is 16 GiB in fp32
+    big = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256)
+    assert kv_cache_bytes(big, 8, 8192) == 16 * 2**30
+
+
+# ---- the bench scripts -------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path):
+    cases = [(["bench/scale.py", "--n_layers", "0"], ["--n_layers 0"]),
+             (["bench/scale.py", "--variants", "sparse,dense"], ["--variants", "dense"]),
+             (["bench/scale.py", "--llama_path", str(tmp_path)], ["--llama_path", "neither params.json", "nor config.json"]),
+             (["bench/scale.py", "--tmp_dir", str(tmp_path / "none")], ["--tmp_dir"]),
+             (["bench/bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"]),
+             (["bench/bench.py", "--max_threshold", "nan"], ["--max_threshold must be a finite number"]),
+             (["bench/bench.py", "--config", "huge"], ["--config", "invalid choice"]),
+             (["bench/bench.py", "--preset", "dora"], ["--preset", "invalid choice"]),
+             (["bench/side_by_side.py", "--configs", "huge"], ["--configs"]),
+             (["bench/side_by_side.py", "--against", "peft"], ["REFVENV"]),
+             (["bench/side_by_side.py", "--against", "peft", "--variants", "soft"], ["--variants", "plain LoRA"]),
+             (["bench/peft_bench.py", "--lora_targets", "Q,W"], ["--lora_targets", "Q,W"]),
+             (["bench/peft_bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"])]
+    for argv, needles in cases:
+        done = subprocess.run(python_program(*argv), cwd=REPO, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "REFVENV": ""})
+        assert done.returncode == 2, (argv, done.stderr)
+        one_error_line(done.stderr, *needles)
+
+
+def test_side_by_side_gives_no_ratios_for_different_work(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the bench scripts import bench/common.py by name
+    from common import describe_optimizer
+    from side_by_side import SAME_WORK, same_work
+    ours = {"trainable_params": "118784", "base_params": "5048576", "train_tokens": "2048", "loss_tokens": "2040",
+            "decode_tokens": "256", "optimizer": describe_optimizer("AdamW", [(118784, 1e-4, (0.9, 0.95), 1e-8, 0.05)]),
+            "lora_rank": "8", "lora_alpha": "8", "lora_targets": "Q,K,V,O,FFN_UP,FFN_DOWN"}
+    assert set(ours) == set(SAME_WORK)
+    assert same_work(dict(ours), ours)[0] == []
+    no_decay = describe_optimizer("AdamW", [(118784, 1e-4, (0.9, 0.95), 1e-8, 0.0)])
+    differs, line = same_work({**ours, "optimizer": no_decay, "loss_tokens": "2048"}, ours)
+    assert differs == ["loss_tokens", "optimizer"]
+    assert line.startswith("DIFFERENT WORK") and "loss_tokens=2048|ours:2040" in line

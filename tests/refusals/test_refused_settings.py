@@ -1,0 +1,216 @@
+"""Settings, each checked by its declared rule where it comes from (a flag, a recipe, a base's params.json, a
+run's args.json, an adapter's adapter_params.json, the authors' files) and refused in one line naming that source,
+before anything is written; a resumed run refuses what it cannot change; Compare.py refuses flags that would
+mislabel its rows; Infer.py refuses a MoA flag that differs from the adapter's own settings."""
+import json
+import os
+
+import pytest
+from conftest import (MPIRUN, assert_refused, edited_base, golden_model, math_argv, math_refuses, mpirun,
+                      one_error_line, snapshot, tiny_adapter, train)
+
+import Math
+from Models.formats.adapters import export_authors_adapter, import_authors_adapter, read_adapter_config, save_adapter
+from Models.formats.pth import CheckpointError
+from Models.LLaMA_Adapter import LLaMA_adapter
+from Models.ModelArgs import ModelArgs
+
+
+def test_flags_are_checked_by_their_settings_rules(tiny_base, synthetic_data, tmp_path, capsys):
+    cases = [
+        (["--lr", "inf"], ["--lr", "finite"]), (["--min_lr", "nan"], ["--min_lr", "finite"]),
+        (["--warmup_epochs", "nan"], ["--warmup_epochs", "finite"]), (["--seed", str(2**64)], ["--seed", "at most"]),
+        (["--clip_grad", "nan"], ["--clip_grad", "finite"]), (["--weight_decay", "-0.1"], ["--weight_decay", "at least 0"]),
+        (["--max_threshold", "nan"], ["--max_threshold", "finite"]), (["--max_threshold", "0"], ["--max_threshold", "> 0"]),
+        (["--max_threshold", "1.5"], ["--max_threshold", "at most 1"]), (["--lora_alpha", "nan"], ["--lora_alpha"]),
+        (["--lora_alpha", "1e39"], ["--lora_alpha", "finite"]), (["--lr", "-1"], ["--lr", "> 0"]),
+        (["--lora_targets", ","], ["lora_targets", "no target"]), (["--lora_targets", "Q,V,Q"], ["repeated", "'Q'"]),
+        (["--lora_targets", "Q,X"], ["unknown target", "'X'"]),
+        (["--min_lr", "0.1"], ["--min_lr 0.1", "above the learning rate 0.01"]),
+        (["--val_fraction", "1"], ["--val_fraction", "< 1"]), (["--lb_loss_coeff", "-1"], ["--lb_loss_coeff"]),
+    ]
+    for extra, needles in cases:
+        math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, extra, needles)
+
+
+def test_recipe_and_params_files_are_checked_naming_file_and_field(tiny_base, synthetic_data, tmp_path, capsys):
+    recipe = tmp_path / "recipe.json"
+    for bad in [{"batch_size": "32"}, {"clip_grad": None}, {"seed": 1.5}, {"lora_rank": "8"}, {"lora_alpha": float("nan")},
+                {"precision": "fp16"}, {"hydra_moe": 1}, {"temperature": "hot"}, {"top_p": 7}, {"max_gen_len": 0}]:
+        recipe.write_text(json.dumps(bad))  # decoding settings too: Math.py records them for Infer.py
+        (field, value), = bad.items()
+        math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, ["--recipe", str(recipe)],
+                     [str(recipe), f"field '{field}'", "null" if value is None else repr(value)])
+    for i, bad in enumerate([{"norm_eps": float("nan")}, {"rope_theta": -1.0}, {"ffn_dim_multiplier": "1.3"},
+                             {"n_heads": 0}, {"use_scaled_rope": "yes"}]):
+        base = edited_base(tiny_base, tmp_path / f"base{i}", **bad)
+        (field, _), = bad.items()
+        math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, ["--llama_path", base],
+                     [os.path.join(base, "params.json"), f"field '{field}'"])
+
+
+def test_recorded_decoding_and_adapter_settings_are_checked(tmp_path):
+    import Infer
+    from Models.formats.adapters import export_authors_adapter, read_adapter_config
+    from Utils.settings import SettingError
+    flags = Infer.get_args_parser().parse_args([])
+    for bad in [{"max_gen_len": 0}, {"top_p": 7}, {"temperature": "hot"}, {"temperature": -1}, {"max_gen_len": 2.5}]:
+        (field, _), = bad.items()
+        with pytest.raises(SettingError, match=f"run/args.json: field '{field}'"):
+            Infer.generation_settings(flags, bad, "run/args.json")
+        given = Infer.get_args_parser().parse_args([f"--{field}", "1"])  # a flag given replaces the recorded value
+        assert getattr(Infer.generation_settings(given, bad, "run/args.json"), field) == 1
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs" / "adapter.pth"
+    args = tiny_adapter(ours)
+    export_authors_adapter(str(ours), str(theirs))
+    for folder, bad in [(ours, {"lora_alpha": "8"}), (ours, {"max_threshold": 2.0}), (ours, {"norm_eps": 0}),
+                        (theirs.parent, {"lora_rank": "8"}), (theirs.parent, {"swi_x": -1}),
+                        (theirs.parent, {"max_seq_len": None})]:
+        path = folder / "adapter_params.json"
+        saved = path.read_text()
+        path.write_text(json.dumps({**json.loads(saved), **bad}))
+        (field, _), = bad.items()
+        with pytest.raises(ValueError, match=f"{path}: field '{field}'"):
+            read_adapter_config(str(folder))
+        path.write_text(saved)
+    (ours / "adapter_params.json").write_text(json.dumps({**args.to_dict(), "lora_rnak": 2}))
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['lora_rnak'\]"):
+        read_adapter_config(str(ours))
+
+
+@pytest.mark.slow
+def test_resume_refuses_settings_it_cannot_change(tiny_base, synthetic_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(tiny_base, synthetic_data, out, "--max_steps", 1) == 0
+    saved = snapshot(out)
+    for extra, fields in [(["--precision", "bf16"], ["precision"]), (["--lora_alpha", "4"], ["lora_alpha"]),
+                          (["--gamma_grad", "ste"], ["gamma_grad"]), (["--lr", "2e-2"], ["lr"]),
+                          (["--lora_rank", "8", "--batch_size", "8"], ["lora_rank", "batch_size"])]:
+        assert train(tiny_base, synthetic_data, out, "--max_steps", 2, "--resume", "auto", *extra) == 2, extra
+        one_error_line(capsys.readouterr().err, "another configuration", *(f"{field}: " for field in fields))
+        assert snapshot(out) == saved  # args.json, log.txt and checkpoint-latest.pth not rewritten
+    # what a resumed run may change: its length, its logging, the decoding recorded for Infer.py
+    assert train(tiny_base, synthetic_data, out, "--max_steps", 2, "--resume", "auto", "--log_interval", "5") == 0
+    assert json.loads((out / "args.json").read_text())["log_interval"] == 5
+
+
+@pytest.mark.slow
+def test_resume_refuses_changed_data_at_the_same_path(tiny_base, synthetic_data, tmp_path, capsys):
+    own = {k: str(tmp_path / f"{k}.json") for k in synthetic_data}
+    for k in synthetic_data:
+        with open(synthetic_data[k]) as src, open(own[k], "w") as dst:
+            dst.write(src.read())
+    out = str(tmp_path / "run")
+    assert train(tiny_base, own, out, "--max_steps", 1) == 0
+    saved = snapshot(out)
+    with open(own["train"]) as f:
+        rows = json.load(f)
+    with open(own["train"], "w") as f:
+        json.dump(rows[:-4], f)  # 4 examples fewer, same file name
+    capsys.readouterr()
+    assert train(tiny_base, own, out, "--max_steps", 2, "--resume", "auto") == 2
+    one_error_line(capsys.readouterr().err, "another configuration", "train_sha256")
+    assert snapshot(out) == saved
+
+
+def test_batch_size_and_world_size():
+    def args(batch_size, world_size):
+        ns = Math.get_args_parser().parse_args(["--batch_size", str(batch_size)])
+        ns.world_size = world_size
+        return ns
+    with pytest.raises(Math.UserError, match="smaller than the 4 MPI ranks"):
+        Math.resolve_settings(args(2, 4), 2)
+    with pytest.raises(Math.UserError, match="not divisible by the 2 MPI ranks"):
+        Math.resolve_settings(args(5, 2), 2)
+    model_settings, cfg, _ = Math.resolve_settings(args(8, 2), 2)
+    assert cfg.lr == pytest.approx(cfg.blr * 8 / 256) and model_settings["lora_layers"] == "all"
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data parallel)")
+def test_batch_size_must_split_over_ranks(tiny_base, synthetic_data, tmp_path):
+    result = mpirun(2, math_argv(tiny_base, synthetic_data, tmp_path / "bad", "--batch_size", 3))
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "--batch_size 3 is not divisible by the 2 MPI ranks" in output and "Traceback" not in output
+    assert not (tmp_path / "bad").exists()
+
+
+MOA = dict(lora_layers="0-2", lora_rank=4, lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN", p_adapter_layers="0-2",
+           p_adapter_size=8, swi_x=2, variant="sparse")
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({**MOA, "lora_targets": "Q,FFN_MID"}, "unknown target"),
+    ({**MOA, "lora_layers": "0-"}, "lora_layers"),
+    ({**MOA, "lora_layers": "3-1"}, "ends before it starts"),
+    ({**MOA, "p_adapter_layers": "0-9"}, "past the model"),
+    ({**MOA, "prompt_layers": "0-2"}, "Sparse MoA"),
+    ({**MOA, "gamma_grad": "soft"}, "gamma_grad"),
+    ({"method": "topk", "expert_num": 1}, "expert_num must be >= 2"),
+    ({"method": "topk", "expert_num": 4, "top_k": 5}, "top_k=5 must be between 1"),
+    ({"method": "topk", "expert_num": 4, "top_k": 1, "lb_loss_coeff": 0.0}, "never learns"),
+    ({"method": "adamole", "expert_num": 4, "p_adapter_layers": "0-1"}, "LoRA experts only"),
+    ({"method": "unipeft", "p_adapter_layers": "0-2", "prompt_layers": "0-1"}, "every p_adapter layer needs prompt"),
+    ({"method": "sparse_moe"}, "must be one of moa, moe, topk"),
+])
+def test_model_settings_without_a_working_form_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ModelArgs(**{**dict(dim=32, n_layers=2, n_heads=4, vocab_size=97, multiple_of=16, lora_layers="0-2"),
+                     **settings})
+
+
+def test_authors_options_we_do_not_implement_are_refused(tmp_path):
+    model, data, meta = golden_model("baselines/sparse_moe_topk2_e4_s0")
+    save_adapter(model, str(tmp_path / "ours"))
+    export_authors_adapter(str(tmp_path / "ours"), str(tmp_path / "theirs" / "adapter.pth"))
+    path = tmp_path / "theirs" / "adapter_params.json"
+    fields = json.loads(path.read_text())
+    path.write_text(json.dumps({**fields, "noisy_router": True}))
+    with pytest.raises(CheckpointError, match=r"\['noisy_router'\].*not implement"):
+        import_authors_adapter(str(tmp_path / "theirs" / "adapter.pth"), str(tmp_path / "back"), model.args)
+    path.write_text(json.dumps({**fields, "adamole": "False"}))  # their type=bool flag: any string is True
+    arrays_args = ModelArgs(**{**model.args.to_dict(), "method": "adamole"})
+    with pytest.raises(CheckpointError, match="missing adapter tensor"):
+        import_authors_adapter(str(tmp_path / "theirs" / "adapter.pth"), str(tmp_path / "back"), arrays_args)
+    gated = ModelArgs(**{**model.args.to_dict(), "lora_targets": "Q,FFN_GATE"})
+    save_adapter(LLaMA_adapter(gated), str(tmp_path / "gated"))
+    with pytest.raises(CheckpointError, match="no FFN_GATE LoRA"):
+        export_authors_adapter(str(tmp_path / "gated"), str(tmp_path / "x" / "adapter.pth"))
+
+
+def test_a_moa_flag_must_equal_the_adapters_setting(tiny_run, addsub, tmp_path, monkeypatch, capsys):
+    """Beside its adapter_params.json an adapter's settings are used: a MoA flag that differs from one is refused
+    (one line naming the file and the setting, exit 2, nothing written), a flag that equals it is accepted."""
+    import Infer
+    monkeypatch.setattr(Infer, "generate", lambda model, tok, prompts, *a, **k: [[] for _ in prompts])
+    adapter = tiny_run / "adapter"
+    saved = read_adapter_config(str(adapter))
+    common = ["--adapter_path", str(adapter), "--data_path", addsub, "--output_dir", str(tmp_path / "eval")]
+    differing = {"lora_rank": saved["lora_rank"] * 2, "variant": "soft", "lora_targets": "Q,V",
+                 "lora_alpha": saved["lora_alpha"] + 1}
+    for field, value in differing.items():
+        assert_refused(capsys, lambda: Infer.main([*common, f"--{field}", str(value)]),
+                       str(adapter / "adapter_params.json"), "another configuration", f"{field}: adapter has")
+        assert not (tmp_path / "eval").exists()
+    equal = [a for field in differing for a in (f"--{field}", str(saved[field]))]
+    assert Infer.main([*common, *equal])["datasets"]["AddSub"]["total"] == 2
+
+
+def test_compare_refuses_flags_that_would_mislabel_its_rows(tmp_path, capsys):
+    import Compare
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = [(["--methods", "molora", "--", "--expert_num", "4"], ["--expert_num", "molora preset"]),
+             (["--methods", "hydralora", "--", "--no-hydra_moe"], ["--hydra_moe", "hydralora preset"]),
+             (["--methods", "sparse", "soft", "--", "--variant=soft"], ["--variant", "sparse preset"]),
+             (["--methods", "lora", "--", "--max_steps", "5"], ["--max_steps", "Compare.py itself"]),
+             (["--methods", "lora", "--", "--output_dir", "x"], ["--output_dir", "Compare.py itself"]),
+             (["--output_dir", str(a_file)], [str(a_file), "is a file"]),
+             (["--output_dir", str(a_file / "sub")], ["which is a file"]),
+             (["--ranks", "0"], ["--ranks"]), (["--methods", "nonesuch"], ["--methods", "invalid choice"])]
+    for extra, needles in cases:
+        out = [] if "--output_dir" in extra else ["--output_dir", str(tmp_path / "cmp")]
+        assert_refused(capsys, lambda: Compare.main(out + extra), *needles)
+        assert not (tmp_path / "cmp").exists()  # refused before any run

@@ -1,0 +1,124 @@
+"""Stop signals and kills: SIGINT (130) and SIGTERM (143) end a run between steps with its last checkpoint
+written whole and resumable, end an evaluation between batches writing nothing, end a run blocked on its input;
+a SIGKILL in the middle of a checkpoint write leaves the last whole one, and resuming from it is bit-exact.
+Every signal is sent by conftest.run_and_signal once the program is where the test wants it."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import (MPIRUN, REPO, holds_open, log_lines, log_records, math_argv, one_error_line, printed,
+                      python_program, run_and_signal, train)
+
+from Data.synthetic import make_splits
+from Models.formats.pth import load_pth
+from Utils import misc
+
+EVERY_STEP = ("--eval_interval", "1")  # validate and save checkpoint-latest after every step
+MPI = [pytest.mark.mpi, pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data "
+                                                                   "parallel)")]
+
+
+def no_temp_files(folder):
+    return not [n for n in os.listdir(folder) if n.startswith(misc.TMP_PREFIX)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, stop, code, logged", [
+    (1, signal.SIGINT, 130, 1), (1, signal.SIGTERM, 143, 2),
+    pytest.param(2, signal.SIGTERM, 1, 3, marks=MPI, id="mpirun-2-SIGTERM")])  # mpirun forwards it to both ranks
+def test_a_stop_signal_checkpoints_the_last_step(tiny_base, synthetic_data, tmp_path, ranks, stop, code, logged):
+    """Sent once `logged` lines are in log.txt, so that it falls inside the training loop; one process resumes
+    from the checkpoint it left and goes on from the next step. mpirun itself exits 1 when its ranks stop by a
+    signal (each rank says so)."""
+    out = tmp_path / "run"
+    command = python_program("Math.py", *math_argv(tiny_base, synthetic_data, out, "--epochs", 50))
+    if ranks > 1:
+        command = [MPIRUN, "--oversubscribe", "-np", str(ranks), *command]
+    done = run_and_signal(command, stop, log_lines(out, logged))
+    output = done.stdout + done.stderr
+    assert done.returncode == code, output[-3000:]
+    assert f"stopped by {stop.name}" in output and "Traceback" not in output and "quick exit" not in output
+    steps = [r["step"] for r in log_records(out, "train")]
+    assert load_pth(out / "checkpoint-latest.pth")["global_step"] == steps[-1] >= logged
+    assert no_temp_files(out)
+    if ranks == 1:
+        assert train(tiny_base, synthetic_data, out, "--epochs", 50, "--resume", "auto", "--max_steps",
+                     steps[-1] + 1) == 0
+        assert [r["step"] for r in log_records(out, "train")] == steps + [steps[-1] + 1]
+
+
+@pytest.mark.slow
+def test_sigint_stops_an_evaluation_between_batches_and_writes_nothing(tiny_base, tmp_path):
+    data = tmp_path / "synthetic" / "test.json"
+    data.parent.mkdir()
+    data.write_text(json.dumps(make_splits(4, 0, 60, seed=3)[2]))
+    out = tmp_path / "eval"
+    command = python_program("Infer.py", "--no_adapter", "--llama_path", tiny_base, "--data_path", data,
+                             "--output_dir", out, "--max_gen_len", 40, "--batch_size", 1)
+    done = run_and_signal(command, signal.SIGINT, printed("[infer]"))  # generation started: between batches
+    output = done.stdout + done.stderr
+    assert done.returncode == 130, output
+    assert "stopped by SIGINT" in output and "Traceback" not in output and "quick exit" not in output
+    assert not out.exists() and no_temp_files(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program, stop, code", [("Math.py", signal.SIGINT, 130), ("Math.py", signal.SIGTERM, 143),
+                                                 ("Infer.py", signal.SIGTERM, 143)])
+def test_a_stop_signal_ends_a_run_blocked_on_its_input(tiny_base, synthetic_data, tmp_path, program, stop, code):
+    fifo = tmp_path / "data.json"
+    os.mkfifo(fifo)  # a writer that never comes
+    out = tmp_path / "out"
+    args = (math_argv(tiny_base, {**synthetic_data, "train": str(fifo)}, out) if program == "Math.py" else
+            ["--no_adapter", "--llama_path", tiny_base, "--data_path", str(fifo), "--output_dir", str(out)])
+    done = run_and_signal(python_program(program, *args), stop, holds_open(fifo), timeout=120)
+    assert done.returncode == code, done.stderr
+    one_error_line(done.stderr, f"stopped by {signal.Signals(stop).name}", "nothing was written")
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, synthetic_data, tmp_path):
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    assert train(tiny_base, synthetic_data, straight, "--max_steps", 3, *EVERY_STEP) == 0
+    # the real Math.py, SIGKILLed halfway through writing its second checkpoint-latest.pth
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(REPO)!r})
+        import Utils.jittor_env
+        Utils.jittor_env.block_stop_signals()
+        import Models.formats.pth as torch_write
+        import Math
+        real, saves = torch_write.atomic_write, []
+        def dying(path, write):
+            if path.endswith("checkpoint-latest.pth"):
+                saves.append(path)
+                if len(saves) == 2:
+                    tmp = os.path.join(os.path.dirname(path), Math.misc.temp_name(os.path.basename(path)))
+                    write(tmp)
+                    os.truncate(tmp, os.path.getsize(tmp) // 2)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return real(path, write)
+        torch_write.atomic_write = dying
+        sys.exit(Math.main(sys.argv[1:]))
+        """)
+    proc = subprocess.run([sys.executable, "-c", script, *math_argv(tiny_base, synthetic_data, killed, "--max_steps", 3,
+                                                                    *EVERY_STEP)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    leftovers = [n for n in os.listdir(killed) if n.startswith(misc.TMP_PREFIX)]
+    assert len(leftovers) == 1 and leftovers[0].endswith("checkpoint-latest.pth")
+    assert load_pth(os.path.join(killed, "checkpoint-latest.pth"))["global_step"] == 1  # the last whole one
+
+    assert train(tiny_base, synthetic_data, killed, "--max_steps", 3, "--resume", "auto", *EVERY_STEP) == 0
+    assert not [n for n in os.listdir(killed) if n.startswith(misc.TMP_PREFIX)]  # removed at the start
+    a = load_pth(os.path.join(straight, "adapter", "adapter.pth"))
+    b = load_pth(os.path.join(killed, "adapter", "adapter.pth"))
+    assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    ca, cb = (load_pth(os.path.join(d, "checkpoint-latest.pth")) for d in (straight, killed))
+    assert ca["global_step"] == cb["global_step"] == 3
+    assert all(ca["optimizer"]["m"][k].tobytes() == cb["optimizer"]["m"][k].tobytes() for k in a)
