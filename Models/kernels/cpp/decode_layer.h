@@ -18,5 +18,13 @@ static void attend(const float *q, const float *k, const float *v, int64_t n, in
         for (int64_t i = 0; i < hd; i++) out[i] += p * v[s * ld + i];
     }
 }
+// each of the n head vectors x [n,hd] RMS-normed in place with the weights w [hd] (Qwen3's q_norm, k_norm)
+static void head_norms(float *x, int64_t n, int64_t hd, const float *w, float eps) {
+    for (int64_t r = 0; r < n; r++) {
+        float *row = x + r * hd;
+        const float inv = rms_inverse(row, hd, eps);
+        for (int64_t i = 0; i < hd; i++) row[i] = row[i] * inv * w[i];
+    }
+}
 static inline float column(const float *probs, int64_t NT, int64_t m, int64_t col) { return col < 0 ? 1.f : probs[m * NT + col]; }
 #endif
