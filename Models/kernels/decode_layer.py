@@ -42,7 +42,8 @@ def lora_scaling_rank(block) -> tuple:
 
 def fuses_decode_step(block, x: jt.Var, cos, sin, mask, start_pos, record, aux) -> bool:
     """A decode step (KV cache, no gradient, few rows) of a MoA layer with one expert per family."""
-    return start_pos is not None and block.method == "moa" and block.attention.expert_num == 1 and decoding(x)
+    return (start_pos is not None and block.method == "moa" and block.attention.expert_num == 1
+            and decoding(x, block.attention.wq.weight))
 
 
 def layer_input(block, x, cos, sin):
@@ -82,9 +83,11 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
     M, attn, ffn = B * T, block.attention, block.feed_forward
     H, Hkv, hd, S = attn.n_heads, attn.n_kv_heads, attn.head_dim, cache_k.shape[1]
     inputs = cpp.CodeInputs()
-    for name, var in (("x", x.float32().reshape(M, D)), ("q", q), ("cache_k", cache_k), ("cache_v", cache_v),
-                      ("mask", mask), ("probs", probs)):
-        inputs.add(name, var)
+    cache_type = "const uint16_t *" if cache_k.dtype == "bfloat16" else "const float *"
+    for name, var, ctype in (("x", x.float32().reshape(M, D), "const float *"), ("q", q, "const float *"),
+                             ("cache_k", cache_k, cache_type), ("cache_v", cache_v, cache_type),
+                             ("mask", mask, "const float *"), ("probs", probs, "const float *")):
+        inputs.add(name, var, ctype)
     L = 0
     if attn.has_prompt:
         prompt_k, prompt_v = attn.prompt_keys_values(start_pos)
