@@ -44,13 +44,13 @@ from Models.ModelArgs import BASE_FIELDS, ModelArgs
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
                                      read_adapter_config)
 from Models.formats.base_model import base_args, build_model, open_tokenizer
-from Models.generate import check_kv_cache_memory, generate
+from Models.generate import auto_batch_size, check_kv_cache_memory, generate
 from Data.tiny_base import ensure_default_base
 from Models.formats.pth import CheckpointError
 from Utils import misc, output_dirs, sandbox
 from Utils.jittor_env import StopFlag, Stopped
 from Utils.misc import print_main, read_json_object
-from Utils.settings import ArgumentParser, GenerationArgs, add_arguments, check_values, given
+from Utils.settings import ArgumentParser, GenerationArgs, add_arguments, check_values, count_or_auto, given
 
 def get_args_parser():
     p = ArgumentParser(description="Generate answers with a MoA adapter, score them, dump router weights.")
@@ -70,7 +70,9 @@ def get_args_parser():
                    help="predictions, scores and plots; default: <run dir>/eval (or eval_base with --no_adapter)")
     p.add_argument("--max_examples", type=int, default=None, help="evaluate only the first N examples of each data set")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (each batch draws from (seed, rank, batch))")
-    p.add_argument("--batch_size", type=int, default=8, help="prompts generated together per rank")
+    p.add_argument("--batch_size", type=count_or_auto, default="auto",
+                   help="prompts generated together per rank, or auto: the most whose KV cache and decoding buffers "
+                        "fit in the memory left after loading the model (at most 64 with a bf16 base, 16 otherwise)")
     p.add_argument("--save_weights", action="store_true",
                    help="save type_weight.pkl / token_weight.pkl and draw router heatmaps")
     p.add_argument("--plot_examples", type=int, default=3, help="examples drawn in the token_weight heatmap")
@@ -138,15 +140,21 @@ def model_overrides(args, adapter, llama_path):
     return {**overrides, **given(args, ModelArgs)}
 
 
-def load_model(args, adapter, llama_path, max_seq_len):
-    """The base with the adapter's experts (none with --no_adapter), weights loaded strictly."""
-    overrides = model_overrides(args, adapter, llama_path) if adapter else {}
+def model_settings(args, adapter, llama_path, max_seq_len):
+    """The model's ModelArgs: the adapter's (none with --no_adapter, which takes only --precision and
+    --kv_cache) and the flags given."""
+    overrides = model_overrides(args, adapter, llama_path) if adapter else {
+        k: v for k, v in given(args, ModelArgs).items() if k in ("precision", "kv_cache")}
+    batch = args.batch_size if args.batch_size != "auto" else 1  # auto: set once the model is loaded
     try:
-        model_args = base_args(llama_path, **{**overrides, "max_seq_len": max_seq_len,
-                                              "max_batch_size": args.batch_size})
-        model = build_model(llama_path, model_args)
+        return base_args(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": batch})
     except TypeError as e:  # a config field of the wrong type
         raise ValueError(str(e)) from None
+
+
+def load_model(llama_path, adapter, model_args):
+    """The base with the adapter's experts (none with --no_adapter), weights loaded strictly."""
+    model = build_model(llama_path, model_args)
     if adapter:
         try:
             load_adapter(model, adapter)
@@ -229,7 +237,7 @@ def score_and_write(test_sets, examples, results, output_dir, meta, code=None):
 def check_args(args):
     for flag in ("batch_size", "max_examples", "plot_examples", "seed"):
         value = getattr(args, flag)
-        if value is not None and value < (0 if flag in ("plot_examples", "seed") else 1):
+        if value not in (None, "auto") and value < (0 if flag in ("plot_examples", "seed") else 1):
             raise ValueError(f"--{flag}={value} is too small")
 
 
@@ -278,10 +286,16 @@ def run(args, stop=None):
     context = model_context(args, config)
     check_prompt_lengths(prompts, test_sets, context)
     max_seq_len = min(context, max(map(len, prompts)) + gen.max_gen_len)
-    check_kv_cache_memory(params, args.batch_size, max_seq_len)
-    model = load_model(args, adapter, llama_path, max_seq_len)
+    model_args = model_settings(args, adapter, llama_path, max_seq_len)
+    if args.batch_size != "auto":
+        check_kv_cache_memory(model_args, args.batch_size, max_seq_len)
+    model = load_model(llama_path, adapter, model_args)
+    if args.batch_size == "auto":
+        args.batch_size = model_args.max_batch_size = auto_batch_size(model_args, max_seq_len,
+                                                                      len(range(rank, len(examples), world)))
     print_main(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
-               f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len} (context {context})")
+               f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len} (context {context}); "
+               f"batch size {args.batch_size}")
     # the authors give each example min(max_gen_len, max_seq_len - prompt length), max_seq_len from the adapter
     budget_seq_len = given(args, ModelArgs).get("max_seq_len") or (config.get("max_seq_len") if config else None)
     # every rank writes into rank 0's staging folder: its pid names it

@@ -18,7 +18,7 @@ from .SparseLoRA import SparseLoRAMoE
 from .kernels.elementwise import rms_norm, rms_norm_branches, rope, silu_gate
 from .kernels.projections import Projection, lora_projections, swiglu_down
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
-from .kernels.precision import BaseLinear
+from .kernels.precision import BaseLinear, cast_to
 
 
 class RMSNorm(nn.Module):
@@ -92,24 +92,31 @@ class Attention(nn.Module):
             if args.expert_num > 1:  # softmax mixer of the experts' outputs; nn.Linear's start is the authors'
                 self.prompt_router = nn.Linear(D, args.expert_num, bias=True)
         self.expert_num = args.expert_num
+        self.kv_cache = args.kv_cache
         self._cache_k = self._cache_v = None
         self._prompt_kv = None  # the prompt's keys and values, fixed while the cache lives
 
     def reset_cache(self):
         self._cache_k = self._cache_v = self._prompt_kv = None
 
+    def cache_dtype(self) -> str:
+        """The KV cache's element type: the base's storage type (bf16 or fp32), or fp32 (ModelArgs.kv_cache)."""
+        return "bfloat16" if self.kv_cache == "base" and self.wq.weight.dtype == "bfloat16" else "float32"
+
     def update_cache(self, xk: jt.Var, xv: jt.Var, start_pos: int):
-        """Write this step's keys/values [B,T,Hkv,hd] at positions start_pos.. of the cache.
+        """Write this step's keys/values [B,T,Hkv,hd] at positions start_pos.. of the cache (rounded to
+        bf16 in a bf16 cache).
 
         Jittor's setitem writes in place and takes the position as data, so every
         decode step runs the same compiled ops. Returns the whole cache [B,S,Hkv,hd].
         """
         B, T = xk.shape[:2]
-        if self._cache_k is None or self._cache_k.shape[0] != B:
+        dtype = self.cache_dtype()
+        if self._cache_k is None or self._cache_k.shape[0] != B or self._cache_k.dtype != dtype:
             shape = (B, self.max_seq_len, self.n_kv_heads, self.head_dim)
-            self._cache_k, self._cache_v = jt.zeros(shape, "float32"), jt.zeros(shape, "float32")
-        self._cache_k[:, start_pos:start_pos + T] = xk.stop_grad()
-        self._cache_v[:, start_pos:start_pos + T] = xv.stop_grad()
+            self._cache_k, self._cache_v = jt.zeros(shape, dtype), jt.zeros(shape, dtype)
+        self._cache_k[:, start_pos:start_pos + T] = cast_to(xk.stop_grad(), dtype)
+        self._cache_v[:, start_pos:start_pos + T] = cast_to(xv.stop_grad(), dtype)
         return self._cache_k, self._cache_v
 
     def execute(self, x, cos, sin, mask, route, start_pos=None):

@@ -20,6 +20,7 @@ SPARSE_MOE_METHODS = ("topk", "adamole")
 INSTANCE_METHODS = ("instance", "unipeft")  # routed once per sequence, from its mean
 GAMMA_GRADS = ("authors", "ste")
 PRECISIONS = ("bf16", "fp32")
+KV_CACHE_PRECISIONS = ("base", "fp32")
 PRECISION_HELP = ("storage of the frozen base's matrices. bf16 halves the base's memory (what an 8B model needs), "
                   "runs on the CPU's bf16 units (avx512_bf16/AMX) or the GPU's half matmul, and loses nothing on "
                   "Meta's bf16 checkpoints; fp32 gives the authors' fp32 numbers. Adapters, routers, norms, "
@@ -88,6 +89,10 @@ class ModelArgs:
     # bf16 is faster; the paper's recipes (LLaMA-3.1-8B) choose it, as the authors' bf16=True does:
     # their base does not fit a 24 GB machine in fp32. Models/kernels/precision.py does the work.
     precision: str = setting("fp32", PRECISION_HELP, PRECISIONS)
+    kv_cache: str = setting("base", "precision of the KV cache's keys and values: 'base' stores them as the base's "
+                                    "matrices are stored (bf16 with --precision bf16: half the cache's memory and of "
+                                    "what each decode step reads), 'fp32' in fp32 whatever the base",
+                            KV_CACHE_PRECISIONS, resumable=True)
     method: str = setting("moa", "the mixture: moa (the heterogeneous type router, see --variant), or a baseline: "
                                  "moe (LoRA / MoLoRA / HydraLoRA / prompt and adapter MoE, by --expert_num and "
                                  "--hydra_moe), topk (sparse MoE-LoRA), adamole (threshold MoE-LoRA), instance "

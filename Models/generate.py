@@ -1,17 +1,22 @@
 """Batched generation through the KV cache (Meta's llama3 / gpt-fast style).
 
 Every row starts at position 0 and is right-padded. The prefill feeds the first
-P tokens of all rows at once, P a bucketed length <= the shortest prompt (so
-only a few prefill shapes ever compile); after that one token per step, and a
-row whose prompt is not finished yet is fed its own next prompt token instead
+P tokens of all rows, P <= the shortest prompt, in chunks of bucketed lengths
+(prefill_chunks: at most `prefill_step` tokens each, so only a few shapes ever
+compile and the activations of a chunk stay small); after that one token per step,
+and a row whose prompt is not finished yet is fed its own next prompt token instead
 of the picked one. Each row thus sees exactly its own tokens at its own
 positions: a batch gives the same tokens as batch size 1 (greedy), and the
 router values recorded at a position are those computed when its token was fed.
-The instance-level methods prefill exactly the shortest prompt instead: their gates
-come from the prefill (the authors' min_prompt_len), so with several prompts of
-different lengths a batch is not the same as batch size 1 for them.
+The instance-level methods prefill exactly the shortest prompt, in one call, instead:
+their gates come from the prefill (the authors' min_prompt_len), so with several
+prompts of different lengths a batch is not the same as batch size 1 for them.
+A decode step's products read the base's weights once for the whole batch
+(Models/kernels/switch.decoding), so tokens per second grow with the batch up to
+DECODE_ROWS rows; `auto_batch_size` picks the largest batch the memory holds.
 """
 import os
+import time
 
 import numpy as np
 
@@ -20,6 +25,7 @@ import jittor as jt
 from jittor import nn
 
 from .ModelArgs import INSTANCE_METHODS
+from .kernels.switch import DECODE_ROWS, GEMV_ROWS
 
 PAD_TOKEN = 0  # fed in padded slots that are never read (pad_id -1 is not a valid embedding row)
 
@@ -37,8 +43,28 @@ def available_memory() -> int:
 
 
 def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
-    """The keys and values of every layer in fp32: batch * layers * 2 * kv_heads * head_dim * seq * 4."""
-    return batch_size * args.n_layers * 2 * args.n_kv_heads * args.head_dim * seq_len * 4
+    """The keys and values of every layer: batch * layers * 2 * kv_heads * head_dim * seq * (4, or 2 in a
+    bf16 cache: ModelArgs.kv_cache 'base' with a bf16 base)."""
+    element = 2 if args.precision == "bf16" and args.kv_cache == "base" else 4
+    return batch_size * args.n_layers * 2 * args.n_kv_heads * args.head_dim * seq_len * element
+
+
+def decode_buffer_bytes(args, batch_size: int, chunk: int) -> int:
+    """What generation holds besides the model and the cache, bounded from above: a prefill chunk's
+    activations (the FFN's three hidden tensors and a few residual-stream ones, fp32) and the logits
+    with their probabilities (fp32, and float64 on the host for sampling)."""
+    return batch_size * (chunk * (3 * args.ffn_hidden_dim + 8 * args.dim) * 4 + args.vocab_size * 16)
+
+
+def auto_batch_size(args, seq_len: int, n_prompts: int, available=None, chunk: int = 64) -> int:
+    """`--batch_size auto`: the largest batch, at most n_prompts and the rows one pass of the decode
+    kernels serves (DECODE_ROWS with a bf16 base, GEMV_ROWS otherwise), whose KV cache and decode
+    buffers fit in 80% of the memory left (all ranks on this host together; call it with the model loaded)."""
+    ranks_here = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+    available = (available_memory() if available is None else available) * 0.8 / ranks_here
+    per_row = kv_cache_bytes(args, 1, seq_len) + decode_buffer_bytes(args, 1, chunk)
+    most = DECODE_ROWS if args.precision == "bf16" else GEMV_ROWS
+    return max(1, min(most, n_prompts, int(available // per_row)))
 
 
 def check_kv_cache_memory(args, batch_size: int, seq_len: int, available=None):
@@ -61,26 +87,73 @@ def prefill_length(shortest_prompt: int, step: int = 64) -> int:
     return 1 << (shortest_prompt.bit_length() - 1)
 
 
-def prefill(model, tokens: np.ndarray, records=None) -> jt.Var:
-    """Fresh cache, feed tokens [B,P] at positions 0..P-1; logits [B,V] that predict position P."""
-    model.llama.reset_cache()
-    return model.llama(jt.array(tokens.astype(np.int32)), start_pos=0, records=records, last=True)[:, -1]
+def prefill_chunks(shortest_prompt: int, step: int = 64, smallest: int = 8) -> list:
+    """The lengths of the prefill's chunks, in order: prefill_length's bucket cut into chunks of `step`,
+    then the largest power of two of the rest while it is at least `smallest` tokens (fewer would cost
+    about as much as feeding them one per decode step, which the rest is)."""
+    first = prefill_length(shortest_prompt, step)
+    chunks = [min(step, first)] * (first // step) or [first]
+    rest = shortest_prompt - first
+    while rest >= smallest:
+        chunks.append(1 << (min(rest, step).bit_length() - 1))
+        rest -= chunks[-1]
+    return chunks
 
 
-def decode_step(model, tokens: np.ndarray, pos: int, records=None) -> jt.Var:
-    """Feed one token per row [B] at position `pos`; logits [B,V] that predict pos + 1."""
-    return model.llama(jt.array(tokens.astype(np.int32)[:, None]), start_pos=pos, records=records, last=True)[:, -1]
+def feed(model, tokens: np.ndarray, pos: int, records=None) -> jt.Var:
+    """Feed tokens [B,T] at positions pos..pos+T-1 through the KV cache; logits [B,V] that predict pos + T."""
+    return model.llama(jt.array(tokens.astype(np.int32)), start_pos=pos, records=records, last=True)[:, -1]
+
+
+# Rows whose nucleus has fewer tokens than this are sampled from their most probable tokens alone
+NUCLEUS_CANDIDATES = 64
+
+
+def first_sum_block(n: int) -> int:
+    """The length of the first block numpy's pairwise summation adds up alone in a row of n float64s (its
+    blocks hold at most 128): a sum over n elements that are zero past that block equals the block's sum."""
+    while n > 128:
+        n = n // 2 - n // 2 % 8
+    return n
 
 
 def sample_top_p(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> np.ndarray:
-    """Nucleus sampling on the host: probs [B,V] -> token ids [B]."""
-    order = np.argsort(-probs, axis=-1, kind="stable")
-    sorted_probs = np.take_along_axis(probs, order, axis=-1).astype(np.float64)
-    cumulative = np.cumsum(sorted_probs, axis=-1)
-    sorted_probs[cumulative - sorted_probs > top_p] = 0.0
-    sorted_probs /= sorted_probs.sum(axis=-1, keepdims=True)
-    picks = np.array([rng.choice(len(p), p=p) for p in sorted_probs])
-    return np.take_along_axis(order, picks[:, None], axis=-1)[:, 0]
+    """Nucleus sampling on the host: probs [B,V] -> token ids [B]. Each row keeps its most probable tokens
+    (ties in token order) up to the first at which the mass before it exceeds top_p, renormalises them and
+    draws one with rng. A row whose nucleus lies within its NUCLEUS_CANDIDATES most probable tokens (ahead
+    of any tie with the others) is drawn from them alone: the same numbers, sums and draw as from the whole
+    sorted row (nucleus_of_sorted_row), without sorting all V."""
+    B, V = probs.shape
+    block = first_sum_block(V)
+    k = min(NUCLEUS_CANDIDATES, block)
+    candidates = np.argpartition(-probs, k - 1, axis=-1)[:, :k] if k < V else np.tile(np.arange(V), (B, 1))
+    candidate_probs = np.take_along_axis(probs, candidates, axis=-1)
+    order = np.lexsort((candidates, -candidate_probs), axis=-1)  # by probability, ties by token id
+    candidates = np.take_along_axis(candidates, order, axis=-1)
+    sorted_probs = np.take_along_axis(candidate_probs, order, axis=-1).astype(np.float64)
+    kept = np.cumsum(sorted_probs, axis=-1) - sorted_probs <= top_p  # a prefix of each row
+    n_kept = kept.sum(-1)
+    inside = (n_kept < k) & (sorted_probs[np.arange(B), n_kept - 1] > sorted_probs[:, -1]) if k < V else n_kept > 0
+    picks = np.empty(B, np.int64)
+    for b in range(B):
+        if not inside[b]:
+            order_b, p = nucleus_of_sorted_row(probs[b], top_p)
+            picks[b] = order_b[rng.choice(V, p=p)]
+            continue
+        p = np.zeros(block)
+        p[:k] = np.where(kept[b], sorted_probs[b], 0.0)
+        p /= p.sum()
+        picks[b] = candidates[b, rng.choice(block, p=p)]
+    return picks
+
+
+def nucleus_of_sorted_row(probs: np.ndarray, top_p: float) -> tuple:
+    """A row probs [V] sorted (stable, most probable first) and its nucleus probabilities [V] (float64,
+    zero past the nucleus, summing to 1): (order, p)."""
+    order = np.argsort(-probs, kind="stable")
+    p = probs[order].astype(np.float64)
+    p[np.cumsum(p) - p > top_p] = 0.0
+    return order, p / p.sum()
 
 
 def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
@@ -121,7 +194,7 @@ def row_records(steps: list, row: int, n_tokens: int) -> list:
 
 def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature: float = 0.0,
              top_p: float = 0.9, seed: int = 0, records=None, batch_size=None, prefill_step: int = 64,
-             budget_seq_len=None):
+             budget_seq_len=None, timings=None):
     """Continue each prompt (a list of token ids, bos included) by up to max_gen_len tokens.
 
     budget_seq_len: the authors' budget, a sequence length that no example's prompt plus
@@ -137,6 +210,8 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
     methods repeat their sequence's gates on every token.
     batch_size: pad the batch with copies of the first prompt to this many rows,
       so the last, smaller batch of a run reuses the compiled shapes.
+    timings: a dict that receives prefill_s and prefill_tokens (the chunks, all rows), decode_s and
+      decode_steps (one token per row each; the first picks belong to the prefill), for benchmarks.
     """
     prompts = [list(map(int, p)) for p in prompt_token_lists]
     n_real = len(prompts)
@@ -180,13 +255,19 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
 
     model.eval()
     with jt.no_grad():
-        P = int(lengths.min())  # instance-level gates pool the prefill: all of it, as the authors'
-        if model.llama.args.method not in INSTANCE_METHODS:
-            P = prefill_length(P, prefill_step)
-        logits = forward(prefill, tokens[:, :P])
-        last_fed = P - 1
+        start = time.perf_counter()
+        shortest = int(lengths.min())  # instance-level gates pool the prefill: all of it, in one call, as the authors'
+        chunks = [shortest] if model.llama.args.method in INSTANCE_METHODS else prefill_chunks(shortest, prefill_step)
+        model.llama.reset_cache()
+        P = 0
+        for length in chunks:
+            logits = forward(feed, tokens[:, P:P + length], P)
+            P += length
+        last_fed, n_steps = P - 1, 0
         for pos in range(P, total_len):
             picked = pick_tokens(logits, temperature, top_p, rng)
+            if pos == P:
+                prefilled = time.perf_counter()
             tokens[:, pos] = np.where(is_prompt[:, pos], tokens[:, pos], picked)
             generated = pos - lengths + 1  # tokens each row has generated so far (<= 0: still in its prompt)
             done |= ~is_prompt[:, pos] & np.isin(tokens[:, pos], stop_ids)
@@ -194,10 +275,13 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
             last_pos = pos
             if done.all() or pos + 1 == total_len:
                 break
-            logits = forward(decode_step, tokens[:, pos], pos)
-            last_fed = pos
+            logits = forward(feed, tokens[:, pos:pos + 1], pos)
+            last_fed, n_steps = pos, n_steps + 1
         if steps is not None and last_fed < last_pos:
-            forward(decode_step, tokens[:, last_pos], last_pos)  # router values of the last kept token
+            forward(feed, tokens[:, last_pos:last_pos + 1], last_pos)  # router values of the last kept token
+        if timings is not None:
+            timings.update(prefill_s=prefilled - start, prefill_tokens=B * P,
+                           decode_s=time.perf_counter() - prefilled, decode_steps=n_steps)
 
     outputs = []
     for b in range(n_real):

@@ -110,6 +110,13 @@ def resume_fixed(values: dict, *classes) -> dict:
     return {k: v for k, v in values.items() if k in fixed}
 
 
+def count_or_auto(text: str):
+    """A flag's type: a positive integer, or 'auto' (the program chooses)."""
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with the project's error contract: a bad argument is one `error:` line, exit 2."""
 

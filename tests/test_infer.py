@@ -22,7 +22,7 @@ from Data.synthetic import make_splits
 from Models.ModelArgs import ModelArgs
 from Models.formats.adapters import export_authors_adapter, save_adapter
 from Models import LLM
-from Models.formats.base_model import build_model
+from Models.formats.base_model import base_args, build_model
 from Models.generate import generate, prefill_length
 from Models.kernels.switch import fused_kernels_on
 from Models.kernels.precision import set_base_precision
@@ -122,17 +122,24 @@ def test_records_match_full_forward(models, tok, prompts, variant):
 @pytest.mark.skipif(not fused_kernels_on(), reason="fused kernels are off (no libdnnl or a GPU run)")
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("variant", ["sparse", "soft"])
-def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tok, prompts, variant, precision):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tiny_qwen3, arch, variant, precision):
     """A decode step's layer in two ops (Models/kernels/decode_layer.py) against the op-by-op layer, its plain
     reference, through the KV cache: a prefill of 2 x 3 rows (causal within it) and 2-row steps; layers
-    with and without prompt and adapter, grouped kv heads. fp32: the same numbers to float rounding; bf16:
-    a last-bit difference can round a projection's input to the neighbouring bf16 value, so a looser bound."""
-    args = ModelArgs.from_params_json(base_dir, max_seq_len=64, max_batch_size=2, **MOA[variant])
-    model = build_model(base_dir, args)
+    with and without prompt and adapter, grouped kv heads; Qwen3 (head_dim 32 of a 64-wide model, its
+    per-head q_norm and k_norm, with weights drawn so that they matter). fp32: the same numbers to float
+    rounding; bf16: a last-bit difference can round a projection's input to the neighbouring bf16 value,
+    so a looser bound."""
+    path = base_dir if arch == "llama" else tiny_qwen3
+    model = build_model(path, base_args(path, max_seq_len=64, max_batch_size=2, **MOA[variant]))
     randomize_adapters(model, seed=7, scale=0.1)
+    rng = np.random.default_rng(3)
+    for name, var in model.base_parameters().items():
+        if "q_norm" in name or "k_norm" in name:
+            var.assign(jt.array((1 + 0.5 * rng.standard_normal(var.shape)).astype(np.float32)))
     set_base_precision(model, precision)
     model.eval()
-    tokens = np.array([p[:8] for p in prompts[1::2]], np.int32)  # two prompts of >= 8 tokens
+    tokens = rng.integers(1, model.llama.args.vocab_size, (2, 8)).astype(np.int32)
     calls = []
     fused = LLM.layer_step.fused
     monkeypatch.setattr(LLM.layer_step, "fused", lambda *a: calls.append(1) or fused(*a))

@@ -10,7 +10,7 @@ from Models.kernels.experts import add_projected, add_weighted, gated_projection
 from Models.kernels.projections import (ExpertTerm, Projection, gemv_lora_projections, lora_projections,
                                         plain_lora_projections, projections_op, swiglu_down)
 from Models.kernels.attention import attention, prompt_attention
-from Models.kernels.switch import fused_kernels_on
+from Models.kernels.switch import DECODE_ROWS, GEMV_ROWS, decoding, fused_kernels_on
 from Models.kernels.linear import linear
 from Models.Routing import Gamma, swiglu_router, type_router, type_weights
 from Models.kernels.precision import BF16Linear, bf16_linear, cast_to, cpu_has_bf16_units, to_bf16
@@ -214,6 +214,28 @@ def test_bf16_linear(shape, N, units):
     np.testing.assert_allclose(got.numpy(), rounded(out_grad.numpy()) @ w64, rtol=1e-5, atol=2e-5)
 
 
+# A decode step's 17-64 rows (cpp/bf16_rows.h): M = 17, 33, 64 (tiles of 4 rows and a rest of 1),
+# N = 13 and 50 (blocks of 6 weight rows and single rows), K = 100 (three 32-column steps and a
+# rest of 4), 160, and 4200 (three chunks of 2048 columns with the next one prefetched, the last partial)
+@pytest.mark.parametrize("units", units_choices)
+@pytest.mark.parametrize("M, N, K", [(17, 13, 100), (33, 50, 160), (64, 7, 4200)])
+def test_bf16_rows(M, N, K, units):
+    """A decode step's bf16 product of more rows than a GEMV pass: the bf16 rule, on the units (dot
+    products of bf16 pairs) and without them (widened weights), as the plain reference and float64 on
+    the rounded operands give it, to fp32 summation; with a gradient the same op takes training's path."""
+    rng = np.random.default_rng(M + K)
+    x, weight = normal(rng, (M, K)), bf16_weight(rng, (N, K))
+    want = rounded(x.numpy()) @ weight.float32().numpy().astype(np.float64).T
+    with jt.no_grad():
+        assert decoding(x, weight) and not decoding(normal(rng, (DECODE_ROWS + 1, K)), weight)
+        fused, plain = BF16Linear(units=units)(x, weight), bf16_linear.plain(x, weight)
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(fused.numpy(), want, rtol=1e-5, atol=1e-4)
+    training = BF16Linear(units=units)(x, weight).numpy()  # oneDNN's gemm or widened panels
+    np.testing.assert_allclose(training, want, rtol=1e-5, atol=1e-4)
+    assert not np.array_equal(training, fused.numpy())  # another summation order: another kernel ran
+
+
 @pytest.mark.parametrize("units", units_choices)
 def test_bf16_attention(units, monkeypatch):
     """Attention of a bf16 base (training, prefill): q, k, v and the probabilities rounded to bf16, sums
@@ -260,15 +282,19 @@ def projections_case(rng, base_dtype, rows):
     return x, projections, [A1, B1, weight, A2, B2]
 
 
-@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
-def test_lora_projections_decoding(base_dtype):
-    """A decode step's base projections with their LoRA experts: GEMV passes (4 rows, inference)."""
-    x, projections, _ = projections_case(np.random.default_rng(12), base_dtype, (4, 1))
+# 4 rows: GEMV passes, fp32 or bf16 base; 20 rows of a bf16 base: the rows kernel (cpp/bf16_rows.h)
+@pytest.mark.parametrize("base_dtype, rows", [("float32", 4), ("bfloat16", 4), ("bfloat16", 20)])
+def test_lora_projections_decoding(base_dtype, rows):
+    """A decode step's base projections with their LoRA experts: one pass over each weight (inference)."""
+    x, projections, _ = projections_case(np.random.default_rng(12), base_dtype, (rows, 1))
     with jt.no_grad():
         assert lora_projections.when(x, projections)
         for got, want in zip(gemv_lora_projections(x, projections), plain_lora_projections(x, projections)):
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=2e-5)
-            assert got.shape == want.shape == [4, 1, want.shape[-1]]
+            assert got.shape == want.shape == [rows, 1, want.shape[-1]]
+    with jt.no_grad():  # an fp32 base above GEMV_ROWS rows takes training's kernels
+        assert not lora_projections.when(normal(np.random.default_rng(0), (GEMV_ROWS + 1, 96)),
+                                         [Projection(projections[0].base_weight.float32())])
 
 
 # 2 x 40 rows: training's sgemm (or bf16 units) path; 3 rows: a short batch with gradients, whose bf16

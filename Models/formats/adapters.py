@@ -102,7 +102,7 @@ def write_adapter(arrays: dict, model_args: dict, out_dir: str):
 def config_differences(saved: dict, args: ModelArgs) -> list:
     """Fields of a saved adapter config that disagree with the model's (runtime fields ignored)."""
     current = args.to_dict()
-    skip = {"max_batch_size", "max_seq_len", "precision"}
+    skip = {"max_batch_size", "max_seq_len", "precision", "kv_cache"}
     return [f"{k}: adapter has {saved[k]!r}, model has {current[k]!r}"
             for k in sorted(saved) if k in current and k not in skip and saved[k] != current[k]]
 

@@ -69,7 +69,9 @@ def fused_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var, bf16: bool = 
 
 
 def plain_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var, bf16: bool = False) -> jt.Var:
-    """The same attention in plain Jittor ops, fp32 products (bf16 is the fused kernels' rule only)."""
+    """The same attention in plain Jittor ops, fp32 products (bf16 is the fused kernels' rule only); k and
+    v may be a bf16 KV cache."""
+    k, v = k.float32(), v.float32()
     n_rep = q.shape[2] // k.shape[2]
     keys = repeat_kv(k, n_rep).transpose(0, 2, 3, 1)  # [B,H,hd,S]
     values = repeat_kv(v, n_rep).transpose(0, 2, 1, 3)  # [B,H,S,hd]

@@ -6,7 +6,9 @@ built op by op it is about 25 ops, each a few microseconds of Python and of Jitt
 Here it is four: these two (cpp/layer_input.cc, cpp/layer_output.cc), and the two cache writes
 between them. Each projection is lora_project (cpp/lora_project.h: a GEMV pass over the base's
 weights and its LoRA expert under its type weight) and the routing is cpp/route_row.cc, as in the
-per-op decode kernels, so the numbers are those of the op-by-op layer. That layer is the plain side
+per-op decode kernels, so the numbers are those of the op-by-op layer. A Qwen3 layer norms each query
+and key head (q_norm, k_norm) between the projections and RoPE; its prompt expert's keys come normed
+from Attention.prompt_keys_values. That layer is the plain side
 of the Kernel (LLM.layer_step, `when` = fuses_decode_step) and serves everything else: training,
 scoring, a GPU, mixtures of several experts per family and the baselines.
 """
@@ -39,10 +41,9 @@ def lora_scaling_rank(block) -> tuple:
 
 
 def fuses_decode_step(block, x: jt.Var, cos, sin, mask, start_pos, record, aux) -> bool:
-    """A decode step (KV cache, no gradient, few rows) of a MoA layer with one expert per family and
-    no per-head query/key norm (a Qwen3 layer's decode step runs op by op)."""
+    """A decode step (KV cache, no gradient, few rows) of a MoA layer with one expert per family."""
     return (start_pos is not None and block.method == "moa" and block.attention.expert_num == 1
-            and block.attention.q_norm is None and decoding(x))
+            and decoding(x, block.attention.wq.weight))
 
 
 def layer_input(block, x, cos, sin):
@@ -60,10 +61,13 @@ def layer_input(block, x, cos, sin):
         inputs.lora_expert(target, lora)
     inputs.add("COS", cos)
     inputs.add("SIN", sin)
+    inputs.add("Q_NORM", None if attn.q_norm is None else attn.q_norm.weight)
+    inputs.add("K_NORM", None if attn.k_norm is None else attn.k_norm.weight)
     sparse = block.adapter_threshold_fn is not None
     scale, R = lora_scaling_rank(block)
     sizes = (f"const int64_t M = {M}, T = {T}, H = {H}, Hkv = {Hkv}, hd = {hd}, R = {R};\n"
-             f"const float eps = {block.attention_norm.eps!r}f, scale = {float(scale)!r}f;\n"
+             f"const float eps = {block.attention_norm.eps!r}f, scale = {float(scale)!r}f, "
+             f"head_eps = {(attn.q_norm.eps if attn.q_norm is not None else 0.0)!r}f;\n"
              f"const bool BASE_BF16 = {cpp.flag(attn.wq.weight.dtype == 'bfloat16')};\n"
              + columns(block, dict(Q="Q", K="K", V="V"))
              + f"float *PROBS = out3_p, *GAMMAS = {'out4_p' if sparse else 'nullptr'};\n")
@@ -79,9 +83,11 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
     M, attn, ffn = B * T, block.attention, block.feed_forward
     H, Hkv, hd, S = attn.n_heads, attn.n_kv_heads, attn.head_dim, cache_k.shape[1]
     inputs = cpp.CodeInputs()
-    for name, var in (("x", x.float32().reshape(M, D)), ("q", q), ("cache_k", cache_k), ("cache_v", cache_v),
-                      ("mask", mask), ("probs", probs)):
-        inputs.add(name, var)
+    cache_type = "const uint16_t *" if cache_k.dtype == "bfloat16" else "const float *"
+    for name, var, ctype in (("x", x.float32().reshape(M, D), "const float *"), ("q", q, "const float *"),
+                             ("cache_k", cache_k, cache_type), ("cache_v", cache_v, cache_type),
+                             ("mask", mask, "const float *"), ("probs", probs, "const float *")):
+        inputs.add(name, var, ctype)
     L = 0
     if attn.has_prompt:
         prompt_k, prompt_v = attn.prompt_keys_values(start_pos)

@@ -27,7 +27,7 @@ from jittor import nn
 
 from . import cpp
 from .linear import linear
-from .switch import Kernel
+from .switch import Kernel, decoding
 
 # --precision: the frozen base matrices' storage type
 STORAGE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -106,7 +106,8 @@ def bf16_input_grad(grad_out: jt.Var, weight: jt.Var, units: bool) -> jt.Var:
 
 
 class BF16Linear(jt.Function):
-    """x [M,K] fp32 @ w [N,K]^T bf16 -> [M,N] fp32, gradient to x only. units=None asks the CPU."""
+    """x [M,K] fp32 @ w [N,K]^T bf16 -> [M,N] fp32, gradient to x only. units=None asks the CPU. A decode
+    step's product (switch.decoding) reads the weights once for all its rows (cpp/bf16.h)."""
 
     def __init__(self, units=None):
         self.units = cpu_has_bf16_units() if units is None else units
@@ -115,7 +116,8 @@ class BF16Linear(jt.Function):
         (M, K), N = x.shape, weight.shape[0]
         self.weight = weight
         return jt.code((M, N), "float32", [x, weight], cpu_header=BF16_HEADER,
-                       cpu_src=bf16_sizes(M, N, K, self.units) + BF16_FORWARD)
+                       cpu_src=bf16_sizes(M, N, K, self.units)
+                       + f"const bool decode = {cpp.flag(decoding(x, weight))};\n" + BF16_FORWARD)
 
     def grad(self, grad_out):
         return bf16_input_grad(grad_out, self.weight, self.units), None

@@ -181,7 +181,8 @@ def gemv_lora_projections(x: jt.Var, projections: list) -> list:
 projections_op = Kernel(fused_lora_projections, plain_lora_projections)
 # x [..., K] through each Projection: base(x) + its expert's term -> [[..., N], ...]; a decode step's
 # as GEMV passes, the others as projections_op
-lora_projections = Kernel(gemv_lora_projections, projections_op, when=lambda x, projections: decoding(x))
+lora_projections = Kernel(gemv_lora_projections, projections_op,
+                          when=lambda x, projections: decoding(x, projections[0].base_weight))
 
 
 def fused_swiglu_down(gate: jt.Var, up: jt.Var, projection: Projection) -> jt.Var:
@@ -200,7 +201,7 @@ def swiglu_then_project(gate: jt.Var, up: jt.Var, projection: Projection) -> jt.
 def weighted_training_term(gate: jt.Var, up: jt.Var, projection: Projection) -> bool:
     """An expert under a type weight, with a gradient or more rows than a decode step."""
     e = projection.expert
-    return e is not None and e.route_weight is not None and not decoding(gate)
+    return e is not None and e.route_weight is not None and not decoding(gate, projection.base_weight)
 
 
 # The FFN's down projection of its SwiGLU hidden: gate, up [..., F] -> base(h) + the expert's term on h

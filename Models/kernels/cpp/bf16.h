@@ -6,6 +6,7 @@
 #define MOA_BF16_H
 #include "sgemm.h"
 #include "bf16_bits.h"
+#include "bf16_rows.h"
 #include <vector>
 #include <memory>
 #include <algorithm>
@@ -35,18 +36,21 @@ static std::unique_ptr<float[]> rounded(const float *a, int64_t n) {
 
 // y [M,N] = beta y + x [M,K] w [N,K]^T (beta 0 or 1). Few rows (decoding): the GEMV pass, widening
 // each bf16 weight as it is read, so the weights cross memory once, in bf16 (oneDNN's bf16 gemm
-// repacks them every call). Many rows (training, prefill): the bf16 units, else widening is cheap
-// next to the product; PANEL weight rows at a time, each one threaded sgemm, so the fp32 copy stays
-// small (the 8B output matrix widened whole is 2.1 GB).
+// repacks them every call); up to DECODE_ROWS rows of a decode step (`decode`: no gradient), the rows
+// kernel (bf16_rows.h), which reads them once too. Many rows (training, prefill): the bf16 units, else
+// widening is cheap next to the product; PANEL weight rows at a time, each one threaded sgemm, so the
+// fp32 copy stays small (the 8B output matrix widened whole is 2.1 GB).
 // xb: x already narrowed (narrowed()) where several products read it, or null.
 template <int64_t M>
 static void bf16_forward(int64_t N, int64_t K, const float *x, const uint16_t *w, bool units, float beta, float *y,
-                         const uint16_t *xb = nullptr) {
+                         const uint16_t *xb = nullptr, bool decode = false) {
     if (M <= GEMV_ROWS) {
         const auto xr = rounded(x, M * K);
         std::vector<float> product(beta == 0.f ? 0 : M * N);
         gemv<M>(N, K, xr.get(), w, beta == 0.f ? y : product.data());
         if (beta != 0.f) for (int64_t i = 0; i < M * N; i++) y[i] += product[i];
+    } else if (decode && M <= DECODE_ROWS) {
+        bf16_rows(M, N, K, x, w, units, beta, y);
     } else if (!(units && gemm_bf16_units('T', M, N, K, x, w, K, beta, y, xb))) {
         const auto xr = rounded(x, M * K);
         auto wf = scratch<float>(std::min(N, PANEL) * K);

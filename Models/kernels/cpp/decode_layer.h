@@ -7,15 +7,31 @@
 #include "rotate.h"
 #include "router.h"
 #include <algorithm>
-// out [hd] += gain * softmax_s(q . k_s * scale) v_s over the n keys/values k_s, v_s (row stride ld)
-static void attend(const float *q, const float *k, const float *v, int64_t n, int64_t ld, int64_t hd,
+// q . k over n elements of a KV cache held in fp32 (router.h's dot) or in bf16 (widened as read)
+static inline float dot(const float *a, const uint16_t *b, int64_t n) {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * widen(b[i]);
+    return s;
+}
+// out [hd] += gain * softmax_s(q . k_s * scale) v_s over the n keys/values k_s, v_s (row stride ld), T: the
+// cache's element type (float or bf16 bits)
+template <typename T>
+static void attend(const float *q, const T *k, const T *v, int64_t n, int64_t ld, int64_t hd,
                    float scale, float gain, float *out, float *scores) {
     float top = -INFINITY, total = 0.f;
     for (int64_t s = 0; s < n; s++) { scores[s] = dot(q, k + s * ld, hd) * scale; top = std::max(top, scores[s]); }
     for (int64_t s = 0; s < n; s++) { scores[s] = std::exp(scores[s] - top); total += scores[s]; }
     for (int64_t s = 0; s < n; s++) {
         const float p = gain * scores[s] / total;
-        for (int64_t i = 0; i < hd; i++) out[i] += p * v[s * ld + i];
+        for (int64_t i = 0; i < hd; i++) out[i] += p * load1(v[s * ld + i]);
+    }
+}
+// each of the n head vectors x [n,hd] RMS-normed in place with the weights w [hd] (Qwen3's q_norm, k_norm)
+static void head_norms(float *x, int64_t n, int64_t hd, const float *w, float eps) {
+    for (int64_t r = 0; r < n; r++) {
+        float *row = x + r * hd;
+        const float inv = rms_inverse(row, hd, eps);
+        for (int64_t i = 0; i < hd; i++) row[i] = row[i] * inv * w[i];
     }
 }
 static inline float column(const float *probs, int64_t NT, int64_t m, int64_t col) { return col < 0 ? 1.f : probs[m * NT + col]; }

@@ -1,5 +1,7 @@
 // The layer's input side: x [M,D] -> q [M,H*hd], k, v [M,Hkv*hd] (q and k rotated), the type weights
-// PROBS [M,NT] and Gamma GAMMAS [M,1] (Sparse). Names and sizes: decode_layer.layer_input's declarations.
+// PROBS [M,NT] and Gamma GAMMAS [M,1] (Sparse). Qwen3 (Q_NORM, K_NORM not null): each query and key head
+// RMS-normed after its projection and expert, before RoPE. Names and sizes: decode_layer.layer_input's
+// declarations.
 std::vector<float> xn(M * D);
 for (int64_t m = 0; m < M; m++) {
     const float inv = rms_inverse(x + m * D, D, eps);
@@ -14,6 +16,8 @@ for (int64_t m = 0; m < M; m++) {
 lora_project<M>(H * hd, D, R, xn.data(), WQ, BASE_BF16, A_Q, B_Q, COL_Q < 0 ? nullptr : PROBS + COL_Q, NT, scale, out0_p);
 lora_project<M>(Hkv * hd, D, R, xn.data(), WK, BASE_BF16, A_K, B_K, COL_K < 0 ? nullptr : PROBS + COL_K, NT, scale, out1_p);
 lora_project<M>(Hkv * hd, D, R, xn.data(), WV, BASE_BF16, A_V, B_V, COL_V < 0 ? nullptr : PROBS + COL_V, NT, scale, out2_p);
+if (Q_NORM) head_norms(out0_p, M * H, hd, Q_NORM, head_eps);
+if (K_NORM) head_norms(out1_p, M * Hkv, hd, K_NORM, head_eps);
 for (int64_t m = 0; m < M; m++) {
     const float *c = COS + (m % T) * (hd / 2), *s = SIN + (m % T) * (hd / 2);
     for (int64_t h = 0; h < H; h++) rotate_pairs_row(out0_p + (m * H + h) * hd, out0_p + (m * H + h) * hd, c, s, hd / 2, 1.f);
