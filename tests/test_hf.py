@@ -299,9 +299,8 @@ def test_qwen3_moa_fused_equals_plain_and_kv_cache(variant, monkeypatch):
     full = model.llama(jt.array(tokens)).numpy()
     assert max_abs(kv_logits(model.llama, tokens, 5), full[:, 4:]) <= 1e-4
     step = jt.zeros((tokens.shape[0], 1, model.args.dim))
-    with jt.no_grad():  # those steps ran the fused decode layer (its per-head q/k norms: test_infer)
-        assert all(fuses_decode_step(block, step, None, None, None, 5, None, None)
-                   for block in model.llama.layers) == switch.fused_kernels_on()
+    with jt.no_grad():  # the fused decode layer takes Qwen3's steps wherever the switch is on (not on a GPU)
+        assert all(fuses_decode_step(block, step, None, None, None, 5, None, None) for block in model.llama.layers)
 
 
 def test_adapter_records_its_base_and_refuses_another(tiny_qwen3, tiny_hf_llama, tmp_path):
