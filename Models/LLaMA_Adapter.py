@@ -3,8 +3,8 @@
 One naming rule drives freezing, the optimiser and saving: a parameter is an
 adapter parameter when its name contains `lora`, `prompt` or `adapter` (which
 catches the authors' `adapter_type_router` and `adapter_threshold_fn`, and the
-baselines' routers and gates). One exception: UniPEFT's `p_adapter_gate`, saved
-but never read by the authors' model, stays frozen (Routing.UNIPEFT_GATES).
+baselines' routers and gates). Adapter parameters the authors' code gives no gradient
+(Routing.gradientless_modules) are saved but frozen, as their AdamW leaves them alone.
 """
 from collections import Counter
 
@@ -18,7 +18,7 @@ from .kernels.elementwise import output_nll
 from .LLM import LLaMA
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
 from .kernels.precision import set_base_precision
-from .Routing import UNUSED_UNIPEFT_PARAM
+from .Routing import gradientless_modules
 
 ADAPTER_KEYS = ("lora", "prompt", "adapter")
 EXPERT_FAMILIES = {"lora_Q": "Q", "lora_K": "K", "lora_V": "V", "lora_O": "O", "lora_UP": "FFN_UP",
@@ -49,9 +49,9 @@ class LLaMA_adapter(nn.Module):
         set_base_precision(self, args.precision)  # also freezes the base
 
     def freeze_base(self):
-        unused = UNUSED_UNIPEFT_PARAM if self.args.method == "unipeft" else None
+        frozen = gradientless_modules(self.args)
         for name, param in self.named_parameters():
-            param.requires_grad = is_adapter_param(name) and not (unused and unused in name.split("."))
+            param.requires_grad = is_adapter_param(name) and not frozen.intersection(name.split("."))
 
     def adapter_parameters(self) -> dict:
         """name -> Var of every trainable (adapter) parameter, in module order."""

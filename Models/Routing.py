@@ -129,4 +129,14 @@ def sequence_mean(x: jt.Var) -> jt.Var:
 # by the prompt's gate: their `p_adapter_gate` is built and saved but never read (frozen here, so
 # it keeps its value as their AdamW keeps a parameter without gradient).
 UNIPEFT_GATES = {"LORA": "lora_gate", "PROMPT": "prompt_gate", "PADAPTER": "prompt_gate"}
-UNUSED_UNIPEFT_PARAM = "p_adapter_gate"
+
+
+def gradientless_modules(args) -> set:
+    """Adapter modules the authors' code gives no gradient, frozen here so that they keep their values as
+    their AdamW keeps a parameter without gradient (no weight decay either): UniPEFT's p_adapter_gate
+    (never read) and, under gamma_grad='authors', Sparse MoA's threshold Linear (behind a hard step)."""
+    if args.method == "unipeft":
+        return {"p_adapter_gate"}
+    if args.method == "moa" and args.variant == "sparse" and args.gamma_grad == "authors":
+        return {"adapter_threshold_fn"}
+    return set()
