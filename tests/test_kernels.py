@@ -8,7 +8,8 @@ from Models.kernels import elementwise
 from Models.kernels.elementwise import logit_rows, output_nll, rms_norm, rope, silu_gate
 from Models.kernels.experts import add_projected, add_weighted, gated_projection
 from Models.kernels.projections import (ExpertTerm, Projection, gemv_lora_projections, lora_projections,
-                                        plain_lora_projections, projections_op, swiglu_down)
+                                        plain_lora_projections, projections_op, swiglu_down, swiglu_projection_op,
+                                        swiglu_then_project)
 from Models.kernels.attention import attention, prompt_attention
 from Models.kernels.switch import fused_kernels_on
 from Models.kernels.linear import linear
@@ -302,10 +303,38 @@ def test_swiglu_down(base_dtype):
     A, B, weight = normal(rng, (4, 40), 0.1), normal(rng, (24, 4), 0.1), jt.array(rng.random((2, 9)).astype(np.float32))
     projection = Projection(base, ExpertTerm(A, B, weight, 2.0))
     assert swiglu_down.when(gate, up, projection)
-    fused, plain = swiglu_down.fused(gate, up, projection), swiglu_down.plain(gate, up, projection)
+    fused, plain = swiglu_down.fused(gate, up, projection), swiglu_then_project(gate, up, projection)
     np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-5, atol=2e-5)
     out_grad, wrt = normal(rng, fused.shape), [gate, up, A, B, weight]
     for got, want in zip(jt.grad((fused * out_grad).sum(), wrt), jt.grad((plain * out_grad).sum(), wrt)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("has_expert", [True, False])
+def test_swiglu_projection(base_dtype, weighted, has_expert):
+    """Training's FFN down projection with the SwiGLU inside the projections' op, which rebuilds the
+    hidden in the backward instead of keeping it (plain LoRA's unweighted expert, a weighted one, none):
+    exactly the numbers of silu_gate then the projections' kernel (the same passes), and the plain
+    references' within rounding; outputs and the gradients of gate, up and the expert's parameters."""
+    rng = np.random.default_rng(18)
+    gate, up = normal(rng, (2, 9, 40), 2.0), normal(rng, (2, 9, 40), 2.0)
+    base = normal(rng, (24, 40), 0.1)
+    base = (base if base_dtype == "float32" else to_bf16(base)).stop_grad()
+    A, B, weight = normal(rng, (4, 40), 0.1), normal(rng, (24, 4), 0.1), jt.array(rng.random((2, 9)).astype(np.float32))
+    trained = ([A, B] + ([weight] if weighted else [])) if has_expert else []
+    projection = Projection(base, ExpertTerm(A, B, weight if weighted else None, 2.0) if has_expert else None)
+    assert swiglu_projection_op.when(gate, up, projection)
+    fused = swiglu_projection_op.fused(gate, up, projection)
+    op_by_op = swiglu_then_project(gate, up, projection)
+    plain = projections_op.plain(silu_gate.plain(gate, up), [projection])[0]
+    out_grad, wrt = normal(rng, fused.shape), [gate, up] + trained
+    grads = [jt.grad((out * out_grad).sum(), wrt) for out in (fused, op_by_op, plain)]
+    np.testing.assert_array_equal(fused.numpy(), op_by_op.numpy())
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-5, atol=2e-5)
+    for got, same, want in zip(*grads):
+        np.testing.assert_array_equal(got.numpy(), same.numpy())
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=2e-4)
 
 

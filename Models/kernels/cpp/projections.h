@@ -4,6 +4,7 @@
 #ifndef MOA_PROJECTIONS_H
 #define MOA_PROJECTIONS_H
 #include "lora_project.h"
+#include "swiglu.h"
 // xb: x narrowed to bf16 once for all the op's base products (bf16 units), or null
 template <int64_t M>
 static void base_forward(int64_t N, int64_t K, const float *x, const uint16_t *xb, const void *W, bool bf16, bool units,
