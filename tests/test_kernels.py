@@ -7,9 +7,9 @@ from Models.Block import attention_mask
 from Models.kernels import elementwise
 from Models.kernels.elementwise import logit_rows, output_nll, rms_norm, rope, silu_gate
 from Models.kernels.experts import add_projected, add_weighted, gated_projection
-from Models.kernels.projections import (ExpertTerm, Projection, gemv_lora_projections, lora_projections,
-                                        plain_lora_projections, projections_op, swiglu_down, swiglu_projection_op,
-                                        swiglu_then_project)
+from Models.kernels.projections import (ExpertTerm, LoRAProjections, Projection, gemv_lora_projections,
+                                        lora_projections, plain_lora_projections, projections_op, swiglu_down,
+                                        swiglu_projection_op, swiglu_then_project)
 from Models.kernels.attention import attention, prompt_attention
 from Models.kernels.switch import fused_kernels_on
 from Models.kernels.linear import linear
@@ -289,6 +289,34 @@ def test_lora_projections_with_gradients(base_dtype, rows):
     loss = [sum((out * g).sum() for out, g in zip(outputs, out_grads)) for outputs in (fused, plain)]
     for got, want in zip(jt.grad(loss[0], [x] + trained), jt.grad(loss[1], [x] + trained)):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+def test_lora_projections_of_a_stop_grad_input(base_dtype, monkeypatch):
+    """Layer 0's projections read the normed rows of the frozen embedding (stop-grad: LLaMA.hidden): the
+    op computes no dx for them, and the experts' gradients are the bits of the op with dx and, within
+    rounding, the op-by-op reference's."""
+    rng = np.random.default_rng(16)
+    x, projections, trained = projections_case(rng, base_dtype, (2, 40))
+    scale = jt.array((1 + 0.1 * rng.standard_normal(96)).astype(np.float32)).stop_grad()
+    out_grads = [normal(rng, (2, 40, p.base_weight.shape[0])) for p in projections]
+    asked, input_grads_code = [], LoRAProjections.input_grads_code
+
+    def spy(self, pointers, outputs, needs_x, needs_dx):
+        asked.append(needs_dx)
+        return input_grads_code(self, pointers, outputs, needs_x, needs_dx)
+    monkeypatch.setattr(LoRAProjections, "input_grads_code", spy)
+
+    def expert_grads(run, x):
+        normed = elementwise.rms_norm_branches.fused(x, scale, 1e-5, 1)[0]
+        loss = sum((out * g).sum() for out, g in zip(run(normed, projections), out_grads))
+        return [g.numpy() for g in jt.grad(loss, trained)]
+    frozen = (x * 1).stop_grad()
+    no_dx, with_dx = expert_grads(projections_op.fused, frozen), expert_grads(projections_op.fused, x)
+    assert asked == [False, True]
+    for got, same, want in zip(no_dx, with_dx, expert_grads(projections_op.plain, frozen)):
+        np.testing.assert_array_equal(got, same)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])

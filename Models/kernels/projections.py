@@ -91,10 +91,11 @@ class LoRAProjections(jt.Function):
         among `outputs` after the op's own."""
         return f"const float *x = {pointers[0]};\n"
 
-    def input_grads_code(self, pointers: list, outputs: cpp.CodeOutputs, needs_x: bool) -> tuple:
-        """(C++ declaring x (where the experts' dA read it) and dx [M,K], with the inputs' gradients first
-        among `outputs`; C++ ending the backward)."""
-        return f"const float *x = {pointers[0]};\nfloat *dx = {outputs.pointer(self.saved[0][0].shape)};\n", ""
+    def input_grads_code(self, pointers: list, outputs: cpp.CodeOutputs, needs_x: bool, needs_dx: bool) -> tuple:
+        """(C++ declaring x (where the experts' dA read it) and dx [M,K] (null where no gradient is asked
+        for the input), with the inputs' gradients first among `outputs`; C++ ending the backward)."""
+        dx = outputs.pointer(self.saved[0][0].shape) if needs_dx else "nullptr"
+        return f"const float *x = {pointers[0]};\nfloat *dx = {dx};\n", ""
 
     def forward(self, xs, projections, tensors):
         projections = with_vars(projections, tensors)
@@ -122,6 +123,8 @@ class LoRAProjections(jt.Function):
     def grad(self, *grads):
         xs, projections = self.saved
         M = xs[0].shape[0]
+        # a stop-grad input (layer 0's, from the frozen embedding: LLaMA.hidden) gets no gradient computed
+        needs_dx = self.input_mask[1] != -2
         inputs, outputs = cpp.CodeInputs(), cpp.CodeOutputs()
         pointers = [inputs.pointer(v) for v in xs]
         bases = [inputs.pointer(p.base_weight) for p in projections]
@@ -129,7 +132,8 @@ class LoRAProjections(jt.Function):
         us = [inputs.pointer(u) for u in self.us]
         gs = [inputs.pointer(g if g is not None else jt.zeros((M, p.base_weight.shape[0]), "float32"))
               for g, p in zip(grads, projections)]
-        code, end = self.input_grads_code(pointers, outputs, any(p.expert for p in projections))
+        code, end = self.input_grads_code(pointers, outputs, any(p.expert for p in projections), needs_dx)
+        n = len(outputs.shapes)  # the inputs' gradients come first
         for i, (p, W, (A, B, w), u, g) in enumerate(zip(projections, bases, experts, us, gs)):
             R, scale = rank_scale(p.expert)
             e = p.expert
@@ -142,8 +146,7 @@ class LoRAProjections(jt.Function):
                           cpu_header=PROJECTIONS_HEADER, cpu_src=self.sizes + code + end)
         # gradients in apply's argument order: projections, the inputs, then flat_vars (the experts' A, B,
         # w follow the inputs' gradients)
-        n = len(xs)
-        return (None, *results[:n]) + (None,) * len(projections) + tuple(results[n:])
+        return (None, *results[:n], *[None] * (len(xs) - n)) + (None,) * len(projections) + tuple(results[n:])
 
 
 class SwiGLUProjections(LoRAProjections):
@@ -160,9 +163,10 @@ class SwiGLUProjections(LoRAProjections):
         hidden = outputs.pointer(self.saved[0][0].shape)  # scratch from Jittor's pool: no fresh pages per call
         return f"swiglu_into({gate}, {up}, M * K, {hidden});\nconst float *x = {hidden};\n"
 
-    def input_grads_code(self, pointers: list, outputs: cpp.CodeOutputs, needs_x: bool) -> tuple:
-        # dhidden accumulates in dgate's memory and the rebuilt hidden lives in dup's until the SwiGLU's
-        # backward overwrites both (elementwise: it reads dhidden[i] before writing dgate[i])
+    def input_grads_code(self, pointers: list, outputs: cpp.CodeOutputs, needs_x: bool, needs_dx: bool) -> tuple:
+        # gate and up come from the FFN's projections: their gradients are made whether asked for or not; dhidden
+        # accumulates in dgate's memory and the rebuilt hidden lives in dup's until the SwiGLU's backward
+        # overwrites both (elementwise: it reads dhidden[i] before writing dgate[i])
         gate, up = pointers
         shape = self.saved[0][0].shape
         dgate, dup = outputs.pointer(shape), outputs.pointer(shape)
@@ -179,7 +183,9 @@ def fused_lora_projections(x: jt.Var, projections: list) -> list:
     projections = [p if p.expert is None or p.expert.route_weight is None else
                    replace(p, expert=replace(p.expert, route_weight=p.expert.route_weight.float32().reshape(-1)))
                    for p in projections]
-    outputs = LoRAProjections.apply(projections, x.float32().reshape(-1, K), *flat_vars(projections))
+    rows_x = x.float32().reshape(-1, K)
+    rows_x = rows_x.stop_grad() if x.is_stop_grad() else rows_x  # a reshape does not carry stop-grad: no dx asked
+    outputs = LoRAProjections.apply(projections, rows_x, *flat_vars(projections))
     outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
     return [y.reshape(*rows, y.shape[-1]) for y in outputs]
 
