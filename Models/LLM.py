@@ -196,6 +196,8 @@ class LLaMA(nn.Module):
         cos = jt.array(self._rope_cos[first:first + T])
         sin = jt.array(self._rope_sin[first:first + T])
         h = self.tok_embeddings(tokens).float32()  # [B,T,D]; the table may be stored in bf16
+        if not self.tok_embeddings.weight.requires_grad:  # frozen: layer 0's kernels make no gradient for h
+            h = h.stop_grad()
         for layer in self.layers:
             h = layer(h, cos, sin, mask, start_pos, records, aux)
         return self.norm(h)  # [B,T,D] fp32

@@ -7,8 +7,9 @@ from Models.Block import attention_mask
 from Models.kernels import elementwise
 from Models.kernels.elementwise import logit_rows, output_nll, rms_norm, rope, silu_gate
 from Models.kernels.experts import add_projected, add_weighted, gated_projection
-from Models.kernels.projections import (ExpertTerm, Projection, gemv_lora_projections, lora_projections,
-                                        plain_lora_projections, projections_op, swiglu_down)
+from Models.kernels.projections import (ExpertTerm, LoRAProjections, Projection, gemv_lora_projections,
+                                        lora_projections, plain_lora_projections, projections_op, swiglu_down,
+                                        swiglu_projection_op, swiglu_then_project)
 from Models.kernels.attention import attention, prompt_attention
 from Models.kernels.switch import DECODE_ROWS, GEMV_ROWS, decoding, fused_kernels_on
 from Models.kernels.linear import linear
@@ -317,6 +318,34 @@ def test_lora_projections_with_gradients(base_dtype, rows):
 
 
 @pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+def test_lora_projections_of_a_stop_grad_input(base_dtype, monkeypatch):
+    """Layer 0's projections read the normed rows of the frozen embedding (stop-grad: LLaMA.hidden): the
+    op computes no dx for them, and the experts' gradients are the bits of the op with dx and, within
+    rounding, the op-by-op reference's."""
+    rng = np.random.default_rng(16)
+    x, projections, trained = projections_case(rng, base_dtype, (2, 40))
+    scale = jt.array((1 + 0.1 * rng.standard_normal(96)).astype(np.float32)).stop_grad()
+    out_grads = [normal(rng, (2, 40, p.base_weight.shape[0])) for p in projections]
+    asked, input_grads_code = [], LoRAProjections.input_grads_code
+
+    def spy(self, pointers, outputs, needs_x, needs_dx):
+        asked.append(needs_dx)
+        return input_grads_code(self, pointers, outputs, needs_x, needs_dx)
+    monkeypatch.setattr(LoRAProjections, "input_grads_code", spy)
+
+    def expert_grads(run, x):
+        normed = elementwise.rms_norm_branches.fused(x, scale, 1e-5, 1)[0]
+        loss = sum((out * g).sum() for out, g in zip(run(normed, projections), out_grads))
+        return [g.numpy() for g in jt.grad(loss, trained)]
+    frozen = (x * 1).stop_grad()
+    no_dx, with_dx = expert_grads(projections_op.fused, frozen), expert_grads(projections_op.fused, x)
+    assert asked == [False, True]
+    for got, same, want in zip(no_dx, with_dx, expert_grads(projections_op.plain, frozen)):
+        np.testing.assert_array_equal(got, same)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
 def test_swiglu_down(base_dtype):
     """The FFN's down projection with its LoRA expert under a type weight: the SwiGLU hidden and its
     low-rank view in one op (the hidden rebuilt in the backward), against silu_gate then the
@@ -328,10 +357,38 @@ def test_swiglu_down(base_dtype):
     A, B, weight = normal(rng, (4, 40), 0.1), normal(rng, (24, 4), 0.1), jt.array(rng.random((2, 9)).astype(np.float32))
     projection = Projection(base, ExpertTerm(A, B, weight, 2.0))
     assert swiglu_down.when(gate, up, projection)
-    fused, plain = swiglu_down.fused(gate, up, projection), swiglu_down.plain(gate, up, projection)
+    fused, plain = swiglu_down.fused(gate, up, projection), swiglu_then_project(gate, up, projection)
     np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-5, atol=2e-5)
     out_grad, wrt = normal(rng, fused.shape), [gate, up, A, B, weight]
     for got, want in zip(jt.grad((fused * out_grad).sum(), wrt), jt.grad((plain * out_grad).sum(), wrt)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("has_expert", [True, False])
+def test_swiglu_projection(base_dtype, weighted, has_expert):
+    """Training's FFN down projection with the SwiGLU inside the projections' op, which rebuilds the
+    hidden in the backward instead of keeping it (plain LoRA's unweighted expert, a weighted one, none):
+    exactly the numbers of silu_gate then the projections' kernel (the same passes), and the plain
+    references' within rounding; outputs and the gradients of gate, up and the expert's parameters."""
+    rng = np.random.default_rng(18)
+    gate, up = normal(rng, (2, 9, 40), 2.0), normal(rng, (2, 9, 40), 2.0)
+    base = normal(rng, (24, 40), 0.1)
+    base = (base if base_dtype == "float32" else to_bf16(base)).stop_grad()
+    A, B, weight = normal(rng, (4, 40), 0.1), normal(rng, (24, 4), 0.1), jt.array(rng.random((2, 9)).astype(np.float32))
+    trained = ([A, B] + ([weight] if weighted else [])) if has_expert else []
+    projection = Projection(base, ExpertTerm(A, B, weight if weighted else None, 2.0) if has_expert else None)
+    assert swiglu_projection_op.when(gate, up, projection)
+    fused = swiglu_projection_op.fused(gate, up, projection)
+    op_by_op = swiglu_then_project(gate, up, projection)
+    plain = projections_op.plain(silu_gate.plain(gate, up), [projection])[0]
+    out_grad, wrt = normal(rng, fused.shape), [gate, up] + trained
+    grads = [jt.grad((out * out_grad).sum(), wrt) for out in (fused, op_by_op, plain)]
+    np.testing.assert_array_equal(fused.numpy(), op_by_op.numpy())
+    np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-5, atol=2e-5)
+    for got, same, want in zip(*grads):
+        np.testing.assert_array_equal(got.numpy(), same.numpy())
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=2e-4)
 
 

@@ -23,13 +23,14 @@ ATTENTION_FORWARD = cpp.source("attention_forward.cc")
 ATTENTION_BACKWARD = cpp.source("attention_backward.cc")
 
 
-def operand_type(bf16: bool) -> str:
-    """The C++ operand type of the products: fp32, bf16 bits on the bf16 units, else rounded fp32."""
+def operand_type(bf16: bool) -> tuple:
+    """(the C++ operand type of the products, the Jittor dtype of a kept operand): fp32, bf16 bits on
+    the bf16 units, else rounded fp32."""
     if not bf16:
-        return "typedef float E; const bool ROUND = false;\n"
+        return "typedef float E; const bool ROUND = false;\n", "float32"
     if cpu_has_bf16_units():
-        return "typedef uint16_t E; const bool ROUND = true;\n"
-    return "typedef float E; const bool ROUND = true;\n"
+        return "typedef uint16_t E; const bool ROUND = true;\n", "bfloat16"
+    return "typedef float E; const bool ROUND = true;\n", "float32"
 
 
 class FusedAttention(jt.Function):
@@ -39,23 +40,32 @@ class FusedAttention(jt.Function):
     transposing, and does the masked softmax in place, a block of 64 queries at a time;
     the backward recomputes each block's probabilities from the rows' log-sum-exp
     and accumulates each kv head's gradient over its query group. bf16: the products'
-    operands rounded to bf16 (see ATTENTION_HEADER).
+    operands rounded to bf16 (see ATTENTION_HEADER); when a gradient will be asked for, the
+    forward keeps those rounded q, k, v (bf16 bits on the bf16 units: half the bytes of the
+    fp32 q, k, v, which are then not kept) and the backward reads them as they are.
     """
 
     def execute(self, q, k, v, mask, bf16=False):
         # q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [T,S] -> out [B,T,H,hd]
         B, T, H, hd = q.shape
         S, Hkv = k.shape[1], k.shape[2]
+        operand, kept_type = operand_type(bf16)
         sizes = (f"const int64_t B = {B}, T = {T}, H = {H}, hd = {hd}, S = {S}, Hkv = {Hkv}, "
-                 f"n_rep = {H // Hkv}; const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n" + operand_type(bf16))
-        out, lse = jt.code([(B, T, H, hd), (B, H, T)], ["float32", "float32"], [q, k, v, mask],
-                           cpu_header=ATTENTION_HEADER,
-                           cpu_src=sizes + "const float *mask = in3_p;\n" + ATTENTION_FORWARD)
-        self.saved = (q, k, v, lse.detach(), mask, sizes)
+                 f"n_rep = {H // Hkv}; const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n" + operand)
+        keep = bf16 and not jt.flags.no_grad  # the rounded operands, for the backward
+        kept = "(E *)out2_p, *k_kept = (E *)out3_p, *v_kept = (E *)out4_p" if keep else \
+            "nullptr, *k_kept = nullptr, *v_kept = nullptr"
+        outputs = jt.code([(B, T, H, hd), (B, H, T)] + ([q.shape, k.shape, v.shape] if keep else []),
+                          ["float32", "float32"] + [kept_type] * (3 if keep else 0), [q, k, v, mask],
+                          cpu_header=ATTENTION_HEADER,
+                          cpu_src=sizes + f"const float *mask = in3_p; E *q_kept = {kept};\n" + ATTENTION_FORWARD)
+        out, lse = outputs[:2]
+        operands = [t.detach() for t in outputs[2:]] if keep else [q, k, v]
+        self.saved = (operands, lse.detach(), mask, sizes)
         return out
 
     def grad(self, grad_out):
-        q, k, v, lse, mask, sizes = self.saved
+        (q, k, v), lse, mask, sizes = self.saved
         dq, dk, dv = jt.code([q.shape, k.shape, v.shape], ["float32"] * 3, [q, k, v, lse, grad_out, mask],
                              cpu_header=ATTENTION_HEADER,
                              cpu_src=sizes + "const float *mask = in5_p;\n" + ATTENTION_BACKWARD)

@@ -216,7 +216,10 @@ rms_norm = Kernel(lambda x, weight, eps: FrozenRMSNorm.apply(x, weight, eps, 0),
 
 
 def fused_rms_norm_branches(x, weight, eps, n):
-    return FrozenRMSNorm.apply(x, weight, eps, n)
+    outputs = FrozenRMSNorm.apply(x, weight, eps, n)
+    # a stop-grad x (layer 0's, from the frozen embedding) makes stop-grad outputs, so the kernels that read
+    # them (the projections) skip the gradient to them
+    return [y.stop_grad() for y in outputs] if x.is_stop_grad() else outputs
 
 
 def plain_rms_norm_branches(x, weight, eps, n):

@@ -84,21 +84,35 @@ class LoRAProjections(jt.Function):
     backward (dx whole; dA_i, dB_i, dw_i). Called as apply(projections, x, *flat_vars(projections))."""
 
     def execute(self, projections, x, *tensors):
+        return self.forward([x], projections, tensors)
+
+    def input_code(self, pointers: list, outputs: cpp.CodeOutputs) -> str:
+        """C++ declaring x [M,K] from the op's inputs (their names in `pointers`); scratch it needs is
+        among `outputs` after the op's own."""
+        return f"const float *x = {pointers[0]};\n"
+
+    def input_grads_code(self, pointers: list, outputs: cpp.CodeOutputs, needs_x: bool, needs_dx: bool) -> tuple:
+        """(C++ declaring x (where the experts' dA read it) and dx [M,K] (null where no gradient is asked
+        for the input), with the inputs' gradients first among `outputs`; C++ ending the backward)."""
+        dx = outputs.pointer(self.saved[0][0].shape) if needs_dx else "nullptr"
+        return f"const float *x = {pointers[0]};\nfloat *dx = {dx};\n", ""
+
+    def forward(self, xs, projections, tensors):
         projections = with_vars(projections, tensors)
-        M, K = x.shape
-        self.saved = (x, projections)
+        M, K = xs[0].shape
+        self.saved = (xs, projections)
         self.sizes = (f"const int64_t M = {M}, K = {K}; const bool BF16 = "
                       f"{cpp.flag(projections[0].base_weight.dtype == 'bfloat16')}, units = {cpp.flag(cpu_has_bf16_units())};\n")
         inputs, outputs = cpp.CodeInputs(), cpp.CodeOutputs()
-        x_in = inputs.pointer(x)
+        pointers = [inputs.pointer(v) for v in xs]
         bases = [inputs.pointer(p.base_weight) for p in projections]
         experts = [expert_pointers(inputs, p.expert) for p in projections]
         ys = [outputs.pointer((M, p.base_weight.shape[0])) for p in projections]
         us = [outputs.pointer((M, p.expert.A.shape[0])) if p.expert else "nullptr" for p in projections]
-        code = PROJECTIONS_FORWARD
+        code = self.input_code(pointers, outputs) + PROJECTIONS_FORWARD
         for p, W, (A, B, w), y, u in zip(projections, bases, experts, ys, us):
             R, scale = rank_scale(p.expert)
-            code += (f"project_forward<M>({p.base_weight.shape[0]}, K, {R}, {x_in}, xb, {W}, BF16, units, "
+            code += (f"project_forward<M>({p.base_weight.shape[0]}, K, {R}, x, xb, {W}, BF16, units, "
                      f"{A}, {B}, {w}, {scale!r}f, {y}, {u});\n")
         results = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
                           cpu_header=PROJECTIONS_HEADER, cpu_src=self.sizes + code)
@@ -107,29 +121,58 @@ class LoRAProjections(jt.Function):
         return tuple(results[:len(projections)]) if len(projections) > 1 else results[0]
 
     def grad(self, *grads):
-        x, projections = self.saved
-        M, K = x.shape
+        xs, projections = self.saved
+        M = xs[0].shape[0]
+        # a stop-grad input (layer 0's, from the frozen embedding: LLaMA.hidden) gets no gradient computed
+        needs_dx = self.input_mask[1] != -2
         inputs, outputs = cpp.CodeInputs(), cpp.CodeOutputs()
-        x_in = inputs.pointer(x)
+        pointers = [inputs.pointer(v) for v in xs]
         bases = [inputs.pointer(p.base_weight) for p in projections]
         experts = [expert_pointers(inputs, p.expert) for p in projections]
         us = [inputs.pointer(u) for u in self.us]
         gs = [inputs.pointer(g if g is not None else jt.zeros((M, p.base_weight.shape[0]), "float32"))
               for g, p in zip(grads, projections)]
-        dx = outputs.pointer(x.shape)
-        code = ""
+        code, end = self.input_grads_code(pointers, outputs, any(p.expert for p in projections), needs_dx)
+        n = len(outputs.shapes)  # the inputs' gradients come first
         for i, (p, W, (A, B, w), u, g) in enumerate(zip(projections, bases, experts, us, gs)):
             R, scale = rank_scale(p.expert)
             e = p.expert
             dA, dB, dw = ((outputs.pointer(e.A.shape), outputs.pointer(e.B.shape),
                            outputs.pointer(e.route_weight.shape) if e.route_weight is not None else "nullptr")
                           if e else ("nullptr",) * 3)
-            code += (f"project_backward(M, {p.base_weight.shape[0]}, K, {R}, {x_in}, {W}, BF16, units, {A}, {B}, {w}, "
-                     f"{scale!r}f, {u}, {g}, {'0.f' if i == 0 else '1.f'}, {dx}, {dA}, {dB}, {dw});\n")
+            code += (f"project_backward(M, {p.base_weight.shape[0]}, K, {R}, x, {W}, BF16, units, {A}, {B}, {w}, "
+                     f"{scale!r}f, {u}, {g}, {'0.f' if i == 0 else '1.f'}, dx, {dA}, {dB}, {dw});\n")
         results = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
-                          cpu_header=PROJECTIONS_HEADER, cpu_src=self.sizes + code)
-        # gradients in apply's argument order: projections, x, then flat_vars (the experts' A, B, w follow dx)
-        return (None, results[0]) + (None,) * len(projections) + tuple(results[1:])
+                          cpu_header=PROJECTIONS_HEADER, cpu_src=self.sizes + code + end)
+        # gradients in apply's argument order: projections, the inputs, then flat_vars (the experts' A, B,
+        # w follow the inputs' gradients)
+        return (None, *results[:n], *[None] * (len(xs) - n)) + (None,) * len(projections) + tuple(results[n:])
+
+
+class SwiGLUProjections(LoRAProjections):
+    """The same projections of the SwiGLU hidden x = silu(gate) * up [M,K], which the op builds from
+    gate and up and rebuilds in the backward instead of keeping it (the FFN's largest activation, kept
+    for the expert's dA otherwise). The hidden and the gradients of gate and up are silu_gate's, in its
+    own passes. Called as apply(projections, gate, up, *flat_vars(projections))."""
+
+    def execute(self, projections, gate, up, *tensors):
+        return self.forward([gate, up], projections, tensors)
+
+    def input_code(self, pointers: list, outputs: cpp.CodeOutputs) -> str:
+        gate, up = pointers
+        hidden = outputs.pointer(self.saved[0][0].shape)  # scratch from Jittor's pool: no fresh pages per call
+        return f"swiglu_into({gate}, {up}, M * K, {hidden});\nconst float *x = {hidden};\n"
+
+    def input_grads_code(self, pointers: list, outputs: cpp.CodeOutputs, needs_x: bool, needs_dx: bool) -> tuple:
+        # gate and up come from the FFN's projections: their gradients are made whether asked for or not; dhidden
+        # accumulates in dgate's memory and the rebuilt hidden lives in dup's until the SwiGLU's backward
+        # overwrites both (elementwise: it reads dhidden[i] before writing dgate[i])
+        gate, up = pointers
+        shape = self.saved[0][0].shape
+        dgate, dup = outputs.pointer(shape), outputs.pointer(shape)
+        x = f"swiglu_into({gate}, {up}, M * K, {dup});\nconst float *x = {dup};\n" if needs_x else \
+            "const float *x = nullptr;\n"
+        return x + f"float *dx = {dgate};\n", f"swiglu_grads_into({gate}, {up}, dx, M * K, {dgate}, {dup});\n"
 
 
 def fused_lora_projections(x: jt.Var, projections: list) -> list:
@@ -140,7 +183,9 @@ def fused_lora_projections(x: jt.Var, projections: list) -> list:
     projections = [p if p.expert is None or p.expert.route_weight is None else
                    replace(p, expert=replace(p.expert, route_weight=p.expert.route_weight.float32().reshape(-1)))
                    for p in projections]
-    outputs = LoRAProjections.apply(projections, x.float32().reshape(-1, K), *flat_vars(projections))
+    rows_x = x.float32().reshape(-1, K)
+    rows_x = rows_x.stop_grad() if x.is_stop_grad() else rows_x  # a reshape does not carry stop-grad: no dx asked
+    outputs = LoRAProjections.apply(projections, rows_x, *flat_vars(projections))
     outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
     return [y.reshape(*rows, y.shape[-1]) for y in outputs]
 
@@ -194,6 +239,13 @@ def fused_swiglu_down(gate: jt.Var, up: jt.Var, projection: Projection) -> jt.Va
                                e.scale)
 
 
+def swiglu_projection(gate: jt.Var, up: jt.Var, projection: Projection) -> jt.Var:
+    rows, F = gate.shape[:-1], gate.shape[-1]
+    flat = [t.float32().reshape(-1, F) for t in (gate, up)]
+    y = SwiGLUProjections.apply([projection], *flat, *flat_vars([projection]))
+    return y.reshape(*rows, y.shape[-1])
+
+
 def swiglu_then_project(gate: jt.Var, up: jt.Var, projection: Projection) -> jt.Var:
     return lora_projections(silu_gate(gate, up), [projection])[0]
 
@@ -204,6 +256,15 @@ def weighted_training_term(gate: jt.Var, up: jt.Var, projection: Projection) -> 
     return e is not None and e.route_weight is not None and not decoding(gate, projection.base_weight)
 
 
+def training(gate: jt.Var, up: jt.Var, projection: Projection) -> bool:
+    return not jt.flags.no_grad
+
+
+# Training's SwiGLU inside the projections' op (the hidden rebuilt in the backward, not kept); else the
+# two kernels in turn
+swiglu_projection_op = Kernel(swiglu_projection, swiglu_then_project, when=training)
 # The FFN's down projection of its SwiGLU hidden: gate, up [..., F] -> base(h) + the expert's term on h
-# [..., D], h = silu(gate) * up; fused for a weighted expert's training, else the two kernels in turn
-swiglu_down = Kernel(fused_swiglu_down, swiglu_then_project, when=weighted_training_term)
+# [..., D], h = silu(gate) * up. A weighted expert's training: the hidden and its low-rank view in one op,
+# then the base product and the expert's (fused_swiglu_down); else swiglu_projection_op. Neither fused
+# form keeps the hidden.
+swiglu_down = Kernel(fused_swiglu_down, swiglu_projection_op, when=weighted_training_term)

@@ -1,7 +1,9 @@
 // The backward, per (batch, kv head): each block's probabilities recomputed from the log-sum-exp, the
 // kv head's gradients accumulated over its query group.
-// Inputs q, k, v, lse, dout, mask; outputs dq, dk, dv.
+// Inputs q, k, v as the forward's operands (E: the rounded copies it kept, or q, k, v in fp32), lse,
+// dout, mask; outputs dq, dk, dv.
 #include "attention_key_spans.cc"
+const E *qe = (const E *)in0_p, *ke = (const E *)in1_p, *ve = (const E *)in2_p;
 const auto dout_buf = operand_buffer<E>(ROUND, B * T * H * hd);
 const E *dout_e = operands(in4_p, B * T * H, hd, hd, ROUND, dout_buf.get());
 #pragma omp parallel for collapse(2)

@@ -1,8 +1,16 @@
 // softmax(q k^T * scale + mask) v per (batch, head), a block of ROWS queries at a time; the block's
 // probabilities live in a per-thread scratch, and each row's log-sum-exp is kept [B,H,T] for the
 // backward instead (at 300 tokens and 32 heads a [B,H,T,S] tensor is 11.5 MB per layer).
-// Inputs q [B,T,H,hd], k, v [B,S,Hkv,hd], mask [T,S]; outputs out [B,T,H,hd], lse [B,H,T].
+// Inputs q [B,T,H,hd], k, v [B,S,Hkv,hd], mask [T,S]; outputs out [B,T,H,hd], lse [B,H,T]. Rounded
+// operands are written to q_kept, k_kept, v_kept where the backward reads them (outputs 2-4), else to
+// scratch; fp32 ones are q, k, v themselves. Declared per call: q_kept, k_kept, v_kept (E *, or nullptr).
 #include "attention_key_spans.cc"
+const auto q_buf = operand_buffer<E>(ROUND && !q_kept, B * T * H * hd),
+           k_buf = operand_buffer<E>(ROUND && !k_kept, B * S * Hkv * hd),
+           v_buf = operand_buffer<E>(ROUND && !v_kept, B * S * Hkv * hd);
+const E *qe = operands(in0_p, B * T * H, hd, hd, ROUND, q_kept ? q_kept : q_buf.get()),
+        *ke = operands(in1_p, B * S * Hkv, hd, hd, ROUND, k_kept ? k_kept : k_buf.get()),
+        *ve = operands(in2_p, B * S * Hkv, hd, hd, ROUND, v_kept ? v_kept : v_buf.get());
 #pragma omp parallel for collapse(2)
 for (int64_t b = 0; b < B; b++)
 for (int64_t h = 0; h < H; h++) {

@@ -1,6 +1,6 @@
 // Key spans: query t sees keys [0, span[t]) (beyond, the additive mask is -inf), and a block of ROWS
 // queries works on the widest span in it. Causal training then skips the upper triangle block by block,
-// and a decode step reads only the filled cache. Then q, k, v as the products' operands (E, ROUND).
+// and a decode step reads only the filled cache.
 // Declared per call: B, T, H, hd, S, Hkv, n_rep, scale, E, ROUND, mask.
 const int64_t ROWS = 64, n_blocks = (T + ROWS - 1) / ROWS;
 std::vector<int64_t> span(T), width(n_blocks, 0);
@@ -11,8 +11,3 @@ for (int64_t t = 0; t < T; t++) {  // from the row's end back to its last unmask
     span[t] = s;
 }
 for (int64_t t = 0; t < T; t++) width[t / ROWS] = std::max(width[t / ROWS], span[t]);
-const auto q_buf = operand_buffer<E>(ROUND, B * T * H * hd), k_buf = operand_buffer<E>(ROUND, B * S * Hkv * hd),
-           v_buf = operand_buffer<E>(ROUND, B * S * Hkv * hd);
-const E *qe = operands(in0_p, B * T * H, hd, hd, ROUND, q_buf.get()),
-        *ke = operands(in1_p, B * S * Hkv, hd, hd, ROUND, k_buf.get()),
-        *ve = operands(in2_p, B * S * Hkv, hd, hd, ROUND, v_buf.get());

@@ -1,9 +1,11 @@
 // Training's projections of one input with their LoRA experts (Models/kernels/projections.py), per
 // projection. Forward: y = base(x) (+ the expert), u = x A^T kept. Backward: dx = beta dx + g W (+ du A)
-// with du = (g B) w scale, dA = du^T x, dB = g^T (u w scale), dw = scale (g B . u).
+// with du = (g B) w scale, dA = du^T x, dB = g^T (u w scale), dw = scale (g B . u); no dx where dx is
+// null (an input that needs no gradient).
 #ifndef MOA_PROJECTIONS_H
 #define MOA_PROJECTIONS_H
 #include "lora_project.h"
+#include "swiglu.h"
 // xb: x narrowed to bf16 once for all the op's base products (bf16 units), or null
 template <int64_t M>
 static void base_forward(int64_t N, int64_t K, const float *x, const uint16_t *xb, const void *W, bool bf16, bool units,
@@ -39,9 +41,11 @@ static void project_backward(int64_t M, int64_t N, int64_t K, int64_t R, const f
         }
         narrow_weight_grad(M, N, R, g, uw.data(), dB);
         dnnl_sgemm('T', 'N', R, K, M, 1.f, du.data(), R, x, K, 0.f, dA, K);
+        if (!dx) return;
         dnnl_sgemm('N', 'N', M, K, R, 1.f, du.data(), R, A, K, beta, dx, K);
         beta = 1.f;
     }
+    if (!dx) return;
     if (bf16) bf16_backward(M, N, K, g, (const uint16_t *)W, units, beta, dx);
     else dnnl_sgemm('N', 'N', M, K, N, 1.f, g, N, (const float *)W, K, beta, dx, K);
 }
