@@ -98,6 +98,20 @@ def test_silu_gate():
     assert_same(silu_gate, [normal(rng, (2, 7, 13), 3.0), normal(rng, (2, 7, 13), 3.0)], [0, 1], atol=1e-6)
 
 
+def test_swiglu_past_exp_range():
+    """Gates below about -88 (exp(-g) is inf there) give a SwiGLU of 0, not NaN: the FFN's and the router's."""
+    g = np.tile(np.array([-300, -120, -89, -60, 0, 60, 120, 300], np.float32), (4, 8))  # [4, 64]: the vector loop
+    pair = [jt.array(g), jt.array(np.full(g.shape, 2.0, np.float32))]
+    assert np.isfinite(silu_gate.fused(*pair).numpy()).all()
+    assert_same(silu_gate, pair, [0, 1], atol=1e-6)
+    rng = np.random.default_rng(16)
+    params = [normal(rng, shape, 0.3) for shape in [(12, 32), (12,), (12, 32), (12,), (5, 12), (5,)]]
+    x = normal(rng, (40, 32), 100.0)  # router gates of several hundred, both signs
+    fused, plain = swiglu_router.fused(x, *params).numpy(), swiglu_router.plain(x, *params).numpy()
+    assert np.isfinite(fused).all()
+    np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-5 * np.abs(plain).max())
+
+
 def test_rms_norm():
     rng = np.random.default_rng(6)
     scale = jt.array((1 + 0.1 * rng.standard_normal(16)).astype(np.float32)).stop_grad()

@@ -1,10 +1,14 @@
 // The SwiGLU product silu(g) * u of one element, and its gradients for an incoming d.
 #ifndef MOA_SWIGLU_H
 #define MOA_SWIGLU_H
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-static inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
-static inline float swiglu(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
+// exp's argument is capped at 80 (exp(80) = 5.5e34): beyond about 88 exp is inf, and the vectorised division
+// (a reciprocal estimate refined by a Newton step) turns 1 / inf into NaN; below the cap the bits are unchanged
+static inline float exp_capped(float v) { return std::exp(std::min(v, 80.f)); }
+static inline float sigmoid(float v) { return 1.f / (1.f + exp_capped(-v)); }
+static inline float swiglu(float g, float u) { return g / (1.f + exp_capped(-g)) * u; }
 static inline void swiglu_grads(float g, float u, float d, float *dg, float *du) {
     const float s = sigmoid(g);
     *dg = d * u * s * (1.f + g * (1.f - s));
