@@ -45,6 +45,18 @@ def test_attention(H, Hkv, T, S, start):
     assert_same(attention, [q, k, v, jt.array(attention_mask(T, S, start))], [0, 1, 2], atol=2e-6)
 
 
+@pytest.mark.parametrize("T, S, start", [(1, 16, 9), (3, 160, 70)])
+def test_attention_reads_a_bf16_cache_as_it_is(T, S, start):
+    """A decode step over a bf16 KV cache widens, per head, only the keys it reads: the plain path's values."""
+    rng = np.random.default_rng(T + S)
+    q = normal(rng, (2, T, 8, 8))
+    k, v = (to_bf16(normal(rng, (2, S, 2, 8))) for _ in range(2))
+    mask = jt.array(attention_mask(T, S, start))
+    with jt.no_grad():
+        got, want = attention.fused(q, k, v, mask, True), attention.plain(q, k, v, mask, True)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=2e-6)
+
+
 # 2 x 5 rows: a decode step's loops; 2 x 20 rows: one sgemm per head over the batch's rows
 @pytest.mark.parametrize("T, H, Hkv, L", [(5, 8, 4, 10), (5, 4, 4, 3), (20, 8, 4, 10)])
 def test_prompt_attention(T, H, Hkv, L):

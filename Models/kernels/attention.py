@@ -46,12 +46,15 @@ class FusedAttention(jt.Function):
     """
 
     def execute(self, q, k, v, mask, bf16=False):
-        # q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [T,S] -> out [B,T,H,hd]
+        # q [B,T,H,hd], k/v [B,S,Hkv,hd] (fp32, or a bf16 KV cache when no gradient is asked), mask [T,S]
+        # -> out [B,T,H,hd]
         B, T, H, hd = q.shape
         S, Hkv = k.shape[1], k.shape[2]
         operand, kept_type = operand_type(bf16)
+        kv_bits = "true" if k.dtype == "bfloat16" else "false"
         sizes = (f"const int64_t B = {B}, T = {T}, H = {H}, hd = {hd}, S = {S}, Hkv = {Hkv}, "
-                 f"n_rep = {H // Hkv}; const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n" + operand)
+                 f"n_rep = {H // Hkv}; const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n"
+                 f"const bool KV_BITS = {kv_bits};\n" + operand)
         keep = bf16 and not jt.flags.no_grad  # the rounded operands, for the backward
         kept = "(E *)out2_p, *k_kept = (E *)out3_p, *v_kept = (E *)out4_p" if keep else \
             "nullptr, *k_kept = nullptr, *v_kept = nullptr"
@@ -73,8 +76,11 @@ class FusedAttention(jt.Function):
 
 
 def fused_attention(q: jt.Var, k: jt.Var, v: jt.Var, mask: jt.Var, bf16: bool = False) -> jt.Var:
-    # a decode step's few queries stay fp32: rounding would cost a pass over the whole cache
+    # a decode step's few queries stay fp32: rounding would cost a pass over the whole cache; a bf16
+    # cache is read as it is there (widening it whole would cost that pass too)
     bf16 = bf16 and q.shape[0] * q.shape[1] > GEMV_ROWS
+    if not bf16 and k.dtype == "bfloat16" and jt.flags.no_grad:
+        return FusedAttention.apply(q.float32(), k, v, mask, False)
     return FusedAttention.apply(q.float32(), k.float32(), v.float32(), mask, bf16)
 
 

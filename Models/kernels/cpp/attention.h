@@ -24,6 +24,12 @@ static const E *operands(const float *x, int64_t rows, int64_t cols, int64_t ld,
     for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) round_to(x[r * ld + c], buf + r * ld + c);
     return buf;
 }
+// rows [0, n) of one kv head of a bf16 KV cache (bits, row stride ld) as operands in buf [n, hd]
+template <typename E>
+static const E *widened(const uint16_t *bits, int64_t n, int64_t hd, int64_t ld, E *buf) {
+    for (int64_t s = 0; s < n; s++) for (int64_t d = 0; d < hd; d++) round_to(widen(bits[s * ld + d]), buf + s * hd + d);
+    return buf;
+}
 // a buffer for operands(): n elements where they are rounded copies, none where fp32 operands are read in place
 template <typename E>
 static std::unique_ptr<E[]> operand_buffer(bool round, int64_t n) { return scratch<E>(round ? n : 0); }
