@@ -24,10 +24,13 @@ static const E *operands(const float *x, int64_t rows, int64_t cols, int64_t ld,
     for (int64_t r = 0; r < rows; r++) for (int64_t c = 0; c < cols; c++) round_to(x[r * ld + c], buf + r * ld + c);
     return buf;
 }
-// rows [0, n) of one kv head of a bf16 KV cache (bits, row stride ld) as operands in buf [n, hd]
+// positions [0, n) of each sequence of a bf16 KV cache [B,S,row] (bits) as operands in buf [B,S,row]
+// (the positions past n are left unwritten)
 template <typename E>
-static const E *widened(const uint16_t *bits, int64_t n, int64_t hd, int64_t ld, E *buf) {
-    for (int64_t s = 0; s < n; s++) for (int64_t d = 0; d < hd; d++) round_to(widen(bits[s * ld + d]), buf + s * hd + d);
+static const E *widened(const uint16_t *bits, int64_t B, int64_t S, int64_t n, int64_t row, E *buf) {
+    #pragma omp parallel for collapse(2)
+    for (int64_t b = 0; b < B; b++) for (int64_t s = 0; s < n; s++)
+        for (int64_t i = 0; i < row; i++) round_to(widen(bits[(b * S + s) * row + i]), buf + (b * S + s) * row + i);
     return buf;
 }
 // a buffer for operands(): n elements where they are rounded copies, none where fp32 operands are read in place
