@@ -249,10 +249,14 @@ def generation_settings(args, run_args, source="args.json") -> GenerationArgs:
     return GenerationArgs(**{**recorded, **flags})
 
 
-def model_context(args, config) -> int:
+def model_context(args, config, code_only=False) -> int | None:
     """The tokens a prompt and its generation may take: --max_seq_len, else the adapter's (what it was
-    trained with), else ModelArgs' default. LLaMA-3's params.json states no limit of its own."""
+    trained with), else ModelArgs' default. LLaMA-3's params.json states no limit of its own. Code sets:
+    --max_seq_len or None (no limit), since the authors' code evaluation generates max_new_tokens after
+    any prompt, whatever the training length."""
     given_len = given(args, ModelArgs).get("max_seq_len")
+    if code_only:
+        return given_len
     return given_len or (config or {}).get("max_seq_len") or ModelArgs.__dataclass_fields__["max_seq_len"].default
 
 
@@ -283,9 +287,12 @@ def run(args, stop=None):
     tok = open_tokenizer(llama_path, params.vocab_size)
     prompts = [tok.encode(format_prompt(ex), bos=True, eos=False) for ex in examples]
     config = read_adapter_config(adapter) if adapter else None
-    context = model_context(args, config)
-    check_prompt_lengths(prompts, test_sets, context)
-    max_seq_len = min(context, max(map(len, prompts)) + gen.max_gen_len)
+    code_only = all(ts.rule in code_task.FIELDS for ts in test_sets)
+    context = model_context(args, config, code_only)
+    needed = max(map(len, prompts)) + gen.max_gen_len
+    if context is not None:
+        check_prompt_lengths(prompts, test_sets, context)
+    max_seq_len = needed if context is None else min(context, needed)
     model_args = model_settings(args, adapter, llama_path, max_seq_len)
     if args.batch_size != "auto":
         check_kv_cache_memory(model_args, args.batch_size, max_seq_len)
@@ -294,10 +301,11 @@ def run(args, stop=None):
         args.batch_size = model_args.max_batch_size = auto_batch_size(model_args, max_seq_len,
                                                                       len(range(rank, len(examples), world)))
     print_main(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
-               f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len} (context {context}); "
+               f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len} (context {context or 'the prompts'}); "
                f"batch size {args.batch_size}")
     # the authors give each example min(max_gen_len, max_seq_len - prompt length), max_seq_len from the adapter
-    budget_seq_len = given(args, ModelArgs).get("max_seq_len") or (config.get("max_seq_len") if config else None)
+    budget_seq_len = given(args, ModelArgs).get("max_seq_len") or (
+        config.get("max_seq_len") if config and not code_only else None)
     # every rank writes into rank 0's staging folder: its pid names it
     pid0 = int(misc.all_reduce_sum([float(os.getpid()) if rank == 0 else 0.0])[0])
     staging = output_dirs.staging_dir(output_dir, pid0)
