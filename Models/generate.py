@@ -120,40 +120,64 @@ def first_sum_block(n: int) -> int:
 def sample_top_p(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> np.ndarray:
     """Nucleus sampling on the host: probs [B,V] -> token ids [B]. Each row keeps its most probable tokens
     (ties in token order) up to the first at which the mass before it exceeds top_p, renormalises them and
-    draws one with rng. A row whose nucleus lies within its NUCLEUS_CANDIDATES most probable tokens (ahead
-    of any tie with the others) is drawn from them alone: the same numbers, sums and draw as from the whole
-    sorted row (nucleus_of_sorted_row), without sorting all V."""
+    draws one with rng, as rng.choice(V, p=...) does on the sorted row. A row whose nucleus lies within its
+    NUCLEUS_CANDIDATES most probable tokens (ahead of any tie with the others) is drawn from them alone: the
+    same numbers, sums and draw as from the whole sorted row (nucleus_of_sorted_rows), without sorting all V."""
     B, V = probs.shape
+    uniforms = rng.random(B)  # rng.choice's one draw per row, in row order
     block = first_sum_block(V)
     k = min(NUCLEUS_CANDIDATES, block)
-    candidates = np.argpartition(-probs, k - 1, axis=-1)[:, :k] if k < V else np.tile(np.arange(V), (B, 1))
-    candidate_probs = np.take_along_axis(probs, candidates, axis=-1)
-    order = np.lexsort((candidates, -candidate_probs), axis=-1)  # by probability, ties by token id
-    candidates = np.take_along_axis(candidates, order, axis=-1)
-    sorted_probs = np.take_along_axis(candidate_probs, order, axis=-1).astype(np.float64)
-    kept = np.cumsum(sorted_probs, axis=-1) - sorted_probs <= top_p  # a prefix of each row
-    n_kept = kept.sum(-1)
-    inside = (n_kept < k) & (sorted_probs[np.arange(B), n_kept - 1] > sorted_probs[:, -1]) if k < V else n_kept > 0
     picks = np.empty(B, np.int64)
-    for b in range(B):
-        if not inside[b]:
-            order_b, p = nucleus_of_sorted_row(probs[b], top_p)
-            picks[b] = order_b[rng.choice(V, p=p)]
-            continue
-        p = np.zeros(block)
-        p[:k] = np.where(kept[b], sorted_probs[b], 0.0)
-        p /= p.sum()
-        picks[b] = candidates[b, rng.choice(block, p=p)]
+    inside = np.zeros(B, bool)
+    # the k-1 most probable tokens hold at most k-1 times the largest probability: a row where that is not
+    # above top_p has a nucleus longer than k-1 (the exact test below would find so, at a higher cost)
+    rows = np.flatnonzero((k - 1) * probs.max(-1).astype(np.float64) * (1 + 1e-9) > top_p) if k < V else np.arange(B)
+    if len(rows):
+        candidates = np.argpartition(-probs[rows], k - 1, axis=-1)[:, :k] if k < V else np.tile(np.arange(V), (B, 1))
+        candidate_probs = np.take_along_axis(probs[rows], candidates, axis=-1)
+        order = np.lexsort((candidates, -candidate_probs), axis=-1)  # by probability, ties by token id
+        candidates = np.take_along_axis(candidates, order, axis=-1)
+        sorted_probs = np.take_along_axis(candidate_probs, order, axis=-1).astype(np.float64)
+        kept = np.cumsum(sorted_probs, axis=-1) - sorted_probs <= top_p  # a prefix of each row
+        n_kept = kept.sum(-1)
+        fits = (n_kept < k) & (sorted_probs[np.arange(len(rows)), n_kept - 1] > sorted_probs[:, -1]) if k < V \
+            else n_kept > 0
+        if fits.any():
+            p = np.zeros((int(fits.sum()), block))
+            p[:, :k] = np.where(kept[fits], sorted_probs[fits], 0.0)
+            p /= p.sum(-1, keepdims=True)
+            picks[rows[fits]] = np.take_along_axis(candidates[fits], inverse_cdf(p, uniforms[rows[fits]]), -1)[:, 0]
+            inside[rows[fits]] = True
+    outside = np.flatnonzero(~inside)
+    for rows in np.array_split(outside, -(-len(outside) // 16)) if len(outside) else []:  # bounded temporaries
+        order, p = nucleus_of_sorted_rows(probs[rows], top_p)
+        picks[rows] = np.take_along_axis(order, inverse_cdf(p, uniforms[rows]), -1)[:, 0]
     return picks
 
 
-def nucleus_of_sorted_row(probs: np.ndarray, top_p: float) -> tuple:
-    """A row probs [V] sorted (stable, most probable first) and its nucleus probabilities [V] (float64,
-    zero past the nucleus, summing to 1): (order, p)."""
-    order = np.argsort(-probs, kind="stable")
-    p = probs[order].astype(np.float64)
-    p[np.cumsum(p) - p > top_p] = 0.0
-    return order, p / p.sum()
+def inverse_cdf(p: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    """The index [R,1] rng.choice(n, p=row) picks for each row of p [R,n] given its uniform draw [R]: the
+    first at which the row's cumulative sum, divided by its total, exceeds the draw. Past the last nonzero
+    column of all rows the sums stay at their totals (1 after the division, above any draw): not summed."""
+    width = int(np.flatnonzero(p.any(0))[-1]) + 1
+    cdf = np.cumsum(p[:, :width], axis=-1)
+    cdf /= cdf[:, -1:]
+    return (cdf <= uniforms[:, None]).sum(-1, keepdims=True)
+
+
+def nucleus_of_sorted_rows(probs: np.ndarray, top_p: float) -> tuple:
+    """Rows probs [R,V] sorted (stable, most probable first) and their nucleus probabilities [R,V] (float64,
+    zero past the nucleus, each row summing to 1): (order, p). The sort is of one int64 key per token
+    (the probability's bits, inverted, above the token id), which numpy sorts with its vector sort."""
+    R, V = probs.shape
+    shift = max(int(V - 1).bit_length(), 1)
+    bits = np.ascontiguousarray(probs, dtype=np.float32).view(np.int32).astype(np.int64)  # >= 0, ordered as the values
+    keys = ((0x7FFFFFFF - bits) << shift) | np.arange(V, dtype=np.int64)
+    keys.sort(axis=-1)
+    order = keys & ((1 << shift) - 1)
+    p = (0x7FFFFFFF - (keys >> shift)).astype(np.int32).view(np.float32).astype(np.float64)  # probs[order]
+    p[np.cumsum(p, axis=-1) - p > top_p] = 0.0
+    return order, p / p.sum(-1, keepdims=True)
 
 
 def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
@@ -211,7 +235,8 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
     batch_size: pad the batch with copies of the first prompt to this many rows,
       so the last, smaller batch of a run reuses the compiled shapes.
     timings: a dict that receives prefill_s and prefill_tokens (the chunks, all rows), decode_s and
-      decode_steps (one token per row each; the first picks belong to the prefill), for benchmarks.
+      decode_steps (one token per row each; the first picks belong to the prefill), and sampling_s (the
+      decode steps' softmax and picks, in decode_s), for benchmarks.
     """
     prompts = [list(map(int, p)) for p in prompt_token_lists]
     n_real = len(prompts)
@@ -263,9 +288,14 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
         for length in chunks:
             logits = forward(feed, tokens[:, P:P + length], P)
             P += length
-        last_fed, n_steps = P - 1, 0
+        last_fed, n_steps, sampling_s = P - 1, 0, 0.0
         for pos in range(P, total_len):
+            if timings is not None:
+                logits.sync()  # the forward's time stays out of the sampling's
+                picking = time.perf_counter()
             picked = pick_tokens(logits, temperature, top_p, rng)
+            if timings is not None and pos > P:
+                sampling_s += time.perf_counter() - picking
             if pos == P:
                 prefilled = time.perf_counter()
             tokens[:, pos] = np.where(is_prompt[:, pos], tokens[:, pos], picked)
@@ -281,7 +311,7 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
             forward(feed, tokens[:, last_pos:last_pos + 1], last_pos)  # router values of the last kept token
         if timings is not None:
             timings.update(prefill_s=prefilled - start, prefill_tokens=B * P,
-                           decode_s=time.perf_counter() - prefilled, decode_steps=n_steps)
+                           decode_s=time.perf_counter() - prefilled, decode_steps=n_steps, sampling_s=sampling_s)
 
     outputs = []
     for b in range(n_real):

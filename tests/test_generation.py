@@ -12,7 +12,7 @@ import jittor as jt
 import Infer
 from Models import LLM
 from Models.formats.base_model import base_args, build_model
-from Models.generate import (auto_batch_size, decode_buffer_bytes, generate, kv_cache_bytes, nucleus_of_sorted_row,
+from Models.generate import (auto_batch_size, decode_buffer_bytes, generate, kv_cache_bytes,
                              prefill_chunks, sample_top_p)
 from Models.kernels.precision import set_base_precision
 from Models.kernels.switch import DECODE_ROWS, GEMV_ROWS, fused_kernels_on
@@ -47,11 +47,14 @@ def test_prefill_chunks():
 
 
 def full_sort_sampling(probs, top_p, rng):
-    """The reference: every row sorted whole, its nucleus renormalised, one draw per row."""
+    """The reference: every row sorted whole (numpy's stable argsort), its nucleus renormalised, one
+    rng.choice per row."""
     picks = []
     for row in probs:
-        order, p = nucleus_of_sorted_row(row, top_p)
-        picks.append(order[rng.choice(len(row), p=p)])
+        order = np.argsort(-row, kind="stable")
+        p = row[order].astype(np.float64)
+        p[np.cumsum(p) - p > top_p] = 0.0
+        picks.append(order[rng.choice(len(row), p=p / p.sum())])
     return np.array(picks)
 
 
