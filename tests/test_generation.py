@@ -157,11 +157,11 @@ def test_decode_layer_above_gemv_rows(tiny_base, monkeypatch):
 
 
 def test_auto_batch_size():
-    """--batch_size auto: the most rows whose KV cache (bf16 with a bf16 base) and decoding buffers fit in 80% of
-    the memory left, at most the decode kernels' rows and the prompts there are."""
+    """--batch_size auto: the most rows whose KV cache (bf16 with a bf16 base, counted 1.5 times) and decoding
+    buffers fit in 80% of the memory left, at most the decode kernels' rows and the prompts there are."""
     args = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336,
                      precision="bf16")
-    per_row = kv_cache_bytes(args, 1, 400) + decode_buffer_bytes(args, 1, 64)
+    per_row = 1.5 * kv_cache_bytes(args, 1, 400) + decode_buffer_bytes(args, 1, 64)
     assert kv_cache_bytes(args, 1, 400) == 32 * 2 * 8 * 128 * 400 * 2
     assert auto_batch_size(args, 400, 1000, available=per_row * 30 / 0.8) == 30
     assert auto_batch_size(args, 400, 1000, available=1 << 40) == DECODE_ROWS
