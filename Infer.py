@@ -249,15 +249,22 @@ def generation_settings(args, run_args, source="args.json") -> GenerationArgs:
     return GenerationArgs(**{**recorded, **flags})
 
 
-def model_context(args, config, code_only=False) -> int | None:
-    """The tokens a prompt and its generation may take: --max_seq_len, else the adapter's (what it was
-    trained with), else ModelArgs' default. LLaMA-3's params.json states no limit of its own. Code sets:
-    --max_seq_len or None (no limit), since the authors' code evaluation generates max_new_tokens after
-    any prompt, whatever the training length."""
+def sequence_lengths(args, config, prompts, test_sets, max_gen_len) -> tuple:
+    """(context, max_seq_len, budget_seq_len). context: the tokens a prompt and its generation may take,
+    --max_seq_len, else the adapter's (what it was trained with), else ModelArgs' default (LLaMA-3's
+    params.json states no limit of its own); for code sets --max_seq_len or none, since the authors' code
+    evaluation generates max_new_tokens after any prompt. max_seq_len: the KV cache's, the longest prompt
+    plus max_gen_len within the context. budget_seq_len: the authors' per-example budget
+    min(max_gen_len, budget - prompt) (Models.generate.generate), from --max_seq_len or the adapter's."""
     given_len = given(args, ModelArgs).get("max_seq_len")
-    if code_only:
-        return given_len
-    return given_len or (config or {}).get("max_seq_len") or ModelArgs.__dataclass_fields__["max_seq_len"].default
+    code_only = all(ts.rule in code_task.FIELDS for ts in test_sets)
+    trained = None if code_only else (config or {}).get("max_seq_len")
+    context = given_len or trained or (None if code_only else ModelArgs.__dataclass_fields__["max_seq_len"].default)
+    needed = max(map(len, prompts)) + max_gen_len
+    if context is None:
+        return None, needed, None
+    check_prompt_lengths(prompts, test_sets, context)
+    return context, min(context, needed), given_len or trained
 
 
 def code_settings(args):
@@ -287,12 +294,7 @@ def run(args, stop=None):
     tok = open_tokenizer(llama_path, params.vocab_size)
     prompts = [tok.encode(format_prompt(ex), bos=True, eos=False) for ex in examples]
     config = read_adapter_config(adapter) if adapter else None
-    code_only = all(ts.rule in code_task.FIELDS for ts in test_sets)
-    context = model_context(args, config, code_only)
-    needed = max(map(len, prompts)) + gen.max_gen_len
-    if context is not None:
-        check_prompt_lengths(prompts, test_sets, context)
-    max_seq_len = needed if context is None else min(context, needed)
+    context, max_seq_len, budget_seq_len = sequence_lengths(args, config, prompts, test_sets, gen.max_gen_len)
     model_args = model_settings(args, adapter, llama_path, max_seq_len)
     if args.batch_size != "auto":
         check_kv_cache_memory(model_args, args.batch_size, max_seq_len)
@@ -301,11 +303,8 @@ def run(args, stop=None):
         args.batch_size = model_args.max_batch_size = auto_batch_size(model_args, max_seq_len,
                                                                       len(range(rank, len(examples), world)))
     print_main(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
-               f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len} (context {context or 'the prompts'}); "
-               f"batch size {args.batch_size}")
-    # the authors give each example min(max_gen_len, max_seq_len - prompt length), max_seq_len from the adapter
-    budget_seq_len = given(args, ModelArgs).get("max_seq_len") or (
-        config.get("max_seq_len") if config and not code_only else None)
+               f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len} "
+               f"(context {context or 'the prompts'}); batch size {args.batch_size}")
     # every rank writes into rank 0's staging folder: its pid names it
     pid0 = int(misc.all_reduce_sum([float(os.getpid()) if rank == 0 else 0.0])[0])
     staging = output_dirs.staging_dir(output_dir, pid0)
