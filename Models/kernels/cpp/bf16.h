@@ -27,21 +27,6 @@ static bool gemm_bf16_units(char transb, int64_t M, int64_t N, int64_t K, const 
     if (!ab) { own = narrowed(a, M * K); ab = own.get(); }
     return dnnl_gemm_bf16bf16f32('N', transb, M, N, K, 1.f, ab, K, b, ldb, beta, c, N) == 0;
 }
-// With the bf16 units, the rows kernel serves a decode step from this many rows on, not only above
-// GEMV_ROWS: past 8 rows the GEMV pass keeps one weight row per block and reloads x for each (8 bf16
-// matrices of 14336 x 4096 from memory, fp32 x: 8 rows 33 vs 23 ms, 12 rows 114 vs 29, 16 rows 185 vs 35;
-// 1-4 rows alike).
-static const int64_t UNIT_ROWS_FROM = 5;
-#if defined(__AVX512BF16__)
-static const bool BUILT_FOR_UNITS = true;
-#else
-static const bool BUILT_FOR_UNITS = false;
-#endif
-// whether a decode step of M rows takes the rows kernel (bf16_rows.h); `units`: the bf16 units are used
-static inline bool rows_kernel_serves(int64_t M, bool units) {
-    return M <= DECODE_ROWS && (M > GEMV_ROWS || (units && BUILT_FOR_UNITS && M >= UNIT_ROWS_FROM));
-}
-
 // The same product without bf16 units: A rounded to bf16 values in fp32, for sgemm on widened panels.
 static std::unique_ptr<float[]> rounded(const float *a, int64_t n) {
     auto r = scratch<float>(n);
@@ -52,9 +37,9 @@ static std::unique_ptr<float[]> rounded(const float *a, int64_t n) {
 // y [M,N] = beta y + x [M,K] w [N,K]^T (beta 0 or 1). Few rows (decoding): the GEMV pass, widening
 // each bf16 weight as it is read, so the weights cross memory once, in bf16 (oneDNN's bf16 gemm
 // repacks them every call); up to DECODE_ROWS rows of a decode step (`decode`: no gradient), the rows
-// kernel (bf16_rows.h), which reads them once too (rows_kernel_serves). Many rows (training, prefill): the bf16 units, else
-// widening is cheap next to the product; PANEL weight rows at a time, each one threaded sgemm, so the
-// fp32 copy stays small (the 8B output matrix widened whole is 2.1 GB).
+// kernel (bf16_rows.h, where rows_kernel_serves), which reads them once too. Many rows (training,
+// prefill): the bf16 units, else widening is cheap next to the product; PANEL weight rows at a time,
+// each one threaded sgemm, so the fp32 copy stays small (the 8B output matrix widened whole is 2.1 GB).
 // xb: x already narrowed (narrowed()) where several products read it, or null.
 template <int64_t M>
 static void bf16_forward(int64_t N, int64_t K, const float *x, const uint16_t *w, bool units, float beta, float *y,

@@ -1,6 +1,6 @@
 // A decode step's product with bf16 weights for more rows than a GEMV pass holds in registers:
-// y [M,N] = beta y + x [M,K] w [N,K]^T, GEMV_ROWS < M <= DECODE_ROWS, under the bf16 rule of
-// Models/kernels/precision.py (x rounded to bf16, products of bf16 values summed in fp32).
+// y [M,N] = beta y + x [M,K] w [N,K]^T for the M that rows_kernel_serves (at most DECODE_ROWS), under
+// the bf16 rule of Models/kernels/precision.py (x rounded to bf16, products of bf16 values summed in fp32).
 // The weights cross memory once, in bf16 (oneDNN's bf16 gemm packs them anew at every call, which
 // costs as much as the product at these shapes). Threads take blocks of NB weight rows; a block is
 // read a chunk of KC columns at a time: the first tile of MT rows of x reads the chunk from memory,
@@ -148,13 +148,26 @@ static void bf16_rows_with(int64_t M, int64_t N, int64_t K, const float *x, cons
     }
 }
 
-// y [M,N] = beta y + x [M,K] w [N,K]^T for a decode step's GEMV_ROWS < M <= DECODE_ROWS rows; units: use
-// the bf16 units where this CPU has them (false: the widening steps, as on a CPU without them)
+// y [M,N] = beta y + x [M,K] w [N,K]^T for a decode step's rows (rows_kernel_serves); units: use the
+// bf16 units where this CPU has them (false: the widening steps, as on a CPU without them)
 static void bf16_rows(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, bool units, float beta,
                       float *y) {
 #if defined(__AVX512BF16__)
     if (units) { bf16_rows_with<UnitSteps>(M, N, K, x, w, beta, y); return; }
 #endif
     bf16_rows_with<WidenedSteps>(M, N, K, x, w, beta, y);
+}
+
+// With the bf16 units this kernel serves a decode step from this many rows on, not only above GEMV_ROWS:
+// past 8 rows the GEMV pass keeps one weight row per block and reloads x for each (8 bf16 matrices of
+// 14336 x 4096 from memory, fp32 x: 8 rows 33 vs 23 ms, 12 rows 114 vs 29, 16 rows 185 vs 35; 1-4 alike).
+static const int64_t UNIT_ROWS_FROM = 5;
+
+// whether a decode step of M rows takes this kernel; `units`: the bf16 units are asked for (and built)
+static inline bool rows_kernel_serves(int64_t M, bool units) {
+#if !defined(__AVX512BF16__)
+    units = false;
+#endif
+    return M <= DECODE_ROWS && (M > GEMV_ROWS || (units && M >= UNIT_ROWS_FROM));
 }
 #endif
