@@ -21,6 +21,9 @@ decode roofline (tokens/s) = batch / max(matrix bytes / bandwidth, 2 * matrix el
 decode peak); prefill peak (tokens/s) = prefill gemm peak / (2 * the layers' matrix elements: the output
 matrix serves only each prompt's last token). Attention, norms,
 the adapters and sampling are outside both rooflines: they are what the ratios leave to explain.
+The bf16 units' issue rate (dot products from registers on every core) bounds every batch: a token's
+products at that rate (2 x matrix elements of FLOP) give the most tokens/s any batch could decode here
+(`speedup_bound`: that over batch 1's measured tokens/s).
 Last, the projected wall time of the paper's math (4,076 problems, up to 200 new tokens each) and
 commonsense (12,369 problems, 40 tokens) evaluations at the best batch: the test sets of --data_root
 tokenized by --tokenizer (prompt lengths; sets missing from --data_root are assumed to have the same
@@ -105,6 +108,42 @@ auto best = [&](int which) {
 out0_p[0] = DECODE ? best(0) : 1e30;
 out0_p[1] = best(1);
 """
+UNITS_ISSUE = """// seconds of STEPS steps of 16 independent bf16 dot products (_mm512_dpbf16_ps) on every thread, from
+// registers only: the most bf16 FLOP/s this CPU's units issue, out [0] = seconds, [1] = threads
+const int64_t STEPS = 20000000;
+int threads = 1;
+const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel
+{
+    #pragma omp single
+    threads = omp_get_num_threads();
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = a;
+    for (int64_t i = 0; i < STEPS; i++) {
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+        asm volatile("" : "+v"(a));  // a new operand each step: the loop cannot be folded away
+    }
+    float s = 0.f;
+    for (int j = 0; j < 16; j++) s += _mm512_reduce_add_ps(acc[j]);
+    if (s == 0.5f) threads = -1;  // never true; keeps the sums
+}
+out0_p[0] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+out0_p[1] = threads;
+"""
+
+
+def units_issue_gflops(runs: int = 3) -> float:
+    """The bf16 units' issue rate (GFLOP/s) on every core, best of `runs`: no product of any shape can run
+    faster on this CPU. NaN without the units (avx512_bf16)."""
+    if not cpu_has_bf16_units():
+        return float("nan")
+    best = 0.0
+    for _ in range(runs):
+        seconds, threads = jt.code((2,), "float64", [], cpu_header="#include <immintrin.h>\n#include <chrono>\n"
+                                   "#include <omp.h>\n", cpu_src=UNITS_ISSUE).numpy()
+        best = max(best, threads * 20000000 * 16 * 64 / seconds / 1e9)  # 64 FLOP a step: 16 lanes x 2 pairs x 2
+    return best
 
 
 def stream_bandwidth(matrices: list, runs: int = 3) -> float:
@@ -227,7 +266,10 @@ def measure(opts, work: str):
         print(f"batch {B}: prefill {r['prefill_tok_s']:.1f} tok/s; decode {r['decode_tok_s']:.2f} tok/s, "
               f"{r['step_s']:.3f} s a step, {r['sampling_s']:.3f} s of it sampling; peak RSS {r['peak_rss_gb']:.2f} GB",
               flush=True)
-    print(f"rooflines: streaming read {bandwidth / 1e9:.1f} GB/s (the best of {len(batches) + 1} measures)")
+    units = units_issue_gflops()
+    print(f"rooflines: streaming read {bandwidth / 1e9:.1f} GB/s (the best of {len(batches) + 1} measures); "
+          f"the bf16 units issue {units:.0f} GFLOP/s: no batch decodes faster than {units * 1e9 / step_bytes:.1f} "
+          "tok/s on this CPU (a token's products at that rate, nothing else)")
     for B, r in rows.items():
         roofline = B / max(step_bytes / bandwidth, 2 * (step_bytes / 2) * B / (r["decode_peak_gflops"] * 1e9))
         r.update(decode_roofline_tok_s=roofline, decode_over_roofline=r["decode_tok_s"] / roofline,
@@ -251,6 +293,8 @@ def measure(opts, work: str):
             "decode_over_roofline": f"{r['decode_over_roofline']:.2f}",
             "decode_peak_gflops": f"{r['decode_peak_gflops']:.0f}",
             "speedup_over_batch1": f"{r['decode_tok_s'] / rows[1]['decode_tok_s']:.1f}" if 1 in rows else "nan",
+            "units_issue_gflops": f"{units:.0f}",
+            "speedup_bound": f"{units * 1e9 / step_bytes / rows[1]['decode_tok_s']:.1f}" if 1 in rows else "nan",
             "prefill_tok_s": f"{r['prefill_tok_s']:.3g}", "prefill_over_peak": f"{r['prefill_over_peak']:.2f}",
             "prefill_peak_gflops": f"{r['prefill_peak_gflops']:.0f}", "peak_rss_gb": f"{peak_rss_gb():.2f}",
             "math_eval_hours": f"{hours['math']:.1f}", "commonsense_eval_hours": f"{hours['commonsense']:.1f}"}

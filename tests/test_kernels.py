@@ -241,10 +241,10 @@ def test_bf16_linear(shape, N, units):
     np.testing.assert_allclose(got.numpy(), rounded(out_grad.numpy()) @ w64, rtol=1e-5, atol=2e-5)
 
 
-# A decode step's 17-64 rows, or 5-16 on the bf16 units (cpp/bf16_rows.h): M = 17, 33, 64, 6 (tiles of 4
-# rows and a rest of 1 or 2), N = 13 and 50 (blocks of 6 weight rows and single rows), K = 100 (three
-# 32-column steps and a rest of 4), 160, and 4200 (three chunks of 2048 columns with the next one
-# prefetched, the last partial)
+# A decode step's 17-64 rows, or 5-16 on the bf16 units (cpp/bf16_rows.h): M = 17, 33, 64, 6 (tiles of 5
+# rows and a rest of 2, 3, 4 or 1), N = 13, 50 and 7 (blocks of 5 weight rows and single rows), K = 100
+# (three 32-column steps and a rest of 4), 160, and 4200 (two chunks of 4096 columns, the second
+# prefetched during the first, partial)
 @pytest.mark.parametrize("units", units_choices)
 @pytest.mark.parametrize("M, N, K", [(17, 13, 100), (33, 50, 160), (64, 7, 4200), (6, 13, 4200)])
 def test_bf16_rows(M, N, K, units):
