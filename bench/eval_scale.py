@@ -23,7 +23,9 @@ matrix serves only each prompt's last token). Attention, norms,
 the adapters and sampling are outside both rooflines: they are what the ratios leave to explain.
 The bf16 units' issue rate (dot products from registers on every core) bounds every batch: a token's
 products at that rate (2 x matrix elements of FLOP) give the most tokens/s any batch could decode here
-(`speedup_bound`: that over batch 1's measured tokens/s).
+(`speedup_bound`: that over batch 1's measured tokens/s; `machine_balance`: that over a batch 1 reading
+the weights at the streaming rate, the units' FLOP/s over the bandwidth's bytes/s, since a bf16 weight is
+2 bytes and 2 FLOP a row).
 Last, the projected wall time of the paper's math (4,076 problems, up to 200 new tokens each) and
 commonsense (12,369 problems, 40 tokens) evaluations at the best batch: the test sets of --data_root
 tokenized by --tokenizer (prompt lengths; sets missing from --data_root are assumed to have the same
@@ -269,7 +271,8 @@ def measure(opts, work: str):
     units = units_issue_gflops()
     print(f"rooflines: streaming read {bandwidth / 1e9:.1f} GB/s (the best of {len(batches) + 1} measures); "
           f"the bf16 units issue {units:.0f} GFLOP/s: no batch decodes faster than {units * 1e9 / step_bytes:.1f} "
-          "tok/s on this CPU (a token's products at that rate, nothing else)")
+          f"tok/s on this CPU (a token's products at that rate, nothing else), {units / (bandwidth / 1e9):.1f}x a "
+          "batch 1 at the streaming read's rate")
     for B, r in rows.items():
         roofline = B / max(step_bytes / bandwidth, 2 * (step_bytes / 2) * B / (r["decode_peak_gflops"] * 1e9))
         r.update(decode_roofline_tok_s=roofline, decode_over_roofline=r["decode_tok_s"] / roofline,
@@ -295,6 +298,7 @@ def measure(opts, work: str):
             "speedup_over_batch1": f"{r['decode_tok_s'] / rows[1]['decode_tok_s']:.1f}" if 1 in rows else "nan",
             "units_issue_gflops": f"{units:.0f}",
             "speedup_bound": f"{units * 1e9 / step_bytes / rows[1]['decode_tok_s']:.1f}" if 1 in rows else "nan",
+            "machine_balance": f"{units / (bandwidth / 1e9):.1f}",
             "prefill_tok_s": f"{r['prefill_tok_s']:.3g}", "prefill_over_peak": f"{r['prefill_over_peak']:.2f}",
             "prefill_peak_gflops": f"{r['prefill_peak_gflops']:.0f}", "peak_rss_gb": f"{peak_rss_gb():.2f}",
             "math_eval_hours": f"{hours['math']:.1f}", "commonsense_eval_hours": f"{hours['commonsense']:.1f}"}
