@@ -20,9 +20,9 @@
 #endif
 // Products of at most this many rows run as a decode step's pass over the weights (switch.py reads it)
 static const int64_t DECODE_ROWS = 64;
-// 5 x 5 accumulators, x and weight steps in the other 6 registers (4 x 6 made the compiler reload weight
-// steps for each row of x); chunks of 4096 columns: at 8-64 rows of the 8B layer's products 1.5-1.6x the
-// rate of 4 x 6 in chunks of 2048 on a Zen 4 EPYC (bench/eval_scale.py's decode product peak)
+// 5 x 5 accumulators, the x and weight steps in the other 6 registers (with 4 x 6 the compiler reloaded
+// weight steps for each row of x); chunks of 4096 columns: over the 8B layer's products at 8-64 rows,
+// 1.5-1.6x the rate of 4 x 6 in chunks of 2048 on a Zen 4 EPYC (docs/performance.md)
 static const int ROWS_MT = 5, ROWS_NB = 5;
 static const int64_t ROWS_KC = 4096;
 
