@@ -21,7 +21,7 @@ beside --output_dir and replaces it as a whole once every data set is scored; it
 (.manifest.json) lists them. A folder holding anything its manifest does not list is refused
 (it is not an evaluation folder), and so is a mount point; a symlink's target is replaced.
 Exit codes: 0 done, 2 bad input (one line on stderr), 4 a file could not be written (disk
-full, permissions), 130 / 143 stopped by SIGINT / SIGTERM (nothing written).
+full, permissions), 130 / 143 / 138 stopped by SIGINT / SIGTERM / SIGUSR1 (nothing written).
 """
 import Utils.jittor_env  # must precede numpy and jittor (see block_stop_signals)
 
@@ -48,7 +48,7 @@ from Models.generate import auto_batch_size, check_kv_cache_memory, generate
 from Data.tiny_base import ensure_default_base
 from Models.formats.pth import CheckpointError
 from Utils import misc, output_dirs, sandbox
-from Utils.jittor_env import StopFlag, Stopped
+from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
 from Utils.misc import print_main, read_json_object
 from Utils.settings import ArgumentParser, GenerationArgs, add_arguments, check_values, count_or_auto, given
 
@@ -397,7 +397,7 @@ def main(argv=None):
     except Stopped as e:
         if misc.get_rank() == 0:
             sys.stderr.write(f"error: stopped by {e} before the evaluation was done; nothing was written\n")
-        sys.exit(130 if str(e) == "SIGINT" else 143)
+        sys.exit(stop_exit_status(str(e)))
     except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
         if misc.get_rank() == 0:
             sys.stderr.write(f"error: {e}\n")

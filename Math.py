@@ -11,8 +11,9 @@ An output folder belongs to one run (Utils/output_dirs.py): a new run into anoth
 needs --resume auto or --overwrite, and two live runs into one folder are refused.
 Exit codes: 0 done, 2 bad input (one line on stderr), 3 non-finite loss or adapter weights (nothing
 saved), 4 a file could not be written (disk full, permissions), 130 stopped by SIGINT (Ctrl-C), 143
-stopped by SIGTERM; both stops save checkpoint-latest.pth at the next step boundary first (or,
-while an input is still being read, stop with nothing written).
+by SIGTERM, 138 by SIGUSR1; each stop saves checkpoint-latest.pth at the next step boundary first (or,
+while an input is still being read, stops with nothing written). Under mpirun send SIGUSR1 to mpirun:
+it forwards that to every rank, where OpenMPI kills the ranks one second after a SIGTERM.
 """
 import Utils.jittor_env  # must precede numpy and jittor (see block_stop_signals)
 
@@ -41,7 +42,7 @@ from Data.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
 from Models.kernels.adamw import build_optimizer
 from Utils.misc import EarlyStopper, all_reduce_sum, print_main
-from Utils.jittor_env import StopFlag, Stopped
+from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
 from Utils.settings import (RECIPES, ArgumentParser, GenerationArgs, TrainArgs, add_arguments, check_values, given,
                             recipe_values, recipes_help, resume_fixed, setting_fields)
 
@@ -302,7 +303,7 @@ def train_and_save(args, stop, run_id, claim, model, optimizer, stopper, dataset
         all_reduce_sum([0.0])
         print_main(f"stopped by {stop.name} at step {end.global_step}; checkpoint-latest.pth is saved, "
                    f"continue with --resume auto")
-        return 130 if stop.name == "SIGINT" else 143
+        return stop_exit_status(stop.name)
     if claim is not None:
         claim.record("adapter")
     save_adapter(model, os.path.join(args.output_dir, "adapter"))
@@ -328,7 +329,7 @@ def main(argv=None):
         return 3
     except Stopped as e:  # while blocked reading an input (a FIFO), before anything was written
         print(f"error: stopped by {e} while reading the inputs; nothing was written", file=sys.stderr)
-        return 130 if str(e) == "SIGINT" else 143
+        return stop_exit_status(str(e))
     except OSError as e:  # inputs were read in prepare(); what fails now is a write
         print(f"error: cannot write {e.filename or args.output_dir}: {e.strerror or e}", file=sys.stderr)
         return 4

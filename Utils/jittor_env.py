@@ -47,12 +47,20 @@ def ensure_onednn():
     return True
 
 
-# The signals a process stops on at its next safe point: Ctrl-C and kill (TERM) alike.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# The signals a process stops on at its next safe point: Ctrl-C, kill (TERM), and SIGUSR1, which mpirun
+# forwards to every rank as it is (OpenMPI answers a SIGTERM to mpirun with SIGTERM to its ranks and
+# SIGKILL one second later, before a longer step can end; `kill -USR1 <mpirun's pid>` lets it end).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def stop_exit_status(name: str) -> int:
+    """The exit status of a process stopped by the stop signal `name`: 128 + its number, as a shell
+    reports a process that a signal ended (130 SIGINT, 143 SIGTERM, 138 SIGUSR1)."""
+    return 128 + signal.Signals[name]
 
 
 def block_stop_signals():
-    """Make SIGINT and SIGTERM pending flags that only the process's own poll reads
+    """Make the stop signals pending flags that only the process's own poll reads
     (StopFlag below), in a training or inference process.
 
     Call before numpy, OpenMP or Jittor start a thread: each inherits the block, so no
@@ -67,9 +75,9 @@ def block_stop_signals():
 
 
 class StopFlag:
-    """SIGINT or SIGTERM, polled at safe points (between optimizer steps, between generated batches).
+    """A stop signal (SIGINT, SIGTERM, SIGUSR1), polled at safe points (between optimizer steps, between generated batches).
 
-    The entry points block both in every thread (Utils.jittor_env.block_stop_signals), so
+    The entry points block them in every thread (Utils.jittor_env.block_stop_signals), so
     they wait as pending until polled here and never interrupt Jittor. Where they are not
     blocked (Math.main called in-process) they keep their default actions.
     """
@@ -94,7 +102,7 @@ class StopFlag:
 
 
 class Stopped(Exception):
-    """SIGINT or SIGTERM ended the work before it was done; str() is the signal's name."""
+    """A stop signal ended the work before it was done; str() is the signal's name."""
 
 
 def prepare():

@@ -146,7 +146,7 @@ POLL_SECONDS = 0.2  # how long a read of a FIFO or device waits before it looks 
 
 def read_input(path) -> bytes:
     """The bytes of an input file. A regular file is read at once; anything else (a FIFO, a device) is read
-    by polling, so a writer that never comes still lets SIGINT or SIGTERM end the process (Stopped)."""
+    by polling, so a writer that never comes still lets a stop signal end the process (Stopped)."""
     mode = os.stat(path).st_mode
     if stat.S_ISDIR(mode):
         raise IsADirectoryError(f"{path} is a folder, not a file")

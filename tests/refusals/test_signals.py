@@ -29,11 +29,12 @@ def no_temp_files(folder):
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks, stop, code, logged", [
     (1, signal.SIGINT, 130, 1), (1, signal.SIGTERM, 143, 2),
-    pytest.param(2, signal.SIGTERM, 1, 3, marks=MPI, id="mpirun-2-SIGTERM")])  # mpirun forwards it to both ranks
+    pytest.param(2, signal.SIGUSR1, 138, 3, marks=MPI, id="mpirun-2-SIGUSR1")])  # mpirun forwards it to both ranks
 def test_a_stop_signal_checkpoints_the_last_step(tiny_base, synthetic_data, tmp_path, ranks, stop, code, logged):
     """Sent once `logged` lines are in log.txt, so that it falls inside the training loop; one process resumes
-    from the checkpoint it left and goes on from the next step. mpirun itself exits 1 when its ranks stop by a
-    signal (each rank says so)."""
+    from the checkpoint it left and goes on from the next step. Under mpirun the signal is SIGUSR1, which it
+    forwards as it is (a SIGTERM it answers with SIGKILL to the ranks one second later, before a step that
+    compiles a kernel can end), and it exits with its ranks' status."""
     out = tmp_path / "run"
     command = python_program("Math.py", *math_argv(tiny_base, synthetic_data, out, "--epochs", 50))
     if ranks > 1:
@@ -49,6 +50,30 @@ def test_a_stop_signal_checkpoints_the_last_step(tiny_base, synthetic_data, tmp_
         assert train(tiny_base, synthetic_data, out, "--epochs", 50, "--resume", "auto", "--max_steps",
                      steps[-1] + 1) == 0
         assert [r["step"] for r in log_records(out, "train")] == steps + [steps[-1] + 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop, code, ends", [pytest.param(signal.SIGUSR1, 138, True, marks=MPI),
+                                              pytest.param(signal.SIGTERM, 1, False, marks=MPI)])
+def test_mpirun_lets_a_long_step_end_on_sigusr1_only(stop, code, ends):
+    """Each rank takes a 3-second step after the signal reaches mpirun, then polls: SIGUSR1 is forwarded as
+    it is and every rank stops there; a SIGTERM OpenMPI answers with SIGKILL a second later, mid-step."""
+    program = textwrap.dedent("""
+        import time
+        import Utils.jittor_env as env
+        env.block_stop_signals()
+        stop = env.StopFlag()
+        print("ready", flush=True)
+        while not stop.poll():
+            time.sleep(0.05)
+        time.sleep(3)  # the step in progress
+        print("stopped by", stop.name, flush=True)
+        raise SystemExit(env.stop_exit_status(stop.name))
+    """)
+    command = [MPIRUN, "--oversubscribe", "-np", "2", sys.executable, "-c", program]
+    done = run_and_signal(command, stop, lambda pid, out: out.count("ready") == 2, timeout=60)
+    assert done.returncode == code, done.stdout + done.stderr
+    assert done.stdout.count(f"stopped by {stop.name}") == (2 if ends else 0), done.stdout + done.stderr
 
 
 @pytest.mark.slow
