@@ -110,9 +110,9 @@ auto best = [&](int which) {
 out0_p[0] = DECODE ? best(0) : 1e30;
 out0_p[1] = best(1);
 """
+UNITS_STEPS = 20000000  # steps of UNITS_ISSUE on each thread
 UNITS_ISSUE = """// seconds of STEPS steps of 16 independent bf16 dot products (_mm512_dpbf16_ps) on every thread, from
 // registers only: the most bf16 FLOP/s this CPU's units issue, out [0] = seconds, [1] = threads
-const int64_t STEPS = 20000000;
 int threads = 1;
 const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel
@@ -143,8 +143,9 @@ def units_issue_gflops(runs: int = 3) -> float:
     best = 0.0
     for _ in range(runs):
         seconds, threads = jt.code((2,), "float64", [], cpu_header="#include <immintrin.h>\n#include <chrono>\n"
-                                   "#include <omp.h>\n", cpu_src=UNITS_ISSUE).numpy()
-        best = max(best, threads * 20000000 * 16 * 64 / seconds / 1e9)  # 64 FLOP a step: 16 lanes x 2 pairs x 2
+                                   "#include <omp.h>\n",
+                                   cpu_src=f"const int64_t STEPS = {UNITS_STEPS};\n" + UNITS_ISSUE).numpy()
+        best = max(best, threads * UNITS_STEPS * 16 * 64 / seconds / 1e9)  # 64 FLOP a step: 16 lanes x 2 pairs x 2
     return best
 
 
