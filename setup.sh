@@ -31,10 +31,12 @@ if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$HERE/
   grep -v '^mpi4py' "$HERE/requirements.txt" | "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r /dev/stdin
 fi
 
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+bash "$HERE/scripts/jittor_gil.sh" "$SITE"  # the op compiler's threads and Python (every machine)
 NVCC="${nvcc_path:-$(command -v nvcc || true)}"
 if ls /dev/nvidia[0-9]* >/dev/null 2>&1 && [ -n "$NVCC" ] && \
    [ "$("$NVCC" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')" -ge 13 ] 2>/dev/null; then
-  bash "$HERE/scripts/jittor_cuda13.sh" "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  bash "$HERE/scripts/jittor_cuda13.sh" "$SITE"
 fi
 
 echo "[setup] preparing Jittor (the first time compiles for a few minutes)"

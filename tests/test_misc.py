@@ -1,13 +1,19 @@
 """Utils/misc.py: distributed setup, print gating, atomic saves, meters, early stopping."""
+import json
 import math
 import os
 import pickle
+import subprocess
+import sys
 from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 
 from Utils import misc
 from Utils.misc import EarlyStopper, MetricLogger, SmoothedValue, save_on_master
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_init_distributed_single_process():
@@ -99,3 +105,31 @@ def test_early_stopper_state_round_trip():
     assert (restored.best, restored.bad_rounds) == (0.5, 1)
     assert restored.step(0.7) == stopper.step(0.7) == (False, False)
     assert restored.step(0.7) == stopper.step(0.7) == (False, True)
+
+
+def test_op_compiler_threads_hold_the_interpreter_lock():
+    """Ops whose source calls Python (jt.isnan, jt.isfinite: the optimizer step's finite check on a GPU) compiled
+    by Jittor's op compiler threads: each call must hold the interpreter's lock (scripts/jittor_gil.sh). Without it
+    Python 3.12 segfaults there ("thread_name: 'C10'", docs/gpu.md); Python 3.11 lends the thread the main thread's
+    state, which PyGILState_Check tells apart."""
+    program = """
+import ctypes, json, threading
+import Utils.jittor_env, jittor as jt
+jt.flags.use_parallel_op_compiler = 16
+calls = []
+wrapped = jt.python_pass_wrapper
+def recorded(*args):
+    calls.append([threading.get_ident() != threading.main_thread().ident, ctypes.pythonapi.PyGILState_Check()])
+    return wrapped(*args)
+jt.python_pass_wrapper = recorded
+x = jt.array([1.0, float("nan"), float("inf"), -2.0])
+nan, inf = jt.isnan(x), jt.isinf(x)
+jt.sync([nan, inf])
+print(json.dumps({"calls": calls, "nan": nan.numpy().tolist(), "inf": inf.numpy().tolist()}))
+"""
+    run = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["nan"] == [False, True, False, False] and seen["inf"] == [False, False, True, False]
+    assert any(on_thread for on_thread, _ in seen["calls"]), f"no op was compiled on a compiler thread: {seen}"
+    assert all(held == 1 for _, held in seen["calls"]), f"Python called without the interpreter's lock: {seen}"
