@@ -13,9 +13,14 @@ command -v mpicc >/dev/null || missing+=(libopenmpi-dev)
 command -v g++ >/dev/null || missing+=(g++)
 command -v bwrap >/dev/null || missing+=(bubblewrap)  # the code task's sandbox (Utils/sandbox.py)
 if [ ${#missing[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  if [ -n "${PIP_NO_INDEX:-}" ]; then  # pip's own switch for a machine without package registries
+    echo "[setup] no package registries (PIP_NO_INDEX): continuing without ${missing[*]}" >&2
+  elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "[setup] apt-get install ${missing[*]}"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    # bounded: a machine without package registries (a GPU machine here) goes on without them
+    if ! { timeout 120 apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; }; then
+      echo "[setup] apt-get failed (no package registry?): continuing without ${missing[*]}" >&2
+    fi
   else
     echo "[setup] missing system packages: ${missing[*]} (install them as root; continuing without)" >&2
   fi
@@ -25,10 +30,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   python3 -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$HERE/requirements.txt"; then
+# without registries (PIP_NO_INDEX) only what requirements.txt names is checked: its dependencies came with it
+NO_DEPS=(); [ -n "${PIP_NO_INDEX:-}" ] && NO_DEPS=(--no-deps)
+if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${NO_DEPS[@]}" -r "$HERE/requirements.txt"; then
   # mpi4py needs mpicc to build; everything else still works without it (Jittor has its own MPI)
   echo "[setup] retrying without mpi4py" >&2
-  grep -v '^mpi4py' "$HERE/requirements.txt" | "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r /dev/stdin
+  grep -v '^mpi4py' "$HERE/requirements.txt" | "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    "${NO_DEPS[@]}" -r /dev/stdin
 fi
 
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
