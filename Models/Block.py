@@ -18,7 +18,7 @@ from .SparseLoRA import SparseLoRAMoE
 from .kernels.elementwise import rms_norm, rms_norm_branches, rope, silu_gate
 from .kernels.projections import Projection, lora_projections, swiglu_down
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
-from .kernels.precision import BaseLinear, cast_to
+from .kernels.precision import BaseLinear, bf16_rule, cast_to
 
 
 class RMSNorm(nn.Module):
@@ -53,7 +53,7 @@ def single_expert(lora) -> bool:
 
 def projection(base: BaseLinear, lora, route, family: str) -> Projection:
     """base and its single LoRA expert (or none) under the family's route weight, as the kernels take them."""
-    return Projection(base.weight, None if lora is None else lora.term(route.weight(family)))
+    return Projection(base.weight, None if lora is None else lora.term(route.weight(family)), base.weight_scale)
 
 
 def with_loras(x: jt.Var, projections, route) -> list:
@@ -100,8 +100,9 @@ class Attention(nn.Module):
         self._cache_k = self._cache_v = self._prompt_kv = None
 
     def cache_dtype(self) -> str:
-        """The KV cache's element type: the base's storage type (bf16 or fp32), or fp32 (ModelArgs.kv_cache)."""
-        return "bfloat16" if self.kv_cache == "base" and self.wq.weight.dtype == "bfloat16" else "float32"
+        """The KV cache's element type: bf16 with a bf16 or int8 base, fp32 with an fp32 one, or fp32 whatever the
+        base (ModelArgs.kv_cache)."""
+        return "bfloat16" if self.kv_cache == "base" and bf16_rule(self.wq.weight) else "float32"
 
     def update_cache(self, xk: jt.Var, xv: jt.Var, start_pos: int):
         """Write this step's keys/values [B,T,Hkv,hd] at positions start_pos.. of the cache (rounded to
@@ -130,7 +131,7 @@ class Attention(nn.Module):
             xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = rope(xq, cos, sin), rope(xk, cos, sin)
         keys, values = (xk, xv) if start_pos is None else self.update_cache(xk, xv, start_pos)
-        out = attention(xq, keys, values, mask, self.wq.weight.dtype == "bfloat16")  # [B,T,H,hd]
+        out = attention(xq, keys, values, mask, bf16_rule(self.wq.weight))  # [B,T,H,hd]
         if self.has_prompt:
             out = self.add_prompt_output(out, x, xq, route, start_pos)
         out = out.reshape(B, T, H * hd)  # [B,T,D]

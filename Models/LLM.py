@@ -9,12 +9,12 @@ from .kernels.switch import Kernel
 from .Experts import PAdapterLayer
 from .kernels.elementwise import branches, residual_add
 from .kernels.linear import Linear
-from .ModelArgs import INSTANCE_METHODS, ModelArgs
+from .ModelArgs import BF16_PRODUCTS, INSTANCE_METHODS, ModelArgs
 from .kernels.precision import BaseLinear
 from .Routing import UNIPEFT_GATES, Gamma, LayerRoute, sequence_mean, type_router, type_weights
 from .rope import rope_tables
 
-SOFT_CLAMP = 65500.0  # the authors' fp16 guard, applied in fp32 too (not by Sparse MoA, not in bf16)
+SOFT_CLAMP = 65500.0  # the authors' fp16 guard, applied in fp32 too (not by Sparse MoA, not in bf16 or int8)
 
 
 class TransformerBlock(nn.Module):
@@ -71,8 +71,8 @@ class TransformerBlock(nn.Module):
                 self.p_adapter_gate = Linear(args.dim, 1, bias=True)  # never read, see Routing.UNIPEFT_GATES
         self.router_columns = self.type_names or self.gate_names  # the families routed, in the router's order
         # the bound of the authors' fp16 guard: every folder but Sparse MoA's clamps in fp32, and none
-        # in their bf16 mode (`if not self.bf16`), which --precision bf16 is (None: no clamp)
-        unclamped = (self.method == "moa" and self.variant == "sparse") or args.precision == "bf16"
+        # in their bf16 mode (`if not self.bf16`), which --precision bf16 is, and int8 with bf16 products (None: no clamp)
+        unclamped = (self.method == "moa" and self.variant == "sparse") or args.precision in BF16_PRODUCTS
         self.clamp = None if unclamped else SOFT_CLAMP
         self._sequence_gates = None  # instance-level decisions of the last prefill
 

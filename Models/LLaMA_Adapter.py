@@ -17,7 +17,7 @@ from jittor import nn
 from .kernels.elementwise import output_nll
 from .LLM import LLaMA
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
-from .kernels.precision import set_base_precision
+from .kernels.precision import SCALE_SUFFIX, set_base_precision
 from .Routing import gradientless_modules
 
 ADAPTER_KEYS = ("lora", "prompt", "adapter")
@@ -61,14 +61,15 @@ class LLaMA_adapter(nn.Module):
         return {name: p for name, p in self.named_parameters() if not is_adapter_param(name)}
 
     def parameter_counts(self) -> dict:
-        """Trainable parameter count per expert type, plus 'total' and 'base'."""
+        """Trainable parameter count per expert type, plus 'total' and 'base' (the checkpoint's: an int8 base's
+        row scales are not counted)."""
         counts = Counter()
         for name, p in self.named_parameters():
             size = int(np.prod(p.shape))
             if is_adapter_param(name):
                 counts[expert_family(name)] += size
                 counts["total"] += size
-            else:
+            elif not name.endswith(SCALE_SUFFIX):
                 counts["base"] += size
         return dict(counts)
 
@@ -89,7 +90,7 @@ class LLaMA_adapter(nn.Module):
         B = tokens.shape[0]
         targets = jt.concat([tokens[:, 1:], jt.zeros((B, 1), tokens.dtype)], dim=1)  # [B,T]
         mask = jt.concat([loss_mask[:, 1:].float32(), jt.zeros((B, 1), "float32")], dim=1)
-        nll = output_nll(h, self.llama.output.weight, targets)  # [B,T]
+        nll = output_nll(h, self.llama.output.weight, targets, self.llama.output.weight_scale)  # [B,T]
         count = mask.sum()
         loss = (nll * mask).sum() / count.maximum(1.0)
         self.last_loss_parts = {"ce": loss}

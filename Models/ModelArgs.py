@@ -19,13 +19,16 @@ METHODS = ("moa", "moe", "topk", "adamole", "instance", "unipeft")
 SPARSE_MOE_METHODS = ("topk", "adamole")
 INSTANCE_METHODS = ("instance", "unipeft")  # routed once per sequence, from its mean
 GAMMA_GRADS = ("authors", "ste")
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("bf16", "fp32", "int8")
+BF16_PRODUCTS = ("bf16", "int8")  # the precisions whose base products (and attention's) take bf16 operands
 KV_CACHE_PRECISIONS = ("base", "fp32")
 PRECISION_HELP = ("storage of the frozen base's matrices. bf16 halves the base's memory (what an 8B model needs), "
                   "runs on the CPU's bf16 units (avx512_bf16/AMX) or the GPU's half matmul, and loses nothing on "
-                  "Meta's bf16 checkpoints; fp32 gives the authors' fp32 numbers. Adapters, routers, norms, "
-                  "softmax, loss and optimizer are fp32 either way; in bf16 the base's products and, in training "
-                  "and prefill, attention's take bf16 operands with fp32 sums, as autocast does")
+                  "Meta's bf16 checkpoints; int8 stores the projections and the output matrix as int8 with a scale "
+                  "per row, quantized as the checkpoint loads (a quarter of fp32: what a 14B model needs), the "
+                  "embedding in bf16; fp32 gives the authors' fp32 numbers. Adapters, routers, norms, softmax, loss "
+                  "and optimizer are fp32 either way; in bf16 and int8 the base's products and, in training and "
+                  "prefill, attention's take bf16 operands with fp32 sums, as autocast does")
 META_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                "ffn_dim_multiplier", "norm_eps", "rope_theta", "use_scaled_rope")
 # What a base decides beyond Meta's params.json (a Hugging Face config.json sets them; Meta's bases
@@ -90,8 +93,8 @@ class ModelArgs:
     # their base does not fit a 24 GB machine in fp32. Models/kernels/precision.py does the work.
     precision: str = setting("fp32", PRECISION_HELP, PRECISIONS)
     kv_cache: str = setting("base", "precision of the KV cache's keys and values: 'base' stores them as the base's "
-                                    "matrices are stored (bf16 with --precision bf16: half the cache's memory and of "
-                                    "what each decode step reads), 'fp32' in fp32 whatever the base",
+                                    "products take them (bf16 with --precision bf16 or int8: half the cache's memory "
+                                    "and of what each decode step reads), 'fp32' in fp32 whatever the base",
                             KV_CACHE_PRECISIONS, resumable=True)
     method: str = setting("moa", "the mixture: moa (the heterogeneous type router, see --variant), or a baseline: "
                                  "moe (LoRA / MoLoRA / HydraLoRA / prompt and adapter MoE, by --expert_num and "

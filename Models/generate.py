@@ -24,7 +24,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .ModelArgs import INSTANCE_METHODS
+from .ModelArgs import BF16_PRODUCTS, INSTANCE_METHODS
 from .kernels.switch import DECODE_ROWS, GEMV_ROWS
 
 PAD_TOKEN = 0  # fed in padded slots that are never read (pad_id -1 is not a valid embedding row)
@@ -44,8 +44,8 @@ def available_memory() -> int:
 
 def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
     """The keys and values of every layer: batch * layers * 2 * kv_heads * head_dim * seq * (4, or 2 in a
-    bf16 cache: ModelArgs.kv_cache 'base' with a bf16 base)."""
-    element = 2 if args.precision == "bf16" and args.kv_cache == "base" else 4
+    bf16 cache: ModelArgs.kv_cache 'base' with a bf16 or int8 base)."""
+    element = 2 if args.precision in BF16_PRODUCTS and args.kv_cache == "base" else 4
     return batch_size * args.n_layers * 2 * args.n_kv_heads * args.head_dim * seq_len * element
 
 
@@ -64,13 +64,13 @@ KV_CACHE_SHARE = 1.5
 
 def auto_batch_size(args, seq_len: int, n_prompts: int, available=None, chunk: int = 64) -> int:
     """`--batch_size auto`: the largest batch, at most n_prompts and the rows one pass of the decode
-    kernels serves (DECODE_ROWS with a bf16 base, GEMV_ROWS otherwise), whose KV cache (counted
+    kernels serves (DECODE_ROWS with a bf16 or int8 base, GEMV_ROWS otherwise), whose KV cache (counted
     KV_CACHE_SHARE times) and decode buffers fit in 80% of the memory left (all ranks on this host
     together; call it with the model loaded). The rest is for Jittor's compiler on the first batch."""
     ranks_here = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
     available = (available_memory() if available is None else available) * 0.8 / ranks_here
     per_row = KV_CACHE_SHARE * kv_cache_bytes(args, 1, seq_len) + decode_buffer_bytes(args, 1, chunk)
-    most = DECODE_ROWS if args.precision == "bf16" else GEMV_ROWS
+    most = DECODE_ROWS if args.precision in BF16_PRODUCTS else GEMV_ROWS
     return max(1, min(most, n_prompts, int(available // per_row)))
 
 

@@ -367,7 +367,7 @@ with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets VmHWM to the current RSS
 before = status("VmRSS")
 (meta if base_layout(big) == "meta" else hf).load_base(model, big)
-nbytes = sum(int(np.prod(p.shape)) * (2 if p.dtype == "bfloat16" else 4) for p in model.base_parameters().values())
+nbytes = sum(p.nbytes for p in model.base_parameters().values())
 print(json.dumps({"increase": status("VmHWM") - before, "model_bytes": nbytes}))
 """
 

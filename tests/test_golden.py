@@ -13,6 +13,7 @@ from Models import Routing, load_base_model
 from Models.formats.adapters import load_adapter, read_adapter_config
 from Models.kernels import switch
 from Models.kernels.adamw import build_optimizer
+from Models.kernels.precision import set_base_precision
 from Models.LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from Models.ModelArgs import ModelArgs
 
@@ -268,3 +269,44 @@ def test_base_in_bf16_within_bf16_tolerance(stem):
     assert max_abs(model.llama(jt.array(tokens)).numpy(), data["logits"]) <= bound
     model.eval()
     assert max_abs(kv_logits(model.llama, tokens, meta["kv_prefill"]), data["kv_logits"]) <= bound
+
+
+# ---- int8 ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stem", BASES)
+def test_base_in_int8_next_token_as_in_bf16(stem):
+    """An int8 base (its matrices quantized as the checkpoint streams in, the embedding bf16) predicts every
+    golden position's next token as the bf16 base does, its logits within 5% of their largest magnitude
+    (they came within 1.4-2.0%), through the KV cache too."""
+    folder, data, meta = golden_base(stem)
+    logits, cached = {}, {}
+    for precision in ("bf16", "int8"):
+        model = load_base_model(str(folder), precision=precision, **RUNTIME)
+        tokens = data["tokens"].astype(np.int32)
+        logits[precision] = model.llama(jt.array(tokens)).numpy()
+        model.eval()
+        cached[precision] = kv_logits(model.llama, tokens, meta["kv_prefill"])
+    kinds = {name: str(p.dtype) for name, p in model.base_parameters().items()}
+    assert kinds["llama.layers.0.feed_forward.w2.weight"] == "int8" and kinds["llama.tok_embeddings.weight"] == "bfloat16"
+    bound = 5e-2 * np.abs(data["logits"]).max()
+    for ours in (logits, cached):
+        assert (ours["int8"].argmax(-1) == ours["bf16"].argmax(-1)).all()
+        assert 1e-3 < max_abs(ours["int8"], ours["bf16"]) <= bound  # quantized, not the bf16 weights
+
+
+@pytest.mark.parametrize("stem", MOA)
+def test_adapted_loss_and_gradients_on_an_int8_base(stem):
+    """The golden MoA models with their base quantized to int8: the loss within 1% of the authors' fp32 loss
+    and every adapter gradient pointing as theirs (cosine at least 0.99; 0.998-0.9995 when written)."""
+    model, data, _ = golden_model(stem)
+    set_base_precision(model, "int8")
+    assert model.llama.layers[0].attention.wq.weight.dtype == "int8"
+    loss, _ = golden_forward(model, data)
+    fp32_loss = float(data["loss"])
+    assert abs(float(loss.item()) - fp32_loss) <= 0.01 * abs(fp32_loss)
+    adapters = model.adapter_parameters()
+    for name, grad in zip(adapters, jt.grad(loss, list(adapters.values()))):
+        want = data[f"grad/{name}"].ravel().astype(np.float64)
+        if np.abs(want).max() > 0:
+            got = grad.numpy().ravel()
+            assert got @ want / np.linalg.norm(got) / np.linalg.norm(want) >= 0.99, name

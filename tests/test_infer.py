@@ -120,16 +120,16 @@ def test_records_match_full_forward(models, tok, prompts, variant):
 
 
 @pytest.mark.skipif(not fused_kernels_on(), reason="fused kernels are off (no libdnnl or a GPU run)")
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("variant", ["sparse", "soft"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch, variant, precision", [(arch, variant, precision) for arch in ("llama", "qwen3")
+                                                      for variant in ("sparse", "soft") for precision in ("fp32", "bf16")]
+                         + [("llama", "sparse", "int8"), ("qwen3", "soft", "int8")])
 def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tiny_qwen3, arch, variant, precision):
     """A decode step's layer in two ops (Models/kernels/decode_layer.py) against the op-by-op layer, its plain
     reference, through the KV cache: a prefill of 2 x 3 rows (causal within it) and 2-row steps; layers
     with and without prompt and adapter, grouped kv heads; Qwen3 (head_dim 32 of a 64-wide model, its
     per-head q_norm and k_norm, with weights drawn so that they matter). fp32: the same numbers to float
-    rounding; bf16: a last-bit difference can round a projection's input to the neighbouring bf16 value,
-    so a looser bound."""
+    rounding; bf16 and int8: a last-bit difference can round a projection's input to the neighbouring bf16
+    value, so a looser bound."""
     path = base_dir if arch == "llama" else tiny_qwen3
     model = build_model(path, base_args(path, max_seq_len=64, max_batch_size=2, **MOA[variant]))
     randomize_adapters(model, seed=7, scale=0.1)

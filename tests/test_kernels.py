@@ -14,7 +14,7 @@ from Models.kernels.attention import attention, prompt_attention
 from Models.kernels.switch import DECODE_ROWS, GEMV_ROWS, decoding, fused_kernels_on
 from Models.kernels.linear import linear
 from Models.Routing import Gamma, swiglu_router, type_router, type_weights
-from Models.kernels.precision import BF16Linear, bf16_linear, cast_to, cpu_has_bf16_units, to_bf16
+from Models.kernels.precision import BF16Linear, bf16_linear, cast_to, cpu_has_bf16_units, quantize, to_bf16
 from Models.formats.pth import bf16_bits_to_float32, float32_to_bf16_bits
 from Models.rope import rope_tables
 
@@ -23,6 +23,14 @@ pytestmark = pytest.mark.skipif(not fused_kernels_on(), reason="fused kernels ar
 
 def normal(rng, shape, scale=1.0):
     return jt.array((scale * rng.standard_normal(shape)).astype(np.float32))
+
+
+def stored(weight, dtype):
+    """A frozen base weight in the base's storage `dtype` and its row scales (int8), else None."""
+    if dtype == "int8":
+        values, scale = quantize(weight)
+        return values.stop_grad(), scale.stop_grad()
+    return (weight if dtype == "float32" else to_bf16(weight)).stop_grad(), None
 
 
 def assert_same(kernel, inputs, differentiable, atol, rtol=1e-6, seed=0):
@@ -75,7 +83,7 @@ def test_rope():
     assert_same(rope, [normal(rng, (2, 5, 3, 8)), cos, sin], [0], atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_output_nll_in_chunks(dtype, monkeypatch):
     """The loss through the output matrix, 64 rows of logits at a time (three chunks, the last
     partial), equals the loss of the whole [B,T,V] logits, in values (also under no_grad, which makes
@@ -84,24 +92,25 @@ def test_output_nll_in_chunks(dtype, monkeypatch):
     B, T, D, V = 2, 64 + 7, 16, 1100
     monkeypatch.setattr(elementwise, "LOGIT_BYTES", 64 * 4 * V)
     assert logit_rows(V) == 64
-    weight = normal(rng, (V, D), 0.5)
-    weight = (weight if dtype == "float32" else to_bf16(weight)).stop_grad()
+    weight, scale = stored(normal(rng, (V, D), 0.5), dtype)
     targets = jt.array(rng.integers(0, V, (B, T)).astype(np.int32))
     h = normal(rng, (B, T, D))
     if dtype == "float32":
-        assert_same(output_nll, [h, weight, targets], [0], atol=2e-5, rtol=1e-5)
+        assert_same(output_nll, [h, weight, targets, scale], [0], atol=2e-5, rtol=1e-5)
     with jt.no_grad():
-        np.testing.assert_allclose(output_nll.fused(h, weight, targets).numpy(),
-                                   output_nll.plain(h, weight, targets).numpy(), rtol=1e-5, atol=2e-5)
-    if dtype == "bfloat16":  # softmax - onehot is rounded to bf16 before the loss weight scales it
+        np.testing.assert_allclose(output_nll.fused(h, weight, targets, scale).numpy(),
+                                   output_nll.plain(h, weight, targets, scale).numpy(), rtol=1e-5, atol=2e-5)
+    if dtype != "float32":  # softmax - onehot (times an int8 matrix's row scales) is rounded to bf16 before
+        # the loss weight scales it
         loss_weight = normal(rng, (B, T))
-        got, = jt.grad((output_nll.fused(h, weight, targets) * loss_weight).sum(), [h])
+        got, = jt.grad((output_nll.fused(h, weight, targets, scale) * loss_weight).sum(), [h])
         w64, h64 = weight.float32().numpy().astype(np.float64), rounded(h.numpy().reshape(-1, D))
-        logits = h64 @ w64.T
+        s64 = np.ones(V) if scale is None else scale.numpy().astype(np.float64)
+        logits = (h64 @ w64.T) * s64
         probs = np.exp(logits - logits.max(1, keepdims=True))
         probs /= probs.sum(1, keepdims=True)
         probs[np.arange(B * T), targets.numpy().reshape(-1)] -= 1
-        want = (rounded(probs) @ w64) * loss_weight.numpy().reshape(-1, 1)
+        want = (rounded(probs * s64) @ w64) * loss_weight.numpy().reshape(-1, 1)
         np.testing.assert_allclose(got.numpy().reshape(-1, D), want, rtol=1e-5, atol=5e-5)
 
 
@@ -301,19 +310,20 @@ def test_bf16_attention(units, monkeypatch):
 
 def projections_case(rng, base_dtype, rows):
     """x and three projections of it: a LoRA expert under a type weight, one unweighted, none."""
-    def base(n):
-        weight = normal(rng, (n, 96), 0.1)
-        return (weight if base_dtype == "float32" else to_bf16(weight)).stop_grad()
+    def projection(n, expert=None):
+        weight, scale = stored(normal(rng, (n, 96), 0.1), base_dtype)
+        return Projection(weight, expert, scale)
     x = normal(rng, (*rows, 96))
     A1, B1, A2, B2 = normal(rng, (8, 96), 0.1), normal(rng, (150, 8), 0.1), normal(rng, (4, 96), 0.1), normal(rng, (40, 4), 0.1)
     weight = jt.array(rng.random(rows).astype(np.float32))
-    projections = [Projection(base(150), ExpertTerm(A1, B1, weight, 2.0)), Projection(base(40), ExpertTerm(A2, B2, None, 0.5)),
-                   Projection(base(70))]
+    projections = [projection(150, ExpertTerm(A1, B1, weight, 2.0)), projection(40, ExpertTerm(A2, B2, None, 0.5)),
+                   projection(70)]
     return x, projections, [A1, B1, weight, A2, B2]
 
 
-# 4 rows: GEMV passes, fp32 or bf16 base; 20 rows of a bf16 base: the rows kernel (cpp/bf16_rows.h)
-@pytest.mark.parametrize("base_dtype, rows", [("float32", 4), ("bfloat16", 4), ("bfloat16", 20)])
+# 4 rows: GEMV passes, fp32, bf16 or int8 base; 20 rows of a bf16 or int8 base: the rows kernel (cpp/bf16_rows.h)
+@pytest.mark.parametrize("base_dtype, rows", [("float32", 4), ("bfloat16", 4), ("bfloat16", 20), ("int8", 4),
+                                              ("int8", 20)])
 def test_lora_projections_decoding(base_dtype, rows):
     """A decode step's base projections with their LoRA experts: one pass over each weight (inference)."""
     x, projections, _ = projections_case(np.random.default_rng(12), base_dtype, (rows, 1))
@@ -328,8 +338,8 @@ def test_lora_projections_decoding(base_dtype, rows):
 
 
 # 2 x 40 rows: training's sgemm (or bf16 units) path; 3 rows: a short batch with gradients, whose bf16
-# forward adds the base's GEMV pass onto the expert's output
-@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+# and int8 forward adds the base's GEMV pass onto the expert's output
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("rows", [(2, 40), (3, 1)])
 def test_lora_projections_with_gradients(base_dtype, rows):
     """Projections of one input with their LoRA experts as one op each way (training): the outputs,
@@ -374,17 +384,16 @@ def test_lora_projections_of_a_stop_grad_input(base_dtype, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16", "int8"])
 def test_swiglu_down(base_dtype):
     """The FFN's down projection with its LoRA expert under a type weight: the SwiGLU hidden and its
     low-rank view in one op (the hidden rebuilt in the backward), against silu_gate then the
     projections' kernel; outputs and the gradients of gate, up, A, B and the type weight."""
     rng = np.random.default_rng(17)
     gate, up = normal(rng, (2, 9, 40), 2.0), normal(rng, (2, 9, 40), 2.0)
-    base = normal(rng, (24, 40), 0.1)
-    base = (base if base_dtype == "float32" else to_bf16(base)).stop_grad()
+    base, scale = stored(normal(rng, (24, 40), 0.1), base_dtype)
     A, B, weight = normal(rng, (4, 40), 0.1), normal(rng, (24, 4), 0.1), jt.array(rng.random((2, 9)).astype(np.float32))
-    projection = Projection(base, ExpertTerm(A, B, weight, 2.0))
+    projection = Projection(base, ExpertTerm(A, B, weight, 2.0), scale)
     assert swiglu_down.when(gate, up, projection)
     fused, plain = swiglu_down.fused(gate, up, projection), swiglu_then_project(gate, up, projection)
     np.testing.assert_allclose(fused.numpy(), plain.numpy(), rtol=1e-5, atol=2e-5)
@@ -403,8 +412,7 @@ def test_swiglu_projection(base_dtype, weighted, has_expert):
     references' within rounding; outputs and the gradients of gate, up and the expert's parameters."""
     rng = np.random.default_rng(18)
     gate, up = normal(rng, (2, 9, 40), 2.0), normal(rng, (2, 9, 40), 2.0)
-    base = normal(rng, (24, 40), 0.1)
-    base = (base if base_dtype == "float32" else to_bf16(base)).stop_grad()
+    base, _ = stored(normal(rng, (24, 40), 0.1), base_dtype)
     A, B, weight = normal(rng, (4, 40), 0.1), normal(rng, (24, 4), 0.1), jt.array(rng.random((2, 9)).astype(np.float32))
     trained = ([A, B] + ([weight] if weighted else [])) if has_expert else []
     projection = Projection(base, ExpertTerm(A, B, weight if weighted else None, 2.0) if has_expert else None)

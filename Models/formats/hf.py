@@ -24,7 +24,8 @@ from ..ModelArgs import ModelArgs
 from ..Tokenizer import HFTokenizer
 from .adapters import check_strict
 from .pth import CheckpointError, TensorSource
-from .reading import fill_base, read_var
+from ..kernels.precision import split_scales
+from .reading import fill_base, read_quantized, read_var
 from .safetensors import open_checkpoint, save_checkpoint
 
 CONFIG = "config.json"
@@ -150,7 +151,7 @@ def load_base(model: LLaMA_adapter, folder: str):
     """Fill the frozen base from the folder's safetensors, tensor by tensor (reading.fill_base)."""
     tensors, source = open_checkpoint(folder)
     args = model.args
-    base = {name[len("llama."):]: var for name, var in model.base_parameters().items()}
+    base, scales = split_scales({name[len("llama."):]: var for name, var in model.base_parameters().items()})
     ignored = {name for name in tensors if name.endswith("rotary_emb.inv_freq")  # older files: recomputed
                or (args.tied_embeddings and name == "lm_head.weight")}  # tied: the embedding table serves
     check_strict({hf_name(name): var for name, var in base.items()},
@@ -163,8 +164,11 @@ def load_base(model: LLaMA_adapter, folder: str):
 
     def value_of(name, var, fds):
         t = tensors[hf_name(name)]
+        if name in scales:
+            return read_quantized([(fds[t.path], t.offset, 0, t.shape[0], 0, t.shape[1])], t.shape, t.dtype,
+                                  paired_head_dim(name, args))
         return read_var(fds[t.path], t.offset, t.nbytes, t.shape, t.dtype, var.dtype, paired_head_dim(name, args))
-    fill_base(base, value_of, sorted({t.path for t in tensors.values()}), source)
+    fill_base(base, value_of, sorted({t.path for t in tensors.values()}), source, scales)
     model.freeze_base()
 
 

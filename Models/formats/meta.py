@@ -16,8 +16,9 @@ from .adapters import IGNORED_META_KEYS, check_strict
 from ..LLaMA_Adapter import LLaMA_adapter
 from ..ModelArgs import ModelArgs
 from ..Tokenizer import Tokenizer
+from ..kernels.precision import quantize, split_scales
 from .pth import CheckpointError, StoredTensor, load_pth
-from .reading import fill_base, read_var
+from .reading import fill_base, read_quantized, read_var
 
 
 def meta_shapes(args: ModelArgs) -> dict:
@@ -40,6 +41,22 @@ def meta_shapes(args: ModelArgs) -> dict:
 
 # bf16 bits that came through numpy as uint16 -> a bfloat16 Var, same bytes
 REINTERPRET_SOURCE = "std::memcpy(out0_p, in0_p, in0->size);"
+
+
+def quantized_var(parts: list, dim, fds: dict) -> tuple:
+    """(values, row scales) of the int8 matrix joined from `parts` along `dim` (None: one part), quantized as
+    it is read (reading.read_quantized); a part not stored contiguously goes through tensor_var first."""
+    if any(part.file_range() is None for part in parts):
+        values = [tensor_var(part, fds[part.storage.reader.path], "float32") for part in parts]
+        return quantize(values[0] if dim is None else jt.concat(values, dim))
+    pieces, start = [], 0
+    for part in parts:
+        rows, cols = part.shape
+        offset = part.file_range()[0]
+        pieces.append((fds[part.storage.reader.path], offset, start if dim == 0 else 0, rows,
+                       start if dim == 1 else 0, cols))
+        start += rows if dim == 0 else cols if dim == 1 else 0
+    return read_quantized(pieces, joined_shape(parts, dim), parts[0].dtype)
 
 
 def tensor_var(tensor: StoredTensor, fd: int, dtype: str) -> jt.Var:
@@ -132,16 +149,18 @@ def load_base(model: LLaMA_adapter, ckpt_dir: str):
     """Fill the frozen base from Meta's consolidated.NN.pth shards (names without 'llama.'), one tensor at a time."""
     paths = checkpoint_paths(ckpt_dir)
     shards = open_shards(paths)
-    base = {name[len("llama."):]: var for name, var in model.base_parameters().items()}
+    base, scales = split_scales({name[len("llama."):]: var for name, var in model.base_parameters().items()})
     source = paths[0] if len(paths) == 1 else f"{ckpt_dir} ({len(paths)} shards)"
     plan = join_plan(shards, {k: v.shape for k, v in base.items()}, source)
     check_strict(base, {name: joined_shape(*entry) for name, entry in plan.items()}, source, "base")
 
     def value_of(name, var, fds):
         parts, dim = plan[name]
+        if name in scales:
+            return quantized_var(parts, dim, fds)
         values = [tensor_var(part, fds[part.storage.reader.path], var.dtype) for part in parts]
         return values[0] if dim is None else jt.concat(values, dim)
-    fill_base(base, value_of, paths, source)
+    fill_base(base, value_of, paths, source, scales)
     model.freeze_base()
 
 

@@ -18,6 +18,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from . import cpp
+from .precision import matrix_code
 from .routing import declare_router
 from .switch import decoding
 
@@ -46,6 +47,11 @@ def fuses_decode_step(block, x: jt.Var, cos, sin, mask, start_pos, record, aux) 
             and decoding(x, block.attention.wq.weight))
 
 
+def declare_matrix(inputs: cpp.CodeInputs, name: str, base):
+    """`name` as the C++ BaseMatrix of the base projection `base` (a BaseLinear)."""
+    inputs.code += f"const BaseMatrix {name} = {matrix_code(inputs, base.weight, base.weight_scale)};\n"
+
+
 def layer_input(block, x, cos, sin):
     # x [B,T,D] -> q [M,H*hd], k, v [M,Hkv*hd], probs [M,NT], gamma [M,1] or None; M = B*T
     B, T, D = x.shape
@@ -56,7 +62,7 @@ def layer_input(block, x, cos, sin):
     inputs.add("ATTENTION_NORM", block.attention_norm.weight)
     n_types = declare_router(inputs, block.adapter_type_router, block.adapter_threshold_fn, D)
     for name, base in (("WQ", attn.wq), ("WK", attn.wk), ("WV", attn.wv)):
-        inputs.add(name, base.weight, "const void *")
+        declare_matrix(inputs, name, base)
     for target, lora in (("Q", attn.lora_Q), ("K", attn.lora_K), ("V", attn.lora_V)):
         inputs.lora_expert(target, lora)
     inputs.add("COS", cos)
@@ -68,7 +74,6 @@ def layer_input(block, x, cos, sin):
     sizes = (f"const int64_t M = {M}, T = {T}, H = {H}, Hkv = {Hkv}, hd = {hd}, R = {R};\n"
              f"const float eps = {block.attention_norm.eps!r}f, scale = {float(scale)!r}f, "
              f"head_eps = {(attn.q_norm.eps if attn.q_norm is not None else 0.0)!r}f;\n"
-             f"const bool BASE_BF16 = {cpp.flag(attn.wq.weight.dtype == 'bfloat16')};\n"
              + columns(block, dict(Q="Q", K="K", V="V"))
              + f"float *PROBS = out3_p, *GAMMAS = {'out4_p' if sparse else 'nullptr'};\n")
     shapes = [(M, H * hd), (M, Hkv * hd), (M, Hkv * hd), (M, max(n_types, 1))] + ([(M, 1)] if sparse else [])
@@ -97,11 +102,11 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
         inputs.add("PROMPT_GATE", attn.prompt_gate.reshape(H))
     else:
         inputs.code += "const float *PROMPT_K = nullptr, *PROMPT_V = nullptr, *PROMPT_GATE = nullptr;\n"
-    inputs.add("WO", attn.wo.weight, "const void *")
+    declare_matrix(inputs, "WO", attn.wo)
     inputs.lora_expert("O", attn.lora_O)
     inputs.add("FFN_NORM", block.ffn_norm.weight)
     for name, base in (("W1", ffn.w1), ("W3", ffn.w3), ("W2", ffn.w2)):
-        inputs.add(name, base.weight, "const void *")
+        declare_matrix(inputs, name, base)
     for target, lora in (("GATE", ffn.lora_GATE), ("UP", ffn.lora_UP), ("DOWN", ffn.lora_DOWN)):
         inputs.lora_expert(target, lora)
     adapter = block.p_adapter
@@ -114,8 +119,7 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
              f"NT = {probs.shape[1]}, P = {0 if adapter is None else adapter.down_proj.weight.shape[0]};\n"
              f"const float eps = {block.ffn_norm.eps!r}f, scale = {1.0 / math.sqrt(hd)!r}f, "
              f"lora_scale = {float(scale)!r}f, CLAMP_LIMIT = {float(block.clamp or 0.0)!r}f;\n"
-             f"const bool BASE_BF16 = {cpp.flag(attn.wo.weight.dtype == 'bfloat16')}, "
-             f"CLAMP = {cpp.flag(block.clamp is not None)};\n"
+             f"const bool CLAMP = {cpp.flag(block.clamp is not None)};\n"
              + columns(block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
                                    PADAPTER="PADAPTER")))
     out = jt.code((M, D), "float32", inputs.vars, cpu_header=LAYER_HEADER, cpu_src=inputs.code + sizes + LAYER_OUTPUT)

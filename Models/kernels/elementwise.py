@@ -10,8 +10,7 @@ import jittor as jt
 from jittor import nn
 
 from . import cpp
-from .linear import fused_linear_input_grad
-from .precision import base_linear, bf16_bits_input_grad
+from .precision import base_input_grad, base_linear, bf16_bits_input_grad
 from .switch import Kernel
 
 ROTATE_HEADER = cpp.source("rotate.h")
@@ -52,7 +51,7 @@ rope = Kernel(lambda x, cos, sin: Rope.apply(x, cos, sin), plain_rope)
 
 
 # nll [N] and, when a gradient will be asked for, softmax - onehot [N,V] (fp32, or bf16 bits for a bf16
-# output matrix: cpp/cross_entropy.cc)
+# output matrix: cpp/cross_entropy.cc; an int8 one scales it by its rows' scales before rounding)
 CROSS_ENTROPY_HEADER = cpp.source("cross_entropy.h")
 CROSS_ENTROPY = cpp.source("cross_entropy.cc")
 
@@ -64,20 +63,22 @@ def logit_rows(vocab_size: int) -> int:
 
 
 class OutputNLL(jt.Function):
-    """nll [N] of h [N,D] through the frozen output matrix weight [V,D], logit_rows(V) rows at a time.
+    """nll [N] of h [N,D] through the frozen output matrix weight [V,D] (with its row scales [V] when int8),
+    logit_rows(V) rows at a time.
     Each chunk runs before the next is built (sync), so [N,V] logits never exist. When a gradient
     will be asked for, each chunk's gradient to h before the per-row loss weight,
     (softmax - onehot) weight [n,D], is made while its logits exist: the backward only scales
     it by grad_nll, so the output matrix costs two matmuls, not three, and no logits are kept."""
 
-    def execute(self, h, weight, targets):
+    def execute(self, h, weight, targets, scale=None):
         wants_grad = not jt.flags.no_grad and not h.is_stop_grad()
+        self.inputs = 3 if scale is None else 4
         rows = logit_rows(weight.shape[0])
         bits = weight.dtype == "bfloat16"
         nlls, grads = [], []
         with jt.no_grad():
             for start in range(0, h.shape[0], rows):
-                logits = base_linear(h[start:start + rows], weight)  # [n,V]
+                logits = base_linear(h[start:start + rows], weight, scale)  # [n,V]
                 n, V = logits.shape
                 sizes = (f"const int64_t N = {n}, V = {V};\n#define GRAD {'out1_p' if wants_grad else 'nullptr'}\n"
                          f"typedef {'uint16_t' if bits else 'float'} GRAD_T;\n")
@@ -88,29 +89,29 @@ class OutputNLL(jt.Function):
                 nll = outputs[0]
                 if wants_grad:  # [n,D]
                     grads.append(bf16_bits_input_grad(outputs[1], weight) if bits else
-                                 fused_linear_input_grad(outputs[1], weight))
+                                 base_input_grad(outputs[1], weight, scale))
                 jt.sync([nll] + grads[-1:])
                 nlls.append(nll)
         self.grad_h = jt.concat(grads) if len(grads) > 1 else (grads[0] if grads else None)
         return jt.concat(nlls) if len(nlls) > 1 else nlls[0]
 
     def grad(self, grad_nll):
-        return self.grad_h * grad_nll.unsqueeze(1), None, None
+        return (self.grad_h * grad_nll.unsqueeze(1),) + (None,) * (self.inputs - 1)
 
 
-def fused_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var) -> jt.Var:
+def fused_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var, scale=None) -> jt.Var:
     B, T, D = h.shape
-    nll = OutputNLL.apply(h.reshape(B * T, D), weight.stop_grad(), targets.reshape(B * T).int32())
-    return nll.reshape(B, T)
+    inputs = [h.reshape(B * T, D), weight.stop_grad(), targets.reshape(B * T).int32()]
+    return OutputNLL.apply(*inputs, *([] if scale is None else [scale])).reshape(B, T)
 
 
-def plain_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var) -> jt.Var:
-    log_probs = nn.log_softmax(base_linear(h, weight), dim=-1)  # [B,T,V]
+def plain_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var, scale=None) -> jt.Var:
+    log_probs = nn.log_softmax(base_linear(h, weight, scale), dim=-1)  # [B,T,V]
     return -jt.gather(log_probs, 2, targets.unsqueeze(-1)).squeeze(-1)
 
 
-# -log softmax(h weight^T)[target] without [B,T,V] logits: h [B,T,D] fp32, weight [V,D] frozen,
-# targets [B,T] int -> [B,T]
+# -log softmax(h weight^T)[target] without [B,T,V] logits: h [B,T,D] fp32, weight [V,D] frozen (int8 with
+# its row scales `scale` [V]), targets [B,T] int -> [B,T]
 output_nll = Kernel(fused_output_nll, plain_output_nll)
 
 

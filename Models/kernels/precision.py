@@ -1,7 +1,9 @@
-"""The frozen base's precision: its projections as BaseLinear, bf16 storage, the bf16 matmul.
+"""The frozen base's precision: its projections as BaseLinear, bf16 and int8 storage, their matmuls.
 
 `--precision bf16` stores the frozen base's matrices (projections, embedding,
-output) in bf16; adapters, routers, Gamma, norms, softmax, loss and the optimizer
+output) in bf16; `--precision int8` stores the projections and an untied output
+matrix as int8 values with a scale per row (symmetric absmax, cpp/int8.h), the
+embedding in bf16. Adapters, routers, Gamma, norms, softmax, loss and the optimizer
 stay fp32. A bf16 projection runs `base_linear`, fp32 in and out, with one rule
 on every machine: the input is rounded to bf16 (to nearest, ties to even) and
 the products of the two bf16 operands are summed in fp32, which is what torch's
@@ -18,6 +20,12 @@ training and prefill (Models/kernels/attention.py; a decode step's stay fp32). O
 Jittor's own CPU cast to bf16 truncates; `to_bf16` rounds to nearest even, and every
 fp32 -> bf16 conversion of the project (set_base_precision, checkpoint loads) goes
 through it.
+
+An int8 matrix's product keeps the same rule on its values, which bf16 holds exactly: y = s * (bf16(x)
+q^T), backwards dx = bf16(dy * s) q, the values widened inside the kernel (cpp/int8.h); its plain
+reference widens them whole, on a GPU to bf16 for the half matmul. A matrix is quantized row by row as
+its checkpoint streams in (Models/formats/reading.py) or, in memory, by `quantize`, both through one
+C++ function.
 """
 import functools
 
@@ -26,11 +34,14 @@ import jittor as jt
 from jittor import nn
 
 from . import cpp
-from .linear import linear
+from .linear import fused_linear_input_grad, linear
 from .switch import Kernel, decoding
 
-# --precision: the frozen base matrices' storage type
-STORAGE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# --precision: the frozen base matrices' storage type (int8: the projections' and an untied output's;
+# the embedding table takes bf16)
+STORAGE_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "int8": "int8"}
+# each storage type's name in C++ (cpp/base_matrix.h)
+STORAGES = {"float32": "FP32", "bfloat16": "BF16", "int8": "INT8"}
 
 ROUND_HEADER = cpp.source("bf16_bits.h")
 ROUND = cpp.source("bf16_round.cc")
@@ -38,6 +49,22 @@ BF16_HEADER = cpp.source("bf16.h")
 BF16_FORWARD = cpp.source("bf16_forward.cc")
 BF16_BACKWARD = cpp.source("bf16_backward.cc")
 BF16_BACKWARD_BITS = cpp.source("bf16_backward_bits.cc")
+INT8_HEADER = cpp.source("int8.h")
+INT8_FORWARD = cpp.source("int8_forward.cc")
+INT8_BACKWARD = cpp.source("int8_backward.cc")
+QUANTIZE = cpp.source("int8_quantize.cc")
+
+
+def bf16_rule(weight: jt.Var) -> bool:
+    """Whether products with this base weight (and attention beside it) take the bf16 rule: a bf16 or
+    int8 base."""
+    return weight.dtype != "float32"
+
+
+def matrix_code(inputs: cpp.CodeInputs, weight: jt.Var, scale=None) -> str:
+    """The C++ BaseMatrix (cpp/base_matrix.h) of a base weight and an int8 weight's row scales, their
+    Vars added to `inputs`."""
+    return f"BaseMatrix{{{inputs.pointer(weight)}, {inputs.pointer(scale)}, {STORAGES[str(weight.dtype)]}}}"
 
 
 def rounding_op(x: jt.Var, dtype: str) -> jt.Var:
@@ -147,28 +174,142 @@ def plain_bf16_linear(x: jt.Var, weight: jt.Var) -> jt.Var:
 bf16_linear = Kernel(fused_bf16_linear, plain_bf16_linear)
 
 
-def base_linear(x: jt.Var, weight: jt.Var) -> jt.Var:
-    """x [..., K] fp32 @ weight [N,K]^T -> [..., N] fp32, for a weight in the base's storage, fp32 or bf16."""
+def fused_quantize(weight: jt.Var) -> tuple:
+    N, K = weight.shape
+    return tuple(jt.code([(N, K), (N,)], ["int8", "float32"], [weight.float32()], cpu_header=INT8_HEADER,
+                         cpu_src=f"const int64_t N = {N}, K = {K};\n" + QUANTIZE))
+
+
+def plain_quantize(weight: jt.Var) -> tuple:
+    w = weight.float32()
+    top = w.abs().max(dim=1)  # [N]
+    inv = jt.where(top > 0, 127.0 / top.maximum(1e-30), jt.zeros_like(top))
+    values = jt.floor((w * inv.unsqueeze(1)).clamp(-127.0, 127.0) + 0.5).int8()
+    return values, top / 127.0
+
+
+# weight [N,K] -> (values [N,K] int8, scale [N] fp32): each row's absmax maps to 127, values rounded half up
+quantize = Kernel(fused_quantize, plain_quantize)
+
+
+def dequantized(values: jt.Var, scale: jt.Var) -> jt.Var:
+    """The fp32 matrix [N,K] an int8 one stands for."""
+    return values.float32() * scale.unsqueeze(1)
+
+
+def int8_input_grad(grad_out: jt.Var, values: jt.Var, scale: jt.Var, units: bool) -> jt.Var:
+    """bf16(grad_out [M,N] * scale) @ values [N,K] (int8) -> [M,K] fp32, through the fused kernel."""
+    (M, N), K = grad_out.shape, values.shape[1]
+    return jt.code((M, K), "float32", [grad_out, values, scale], cpu_header=INT8_HEADER,
+                   cpu_src=bf16_sizes(M, N, K, units) + INT8_BACKWARD)
+
+
+class Int8Linear(jt.Function):
+    """x [M,K] fp32 @ (scale [N] * values [N,K] int8)^T -> [M,N] fp32, gradient to x only, by the int8 rule
+    above. units=None asks the CPU; a decode step's product reads the values once (cpp/int8.h)."""
+
+    def __init__(self, units=None):
+        self.units = cpu_has_bf16_units() if units is None else units
+
+    def execute(self, x, values, scale):
+        (M, K), N = x.shape, values.shape[0]
+        self.saved = values, scale
+        return jt.code((M, N), "float32", [x, values, scale], cpu_header=INT8_HEADER,
+                       cpu_src=bf16_sizes(M, N, K, self.units)
+                       + f"const bool decode = {cpp.flag(decoding(x, values))};\n" + INT8_FORWARD)
+
+    def grad(self, grad_out):
+        return int8_input_grad(grad_out, *self.saved, self.units), None, None
+
+
+class PlainInt8Linear(jt.Function):
+    """The plain reference of the int8 matmul on a CPU: the values widened whole, the rule's roundings in
+    Jittor ops."""
+
+    def execute(self, x, values, scale):
+        self.saved = values, scale
+        return nn.matmul_transpose(rounded_to_bf16(x), values.float32()) * scale
+
+    def grad(self, grad_out):
+        values, scale = self.saved
+        return nn.matmul(rounded_to_bf16(grad_out * scale), values.float32()), None, None
+
+
+def fused_int8_linear(x: jt.Var, values: jt.Var, scale: jt.Var) -> jt.Var:
+    rows = x.shape[:-1]
+    return Int8Linear.apply(x.float32().reshape(-1, x.shape[-1]), values, scale).reshape(*rows, values.shape[0])
+
+
+def plain_int8_linear(x: jt.Var, values: jt.Var, scale: jt.Var) -> jt.Var:
+    if jt.flags.use_cuda:  # the values widened to bf16 (exactly), the GPU's half matmul, then the row scales
+        return nn.matmul_transpose(x.cast("bfloat16"), values.cast("bfloat16")).float32() * scale
+    rows = x.shape[:-1]
+    out = PlainInt8Linear.apply(x.float32().reshape(-1, x.shape[-1]), values, scale)
+    return out.reshape(*rows, values.shape[0])
+
+
+# x [..., K] fp32 @ (scale [N] * values [N,K] int8)^T -> [..., N] fp32
+int8_linear = Kernel(fused_int8_linear, plain_int8_linear)
+
+
+def base_linear(x: jt.Var, weight: jt.Var, scale=None) -> jt.Var:
+    """x [..., K] fp32 @ weight [N,K]^T -> [..., N] fp32, for a weight in the base's storage: fp32, bf16, or
+    int8 with its row scales `scale` [N]."""
+    if weight.dtype == "int8":
+        return int8_linear(x, weight, scale)
     return linear(x, weight) if weight.dtype == "float32" else bf16_linear(x, weight)
 
 
+def base_input_grad(grad_out: jt.Var, weight: jt.Var, scale=None) -> jt.Var:
+    """grad_out [M,N] fp32 @ weight [N,K] -> [M,K] fp32 for an fp32 or int8 base weight, fused."""
+    if weight.dtype == "int8":
+        return int8_input_grad(grad_out, weight, scale, cpu_has_bf16_units())
+    return fused_linear_input_grad(grad_out, weight)
+
+
 class BaseLinear(nn.Module):
-    """A frozen base projection without bias (Meta's wq, w1, output, ...): `weight` [out,in], fp32 or bf16."""
+    """A frozen base projection without bias (Meta's wq, w1, output, ...): `weight` [out,in], fp32, bf16 or
+    int8; beside int8 values `weight_scale` [out] (fp32), row n of the matrix being weight[n] * weight_scale[n]."""
 
     def __init__(self, in_features: int, out_features: int):
         self.weight = nn.Linear(in_features, out_features, bias=False).weight
+        self.weight_scale = None
 
     def execute(self, x: jt.Var) -> jt.Var:
         # x [..., in] -> [..., out] fp32
-        return base_linear(x, self.weight)
+        return base_linear(x, self.weight, self.weight_scale)
+
+
+SCALE_SUFFIX = "_scale"  # an int8 matrix `<name>.weight` keeps its row scales as `<name>.weight_scale`
+
+
+def split_scales(base: dict) -> tuple:
+    """A base's parameters (name -> Var) as (the tensors a checkpoint holds, {int8 matrix's name: its row
+    scales}): the scales are made from the matrix as it loads."""
+    scales = {name[:-len(SCALE_SUFFIX)]: var for name, var in base.items() if name.endswith(SCALE_SUFFIX)}
+    return {name: var for name, var in base.items() if not name.endswith(SCALE_SUFFIX)}, scales
 
 
 def set_base_precision(model, precision: str):
-    """Store the frozen base's matrices in bf16 (or back in fp32); 1-D norm weights stay fp32."""
+    """Store the frozen base's matrices in the precision's storage (int8: the BaseLinears' whose matrix is
+    not an embedding table, the tables in bf16); 1-D norm weights stay fp32."""
     if precision not in STORAGE_DTYPES:
         raise ValueError(f"precision={precision!r}: expected one of {tuple(STORAGE_DTYPES)}")
     dtype = STORAGE_DTYPES[precision]
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for module in model.modules():
+        if not isinstance(module, BaseLinear):
+            continue
+        quantized = module.weight_scale is not None
+        if dtype == "int8" and not quantized and id(module.weight) not in tables:
+            values, scale = quantize(module.weight)
+            module.weight.assign(values.stop_grad())
+            module.weight_scale = scale.stop_grad()
+        elif dtype != "int8" and quantized:  # back from int8: fp32 here, cast below
+            module.weight.assign(dequantized(module.weight, module.weight_scale).stop_grad())
+            module.weight_scale = None
+    table_dtype = "bfloat16" if dtype == "int8" else dtype
     for param in model.base_parameters().values():
-        if len(param.shape) == 2 and param.dtype != dtype:
-            param.assign(cast_to(param, dtype).stop_grad())
+        if len(param.shape) == 2 and param.dtype not in (table_dtype, "int8"):
+            param.assign(cast_to(param, table_dtype).stop_grad())
     model.freeze_base()

@@ -8,7 +8,7 @@ first and the base's product adds onto it (beta 1), and backward every projectio
 the experts' and the bases', accumulates into one dx. No expert output, no per-projection dx and
 no gradient addition exists as a tensor, and a projection without an expert is just its base
 product. The FFN's down projection reads the SwiGLU hidden (swiglu_down). All keep the bf16 rule of
-Models/kernels/precision.py for bf16 base weights.
+Models/kernels/precision.py for bf16 and int8 base weights.
 """
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -20,7 +20,7 @@ from . import cpp
 from .elementwise import silu_gate
 from .experts import add_projected, gated_projection
 from .linear import linear
-from .precision import base_linear, cpu_has_bf16_units
+from .precision import base_linear, bf16_rule, cpu_has_bf16_units, matrix_code
 from .switch import Kernel, decoding
 
 LORA_PROJECT_HEADER = cpp.source("lora_project.h")
@@ -41,9 +41,11 @@ class ExpertTerm:
 
 @dataclass(frozen=True)
 class Projection:
-    """base(x) = x W^T for the frozen base_weight W [out, in] (fp32 or bf16), plus its expert's term."""
+    """base(x) = x W^T for the frozen base_weight W [out, in] (fp32, bf16, or int8 with its row scales
+    base_scale [out]), plus its expert's term."""
     base_weight: jt.Var
     expert: Optional[ExpertTerm] = None
+    base_scale: Optional[jt.Var] = None
 
 
 def flat_vars(projections: list) -> list:
@@ -63,7 +65,8 @@ def with_vars(projections: list, tensors) -> list:
     def term(e: ExpertTerm) -> ExpertTerm:
         A, B = next(supply), next(supply)
         return ExpertTerm(A, B, None if e.route_weight is None else next(supply), e.scale)
-    return [Projection(W, None if p.expert is None else term(p.expert)) for W, p in zip(bases, projections)]
+    return [Projection(W, None if p.expert is None else term(p.expert), p.base_scale)
+            for W, p in zip(bases, projections)]
 
 
 def expert_pointers(inputs: cpp.CodeInputs, expert) -> tuple:
@@ -101,18 +104,18 @@ class LoRAProjections(jt.Function):
         projections = with_vars(projections, tensors)
         M, K = xs[0].shape
         self.saved = (xs, projections)
-        self.sizes = (f"const int64_t M = {M}, K = {K}; const bool BF16 = "
-                      f"{cpp.flag(projections[0].base_weight.dtype == 'bfloat16')}, units = {cpp.flag(cpu_has_bf16_units())};\n")
+        self.sizes = (f"const int64_t M = {M}, K = {K}; const bool BF16_RULE = "
+                      f"{cpp.flag(bf16_rule(projections[0].base_weight))}, units = {cpp.flag(cpu_has_bf16_units())};\n")
         inputs, outputs = cpp.CodeInputs(), cpp.CodeOutputs()
         pointers = [inputs.pointer(v) for v in xs]
-        bases = [inputs.pointer(p.base_weight) for p in projections]
+        bases = [matrix_code(inputs, p.base_weight, p.base_scale) for p in projections]
         experts = [expert_pointers(inputs, p.expert) for p in projections]
         ys = [outputs.pointer((M, p.base_weight.shape[0])) for p in projections]
         us = [outputs.pointer((M, p.expert.A.shape[0])) if p.expert else "nullptr" for p in projections]
         code = self.input_code(pointers, outputs) + PROJECTIONS_FORWARD
         for p, W, (A, B, w), y, u in zip(projections, bases, experts, ys, us):
             R, scale = rank_scale(p.expert)
-            code += (f"project_forward<M>({p.base_weight.shape[0]}, K, {R}, x, xb, {W}, BF16, units, "
+            code += (f"project_forward<M>({p.base_weight.shape[0]}, K, {R}, x, xb, {W}, units, "
                      f"{A}, {B}, {w}, {scale!r}f, {y}, {u});\n")
         results = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
                           cpu_header=PROJECTIONS_HEADER, cpu_src=self.sizes + code)
@@ -127,7 +130,7 @@ class LoRAProjections(jt.Function):
         needs_dx = self.input_mask[1] != -2
         inputs, outputs = cpp.CodeInputs(), cpp.CodeOutputs()
         pointers = [inputs.pointer(v) for v in xs]
-        bases = [inputs.pointer(p.base_weight) for p in projections]
+        bases = [matrix_code(inputs, p.base_weight, p.base_scale) for p in projections]
         experts = [expert_pointers(inputs, p.expert) for p in projections]
         us = [inputs.pointer(u) for u in self.us]
         gs = [inputs.pointer(g if g is not None else jt.zeros((M, p.base_weight.shape[0]), "float32"))
@@ -140,7 +143,7 @@ class LoRAProjections(jt.Function):
             dA, dB, dw = ((outputs.pointer(e.A.shape), outputs.pointer(e.B.shape),
                            outputs.pointer(e.route_weight.shape) if e.route_weight is not None else "nullptr")
                           if e else ("nullptr",) * 3)
-            code += (f"project_backward(M, {p.base_weight.shape[0]}, K, {R}, x, {W}, BF16, units, {A}, {B}, {w}, "
+            code += (f"project_backward(M, {p.base_weight.shape[0]}, K, {R}, x, {W}, units, {A}, {B}, {w}, "
                      f"{scale!r}f, {u}, {g}, {'0.f' if i == 0 else '1.f'}, dx, {dA}, {dB}, {dw});\n")
         results = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
                           cpu_header=PROJECTIONS_HEADER, cpu_src=self.sizes + code + end)
@@ -193,7 +196,7 @@ def fused_lora_projections(x: jt.Var, projections: list) -> list:
 def plain_lora_projections(x: jt.Var, projections: list) -> list:
     outputs = []
     for p in projections:
-        e, base = p.expert, base_linear(x, p.base_weight)
+        e, base = p.expert, base_linear(x, p.base_weight, p.base_scale)
         if e is None:
             outputs.append(base)
         elif e.route_weight is None:
@@ -206,18 +209,21 @@ def plain_lora_projections(x: jt.Var, projections: list) -> list:
 def gemv_lora_projection(x: jt.Var, p: Projection) -> jt.Var:
     """x [M,K] through one projection with its expert, in GEMV passes (a decode step) -> [M,N]."""
     (N, K), e = p.base_weight.shape, p.expert
+    inputs = cpp.CodeInputs()
+    inputs.add("x", x)
+    inputs.code += f"const BaseMatrix W = {matrix_code(inputs, p.base_weight, p.base_scale)};\n"
+    for name, var in (("A", e.A), ("B", e.B), ("WEIGHT", e.route_weight)):
+        inputs.add(name, var)
     sizes = (f"const int64_t M = {x.shape[0]}, N = {N}, K = {K}, R = {e.A.shape[0]}; "
-             f"const float scale = {float(e.scale)!r}f;\n"
-             f"const bool BASE_BF16 = {cpp.flag(p.base_weight.dtype == 'bfloat16')};\n"
-             f"#define WEIGHT {'in4_p' if e.route_weight is not None else 'nullptr'}\n")
-    inputs = [x, p.base_weight, e.A, e.B] + ([e.route_weight] if e.route_weight is not None else [])
-    return jt.code((x.shape[0], N), "float32", inputs, cpu_header=LORA_PROJECT_HEADER, cpu_src=sizes + LORA_PROJECT)
+             f"const float scale = {float(e.scale)!r}f;\n")
+    return jt.code((x.shape[0], N), "float32", inputs.vars, cpu_header=LORA_PROJECT_HEADER,
+                   cpu_src=inputs.code + sizes + LORA_PROJECT)
 
 
 def gemv_lora_projections(x: jt.Var, projections: list) -> list:
     rows, K = x.shape[:-1], x.shape[-1]
     flat = x.float32().reshape(-1, K)
-    outputs = [base_linear(flat, p.base_weight) if p.expert is None else gemv_lora_projection(flat, p)
+    outputs = [base_linear(flat, p.base_weight, p.base_scale) if p.expert is None else gemv_lora_projection(flat, p)
                for p in projections]
     return [y.reshape(*rows, y.shape[-1]) for y in outputs]
 
@@ -235,8 +241,8 @@ def fused_swiglu_down(gate: jt.Var, up: jt.Var, projection: Projection) -> jt.Va
     # layer's largest activation [B,T,F] is not kept for the expert's gradient
     e = projection.expert
     hidden, low_rank = gated_projection.fused(gate, up, e.A)
-    return add_projected.fused(base_linear(hidden, projection.base_weight), low_rank, e.B, None, e.route_weight,
-                               e.scale)
+    return add_projected.fused(base_linear(hidden, projection.base_weight, projection.base_scale), low_rank, e.B,
+                               None, e.route_weight, e.scale)
 
 
 def swiglu_projection(gate: jt.Var, up: jt.Var, projection: Projection) -> jt.Var:

@@ -83,7 +83,8 @@ def test_resume_refuses_settings_it_cannot_change(tiny_base, synthetic_data, tmp
     out = tmp_path / "run"
     assert train(tiny_base, synthetic_data, out, "--max_steps", 1) == 0
     saved = snapshot(out)
-    for extra, fields in [(["--precision", "bf16"], ["precision"]), (["--lora_alpha", "4"], ["lora_alpha"]),
+    for extra, fields in [(["--precision", "bf16"], ["precision"]), (["--precision", "int8"], ["precision"]),
+                          (["--lora_alpha", "4"], ["lora_alpha"]),
                           (["--gamma_grad", "ste"], ["gamma_grad"]), (["--lr", "2e-2"], ["lr"]),
                           (["--lora_rank", "8", "--batch_size", "8"], ["lora_rank", "batch_size"])]:
         assert train(tiny_base, synthetic_data, out, "--max_steps", 2, "--resume", "auto", *extra) == 2, extra

@@ -29,6 +29,7 @@ static const int64_t ROWS_KC = 4096;
 // the widening steps: x as rounded fp32 values, 16 columns
 struct WidenedSteps {
     typedef float X;
+    typedef uint16_t W;
     typedef vf16 Acc;
     static const int64_t STEP = 16;
     static inline Acc zero() { return Acc{}; }
@@ -40,6 +41,7 @@ struct WidenedSteps {
 // the bf16 units' steps: x as bf16 bits, 32 columns, dot products of bf16 pairs
 struct UnitSteps {
     typedef uint16_t X;
+    typedef uint16_t W;
     typedef __m512 Acc;
     static const int64_t STEP = 32;
     static inline Acc zero() { return _mm512_setzero_ps(); }
@@ -71,7 +73,7 @@ struct ChunkPrefetch {
 // acc [MT][NB] (kept in `accs` between chunks) += x [MT rows, stride lx] . w [NB rows, stride K] over [k0, k1)
 template <class P, int MT, int NB>
 static inline void rows_tile(int64_t lx, int64_t K, int64_t k0, int64_t k1, const typename P::X *x,
-                             const uint16_t *w, typename P::Acc *accs, ChunkPrefetch &prefetch) {
+                             const typename P::W *w, typename P::Acc *accs, ChunkPrefetch &prefetch) {
     typename P::Acc acc[MT][NB];
     for (int m = 0; m < MT; m++) for (int j = 0; j < NB; j++) acc[m][j] = accs[m * NB + j];
     for (int64_t k = k0; k < k1; k += P::STEP) {
@@ -84,7 +86,7 @@ static inline void rows_tile(int64_t lx, int64_t K, int64_t k0, int64_t k1, cons
 
 template <class P, int NB>
 static inline void rows_tile_of(int rows, int64_t lx, int64_t K, int64_t k0, int64_t k1, const typename P::X *x,
-                                const uint16_t *w, typename P::Acc *accs, ChunkPrefetch &prefetch) {
+                                const typename P::W *w, typename P::Acc *accs, ChunkPrefetch &prefetch) {
     switch (rows) {
         case 5: rows_tile<P, 5, NB>(lx, K, k0, k1, x, w, accs, prefetch); break;
         case 4: rows_tile<P, 4, NB>(lx, K, k0, k1, x, w, accs, prefetch); break;
@@ -94,11 +96,13 @@ static inline void rows_tile_of(int rows, int64_t lx, int64_t K, int64_t k0, int
     }
 }
 
-// y [M, n0..n0+NB) = beta y + x . w[n0..n0+NB); `next`: the weight rows read after these (prefetched), or null
+// y [M, n0..n0+NB) = beta y + scale . (x . w), w the NB weight rows [NB,K], scale the rows' (int8) or null (1);
+// `next`: the weight rows read after these (prefetched), or null
 template <class P, int NB>
-static void rows_block(int64_t M, int64_t N, int64_t K, int64_t lx, const typename P::X *x, const uint16_t *w,
-                       int64_t n0, const uint16_t *next, int64_t next_rows, float beta, float *y,
-                       typename P::Acc *accs) {
+static void rows_block(int64_t M, int64_t N, int64_t K, int64_t lx, const typename P::X *x, const typename P::W *w,
+                       const float *scale, int64_t n0, const typename P::W *next, int64_t next_rows, float beta,
+                       float *y, typename P::Acc *accs) {
+    const int64_t w_bytes = sizeof(typename P::W);
     const int64_t K_steps = K / P::STEP * P::STEP, tiles = (M + ROWS_MT - 1) / ROWS_MT;
     for (int64_t i = 0; i < M * NB; i++) accs[i] = P::zero();
     for (int64_t k0 = 0; k0 < K_steps; k0 += ROWS_KC) {
@@ -106,30 +110,32 @@ static void rows_block(int64_t M, int64_t N, int64_t K, int64_t lx, const typena
         ChunkPrefetch prefetch;  // this block's next chunk, else the first chunk of the rows after it
         const bool last = k1 == K_steps;
         if (!last || next) {
-            prefetch.base = (const char *)(last ? next : w + n0 * K + k1);
-            prefetch.row_bytes = K * 2;
+            prefetch.base = (const char *)(last ? next : w + k1);
+            prefetch.row_bytes = K * w_bytes;
             prefetch.rows = last ? next_rows : NB;
-            prefetch.lines = prefetch.rows * ((std::min(ROWS_KC, last ? K_steps : K_steps - k1) * 2 + 63) / 64);
+            prefetch.lines = prefetch.rows * ((std::min(ROWS_KC, last ? K_steps : K_steps - k1) * w_bytes + 63) / 64);
             const int64_t steps = tiles * ((k1 - k0) / P::STEP);
             prefetch.per = int((prefetch.lines + steps - 1) / steps);
         }
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_MT)
-            rows_tile_of<P, NB>(int(std::min<int64_t>(ROWS_MT, M - m0)), lx, K, k0, k1, x + m0 * lx, w + n0 * K,
+            rows_tile_of<P, NB>(int(std::min<int64_t>(ROWS_MT, M - m0)), lx, K, k0, k1, x + m0 * lx, w,
                                 accs + m0 * NB, prefetch);
     }
     for (int64_t m = 0; m < M; m++)
         for (int j = 0; j < NB; j++) {
             float s = P::sum(accs[m * NB + j]);
-            const uint16_t *row = w + (n0 + j) * K;
-            for (int64_t k = K_steps; k < K; k++) s += P::value(x[m * lx + k]) * widen(row[k]);
+            const typename P::W *row = w + j * K;
+            for (int64_t k = K_steps; k < K; k++) s += P::value(x[m * lx + k]) * load1(row[k]);
+            if (scale) s *= scale[n0 + j];
             float *out = y + m * N + n0 + j;
             *out = beta == 0.f ? s : *out + s;
         }
 }
 
-// y [M,N] = beta y + x [M,K] (fp32, rounded here) w [N,K]^T (bf16), P's steps
+// y [M,N] = beta y + x [M,K] (fp32, rounded here) w [N,K]^T (P::W: bf16, or int8 with a scale per row), P's steps
 template <class P>
-static void bf16_rows_with(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, float beta, float *y) {
+static void bf16_rows_with(int64_t M, int64_t N, int64_t K, const float *x, const typename P::W *w, const float *scale,
+                           float beta, float *y) {
     const int64_t lx = K + 32;  // a padded stride: rows 2^k bytes apart would share cache sets with the weights'
     auto xr = scratch<typename P::X>(M * lx);
     #pragma omp parallel for
@@ -141,12 +147,12 @@ static void bf16_rows_with(int64_t M, int64_t N, int64_t K, const float *x, cons
         #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
             if (u < blocks) {
-                const int64_t n_next = (u + 1) * ROWS_NB;
-                rows_block<P, ROWS_NB>(M, N, K, lx, xr.get(), w, u * ROWS_NB, n_next < N ? w + n_next * K : nullptr,
+                const int64_t n0 = u * ROWS_NB, n_next = n0 + ROWS_NB;
+                rows_block<P, ROWS_NB>(M, N, K, lx, xr.get(), w + n0 * K, scale, n0, n_next < N ? w + n_next * K : nullptr,
                                        std::min<int64_t>(ROWS_NB, N - n_next), beta, y, accs.get());
             } else {
-                rows_block<P, 1>(M, N, K, lx, xr.get(), w, blocks * ROWS_NB + (u - blocks), nullptr, 0, beta, y,
-                                 accs.get());
+                const int64_t n0 = blocks * ROWS_NB + (u - blocks);
+                rows_block<P, 1>(M, N, K, lx, xr.get(), w + n0 * K, scale, n0, nullptr, 0, beta, y, accs.get());
             }
         }
     }
@@ -157,9 +163,9 @@ static void bf16_rows_with(int64_t M, int64_t N, int64_t K, const float *x, cons
 static void bf16_rows(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, bool units, float beta,
                       float *y) {
 #if defined(__AVX512BF16__)
-    if (units) { bf16_rows_with<UnitSteps>(M, N, K, x, w, beta, y); return; }
+    if (units) { bf16_rows_with<UnitSteps>(M, N, K, x, w, nullptr, beta, y); return; }
 #endif
-    bf16_rows_with<WidenedSteps>(M, N, K, x, w, beta, y);
+    bf16_rows_with<WidenedSteps>(M, N, K, x, w, nullptr, beta, y);
 }
 
 // With the bf16 units this kernel serves a decode step from this many rows on, not only above GEMV_ROWS:

@@ -1,17 +1,15 @@
 // A decode step's projection with its LoRA expert (Models/kernels/projections.py, decode_layer.py):
 // y [M,N] = base(x) + w[m] * scale * (x A^T) B^T in GEMV passes, inference only. The base's weights are
-// fp32 or bf16 (x rounded for them as base_linear does; bf16 through the rows kernel of bf16_rows.h
+// fp32, bf16 or int8 (x rounded for the last two as base_linear does; through the rows kernel of bf16_rows.h
 // where rows_kernel_serves), the expert's fp32 (none when A is null); u = x A^T [M,R] is tiny. w is read
 // with a stride (a column of the type weights), or null (weight 1).
 #ifndef MOA_LORA_PROJECT_H
 #define MOA_LORA_PROJECT_H
-#include "bf16.h"
+#include "base_matrix.h"
 template <int64_t M>
-static void lora_project(int64_t N, int64_t K, int64_t R, const float *x, const void *base, bool base_bf16,
+static void lora_project(int64_t N, int64_t K, int64_t R, const float *x, const BaseMatrix &base,
                          const float *A, const float *Bw, const float *w, int64_t w_stride, float scale, float *y) {
-    if (base_bf16 && rows_kernel_serves(M, true)) bf16_rows(M, N, K, x, (const uint16_t *)base, true, 0.f, y);
-    else if (base_bf16) gemv<M>(N, K, rounded(x, M * K).get(), (const uint16_t *)base, y);
-    else gemv<M>(N, K, x, (const float *)base, y);
+    base_product<M>(N, K, x, base, true, 0.f, y, nullptr, true);
     if (!A) return;
     std::vector<float> u(M * R);
     gemv<M>(R, K, x, A, u.data());

@@ -8,23 +8,16 @@
 #include "swiglu.h"
 // xb: x narrowed to bf16 once for all the op's base products (bf16 units), or null
 template <int64_t M>
-static void base_forward(int64_t N, int64_t K, const float *x, const uint16_t *xb, const void *W, bool bf16, bool units,
-                         float beta, float *y) {
-    if (bf16) bf16_forward<M>(N, K, x, (const uint16_t *)W, units, beta, y, xb);
-    else dnnl_sgemm('N', 'T', M, N, K, 1.f, x, K, (const float *)W, K, beta, y, N);
-}
-template <int64_t M>
-static void project_forward(int64_t N, int64_t K, int64_t R, const float *x, const uint16_t *xb, const void *W, bool bf16,
+static void project_forward(int64_t N, int64_t K, int64_t R, const float *x, const uint16_t *xb, const BaseMatrix &W,
                             bool units, const float *A, const float *Bw, const float *w, float scale, float *y, float *u) {
-    if (!A) { base_forward<M>(N, K, x, xb, W, bf16, units, 0.f, y); return; }
+    if (!A) { base_product<M>(N, K, x, W, units, 0.f, y, xb); return; }
     std::vector<float> uw(M * R);
     dnnl_sgemm('N', 'T', M, R, K, 1.f, x, K, A, K, 0.f, u, R);
     for (int64_t m = 0; m < M; m++) for (int64_t r = 0; r < R; r++) uw[m * R + r] = u[m * R + r] * scale * (w ? w[m] : 1.f);
     dnnl_sgemm('N', 'T', M, N, R, 1.f, uw.data(), R, Bw, R, 0.f, y, N);
-    base_forward<M>(N, K, x, xb, W, bf16, units, 1.f, y);
+    base_product<M>(N, K, x, W, units, 1.f, y, xb);
 }
-static void project_backward(int64_t M, int64_t N, int64_t K, int64_t R, const float *x, const void *W, bool bf16,
-                             bool units, const float *A, const float *Bw, const float *w, float scale, const float *u,
+static void project_backward(int64_t M, int64_t N, int64_t K, int64_t R, const float *x, const BaseMatrix &W, bool units, const float *A, const float *Bw, const float *w, float scale, const float *u,
                              const float *g, float beta, float *dx, float *dA, float *dB, float *dw) {
     if (A) {
         std::vector<float> gu(M * R), du(M * R), uw(M * R);
@@ -45,8 +38,6 @@ static void project_backward(int64_t M, int64_t N, int64_t K, int64_t R, const f
         dnnl_sgemm('N', 'N', M, K, R, 1.f, du.data(), R, A, K, beta, dx, K);
         beta = 1.f;
     }
-    if (!dx) return;
-    if (bf16) bf16_backward(M, N, K, g, (const uint16_t *)W, units, beta, dx);
-    else dnnl_sgemm('N', 'N', M, K, N, 1.f, g, N, (const float *)W, K, beta, dx, K);
+    if (dx) base_input_grad(M, N, K, g, W, units, beta, dx);
 }
 #endif
