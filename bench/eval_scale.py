@@ -1,8 +1,9 @@
 """Evaluation at the 8B shape: batched generation through Infer.py's path against the machine's rooflines.
 
-python bench/eval_scale.py [--arch llama31-8b|qwen3-8b] [--llama_path DIR] [--n_layers 2] [--batch_sizes 1 8 32 auto]
+python bench/eval_scale.py [--arch llama31-8b|qwen3-8b|qwen3-14b] [--llama_path DIR] [--n_layers 2]
+                           [--batch_sizes 1 8 32 auto] [--precision bf16|int8]
 Without --llama_path it writes a random bf16 checkpoint of the architecture's shape as bench/scale.py
-does (its writer; removed at the end). It loads the base in bf16 with the math recipe's MoA adapter
+does (its writer; removed at the end). It loads the base in bf16 (or --precision) with the math recipe's MoA adapter
 (random experts: the work of a decode step does not depend on their values) and, for each batch size,
 runs Models/generate.generate as Infer.generate_share calls it, with the math recipe's sampling
 (temperature 0.1, top_p 0.75): a batch of prompts of the math test sets' lengths (the sorted lengths
@@ -15,7 +16,8 @@ measure after loading and one after each batch):
 - memory: a streaming read of every base matrix in memory (bytes/s); a decode step reads the matrices
   of every layer and the output matrix once, whatever the batch;
 - compute: the bf16 product's best rate at the decode shape (batch rows times 4096, the weights in
-  cache, so no memory stall: the better of the model's own decode product and oneDNN's bf16 gemm)
+  cache, so no memory stall: the better of the model's own decode product, on the base's storage, and
+  oneDNN's bf16 gemm)
   and at the prefill shape (oneDNN's bf16 gemm at a chunk's rows times the FFN's 14336 x 4096).
 decode roofline (tokens/s) = batch / max(matrix bytes / bandwidth, 2 * matrix elements * batch /
 decode peak); prefill peak (tokens/s) = prefill gemm peak / (2 * the layers' matrix elements: the output
@@ -24,8 +26,8 @@ the adapters and sampling are outside both rooflines: they are what the ratios l
 The bf16 units' issue rate (dot products from registers on every core) bounds every batch: a token's
 products at that rate (2 x matrix elements of FLOP) give the most tokens/s any batch could decode here
 (`speedup_bound`: that over batch 1's measured tokens/s; `machine_balance`: that over a batch 1 reading
-the weights at the streaming rate, the units' FLOP/s over the bandwidth's bytes/s, since a bf16 weight is
-2 bytes and 2 FLOP a row).
+the weights at the streaming rate, the units' FLOP/s over the bandwidth's bytes/s times the bytes of a
+weight over its 2 FLOP a row: a bf16 weight is 2 bytes, an int8 one 1).
 Last, the projected wall time of the paper's math (4,076 problems, up to 200 new tokens each) and
 commonsense (12,369 problems, 40 tokens) evaluations at the best batch: the test sets of --data_root
 tokenized by --tokenizer (prompt lengths; sets missing from --data_root are assumed to have the same
@@ -53,7 +55,8 @@ from Data.prompts import format_prompt  # noqa: E402
 from Data.test_sets import data_files, load_test_sets  # noqa: E402
 from Models.formats.base_model import LAYOUTS, base_args, build_model  # noqa: E402
 from Models.generate import auto_batch_size, generate, prefill_chunks  # noqa: E402
-from Models.kernels.precision import BF16_HEADER, cpu_has_bf16_units  # noqa: E402
+from Models.kernels import cpp  # noqa: E402
+from Models.kernels.precision import cpu_has_bf16_units, matrix_code  # noqa: E402
 from Models.Tokenizer import Tokenizer  # noqa: E402
 from Utils.settings import ArgumentParser, count_or_auto, recipe_values  # noqa: E402
 
@@ -62,11 +65,12 @@ PAPER = {"math": (4076, recipe_values("math")["max_gen_len"]),
          "commonsense": (12369, recipe_values("commonsense")["max_gen_len"])}
 SHARED = os.environ.get("MOA_SHARED", os.path.join(os.path.dirname(REPO), "shared"))
 PREFILL_CHUNK = 64  # generate's prefill_step: the prefill's chunk length
-PEAK_ROWS, PEAK_REPS = 192, 200  # the decode peak's weights: 192 x 4096 bf16 (1.5 MB, in the CPU's caches)
+PEAK_ROWS, PEAK_REPS = 192, 200  # the decode peak's weights: 192 x 4096 (1.5 MB in bf16, in the CPU's caches)
+BASE_MATRIX_HEADER = cpp.source("base_matrix.h")
 
 STREAM = """// the XOR of a matrix's 64-byte lines, four lines a step, prefetched 1 KB ahead: a streaming read of it
 // (summing its 16-bit words, or leaving the stream to the hardware prefetcher, reads markedly slower here)
-const int64_t lines = in0->num * 2 / 64;  // whole groups of four are read: all of an 8B model's matrices
+const int64_t lines = in0->size / 64;  // whole groups of four are read: all of an 8B model's matrices
 const char *w = (const char *)in0_p;
 uint64_t folded = 0;
 #pragma omp parallel reduction(^ : folded)
@@ -92,17 +96,20 @@ uint64_t folded = 0;
 }
 out0_p[0] = folded;
 """
-PRODUCT_TIMES = """// best seconds of REPS products y [M,N] = x [M,K] w [N,K]^T in bf16: out [0] the model's decode
-// product (cpp/bf16.h: the GEMV pass or the rows kernel), [1] oneDNN's gemm_bf16bf16f32
-const uint16_t *w = (const uint16_t *)in1_p;
+PRODUCT_TIMES = """// best seconds of REPS products y [M,N] = x [M,K] W^T under the bf16 rule: out [0] the model's decode
+// product on W's storage (cpp/base_matrix.h: the GEMV pass or the rows kernel), [1] oneDNN's
+// gemm_bf16bf16f32 on W's values as bf16 (int8 widened first)
+std::vector<uint16_t> w(N * K);
+if (W.storage == INT8) widen_panel((const int8_t *)W.values, N * K, w.data());
+else std::memcpy(w.data(), W.values, N * K * 2);
 std::vector<float> y(M * N);
-const auto xb = narrowed(in0_p, M * K);
+const auto xb = narrowed(x, M * K);
 auto best = [&](int which) {
     double fastest = 1e30;
     for (int r = 0; r < REPS; r++) {
         const auto t0 = std::chrono::steady_clock::now();
-        if (which == 0) bf16_forward<M>(N, K, in0_p, w, UNITS, 0.f, y.data(), nullptr, DECODE);
-        else dnnl_gemm_bf16bf16f32('N', 'T', M, N, K, 1.f, xb.get(), K, w, K, 0.f, y.data(), N);
+        if (which == 0) base_product<M>(N, K, x, W, UNITS, 0.f, y.data(), nullptr, DECODE);
+        else dnnl_gemm_bf16bf16f32('N', 'T', M, N, K, 1.f, xb.get(), K, w.data(), K, 0.f, y.data(), N);
         fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     return fastest;
@@ -150,8 +157,8 @@ def units_issue_gflops(runs: int = 3) -> float:
 
 
 def stream_bandwidth(matrices: list, runs: int = 3) -> float:
-    """Bytes per second of a streaming read of these matrices (bf16, in memory), best of `runs`."""
-    total = sum(m.numel() * 2 for m in matrices)
+    """Bytes per second of a streaming read of these matrices (in memory), best of `runs`."""
+    total = sum(m.nbytes for m in matrices)
     best = float("inf")
     for _ in range(runs):
         start = time.perf_counter()
@@ -161,15 +168,18 @@ def stream_bandwidth(matrices: list, runs: int = 3) -> float:
     return total / best
 
 
-def product_gflops(rows: int, weight: jt.Var, reps: int, decode: bool) -> float:
-    """The best rate (GFLOP/s) of a bf16 product of `rows` fp32 rows with `weight` [N,K] (bf16): the
-    better of the model's decode product (when `decode`) and oneDNN's bf16 gemm."""
+def product_gflops(rows: int, weight: jt.Var, scale, reps: int, decode: bool) -> float:
+    """The best rate (GFLOP/s) of a product of `rows` fp32 rows with the base matrix `weight` [N,K] (bf16, or
+    int8 with its row scales `scale`) under the bf16 rule: the better of the model's decode product (when
+    `decode`) and oneDNN's bf16 gemm."""
     N, K = weight.shape
-    x = jt.array(np.random.default_rng(0).standard_normal((rows, K)).astype(np.float32))
+    inputs = cpp.CodeInputs()
+    inputs.add("x", jt.array(np.random.default_rng(0).standard_normal((rows, K)).astype(np.float32)))
+    inputs.code += f"const BaseMatrix W = {matrix_code(inputs, weight, scale)};\n"
     sizes = (f"const int64_t M = {rows}, N = {N}, K = {K}; const int REPS = {reps};\n"
              f"const bool UNITS = {str(cpu_has_bf16_units()).lower()}, DECODE = {str(decode).lower()};\n")
-    seconds = jt.code((2,), "float64", [x, weight], cpu_header=BF16_HEADER + "#include <chrono>\n",
-                      cpu_src=sizes + PRODUCT_TIMES).numpy()
+    seconds = jt.code((2,), "float64", inputs.vars, cpu_header=BASE_MATRIX_HEADER + "#include <chrono>\n",
+                      cpu_src=inputs.code + sizes + PRODUCT_TIMES).numpy()
     return 2 * rows * N * K / float(seconds.min()) / 1e9
 
 
@@ -237,7 +247,7 @@ def measure(opts, work: str):
     lengths = {name: np.full(64, opts.assumed_prompt_len) if v is None else v for name, v in lengths.items()}
     longest = max(int(v.max()) for v in lengths.values())
     settings = {k: v for k, v in recipe_values("math", opts.variant).items() if k in base_args(llama_dir).to_dict()}
-    args = base_args(llama_dir, **{**settings, "precision": "bf16", "max_seq_len": longest + opts.new_tokens,
+    args = base_args(llama_dir, **{**settings, "precision": opts.precision, "max_seq_len": longest + opts.new_tokens,
                                    "max_batch_size": 1})
     model = build_model(llama_dir, args)
     model.eval()
@@ -245,11 +255,13 @@ def measure(opts, work: str):
 
     layers = [p for name, p in model.base_parameters().items() if len(p.shape) == 2 and ".layers." in name]
     matrices = layers + [model.llama.output.weight]  # the output matrix is the embedding's when tied
-    step_bytes = sum(m.numel() * 2 for m in matrices)  # what a decode step reads, whatever the batch
+    step_bytes = sum(m.nbytes for m in matrices)  # what a decode step reads, whatever the batch
+    step_flops = 2 * sum(m.numel() for m in matrices)  # a decode step's products, per row of the batch
     token_flops = 2 * sum(m.numel() for m in layers)  # a prefill token's products (logits: the last token's only)
     bandwidth = stream_bandwidth(matrices)
-    ffn = model.llama.layers[0].feed_forward.w1.weight
-    peak_weight = ffn[:PEAK_ROWS].clone()
+    ffn = model.llama.layers[0].feed_forward.w1
+    peak = (ffn.weight[:PEAK_ROWS].clone(), None if ffn.weight_scale is None else ffn.weight_scale[:PEAK_ROWS].clone())
+    ffn = (ffn.weight, ffn.weight_scale)
     auto = auto_batch_size(args, args.max_seq_len, 1 << 30)
     batches = sorted({auto if b == "auto" else b for b in opts.batch_sizes})
     print(f"streaming read {step_bytes / 1e9:.2f} GB: {bandwidth / 1e9:.1f} GB/s; auto batch {auto}", flush=True)
@@ -258,11 +270,11 @@ def measure(opts, work: str):
     rows = {}
     for B in batches:
         # the peaks: the best of a measure before and one after the timed run (the machine is shared)
-        peaks = [(product_gflops(B, peak_weight, PEAK_REPS, decode=True),
-                  product_gflops(B * PREFILL_CHUNK, ffn, 3, decode=False))]
+        peaks = [(product_gflops(B, *peak, PEAK_REPS, decode=True),
+                  product_gflops(B * PREFILL_CHUNK, *ffn, 3, decode=False))]
         r = time_batch(model, median_batch(lengths["math"], B), opts.new_tokens, rng)
-        peaks.append((product_gflops(B, peak_weight, PEAK_REPS, decode=True),
-                      product_gflops(B * PREFILL_CHUNK, ffn, 3, decode=False)))
+        peaks.append((product_gflops(B, *peak, PEAK_REPS, decode=True),
+                      product_gflops(B * PREFILL_CHUNK, *ffn, 3, decode=False)))
         r.update(decode_peak_gflops=max(p for p, _ in peaks), prefill_peak_gflops=max(p for _, p in peaks))
         rows[B] = r
         bandwidth = max(bandwidth, stream_bandwidth(matrices))
@@ -270,12 +282,13 @@ def measure(opts, work: str):
               f"{r['step_s']:.3f} s a step, {r['sampling_s']:.3f} s of it sampling; peak RSS {r['peak_rss_gb']:.2f} GB",
               flush=True)
     units = units_issue_gflops()
+    balance = units * 1e9 / step_flops / (bandwidth / step_bytes)  # the units' tokens/s over the streaming read's
     print(f"rooflines: streaming read {bandwidth / 1e9:.1f} GB/s (the best of {len(batches) + 1} measures); "
-          f"the bf16 units issue {units:.0f} GFLOP/s: no batch decodes faster than {units * 1e9 / step_bytes:.1f} "
-          f"tok/s on this CPU (a token's products at that rate, nothing else), {units / (bandwidth / 1e9):.1f}x a "
-          "batch 1 at the streaming read's rate")
+          f"the bf16 units issue {units:.0f} GFLOP/s: no batch decodes faster than {units * 1e9 / step_flops:.1f} "
+          f"tok/s on this CPU (a token's products at that rate, nothing else), {balance:.1f}x a batch 1 at the "
+          "streaming read's rate")
     for B, r in rows.items():
-        roofline = B / max(step_bytes / bandwidth, 2 * (step_bytes / 2) * B / (r["decode_peak_gflops"] * 1e9))
+        roofline = B / max(step_bytes / bandwidth, step_flops * B / (r["decode_peak_gflops"] * 1e9))
         r.update(decode_roofline_tok_s=roofline, decode_over_roofline=r["decode_tok_s"] / roofline,
                  prefill_over_peak=r["prefill_tok_s"] / (r["prefill_peak_gflops"] * 1e9 / token_flops))
         print(f"batch {B}: prefill {r['prefill_over_peak']:.2f} of the bf16 gemm peak {r['prefill_peak_gflops']:.0f} "
@@ -291,15 +304,15 @@ def measure(opts, work: str):
                   f"prompt lengths of {len(lengths[name])} problems of {opts.data_root}/{name} "
                   f"(mean {lengths[name].mean():.0f})")
         print(f"{name}: {PAPER[name][0]} problems x {PAPER[name][1]} new tokens at batch {best}: {h:.1f} h ({source})")
-    line = {"base": opts.llama_path or opts.arch, "n_layers": args.n_layers, "batches": ",".join(map(str, batches)),
+    line = {"base": opts.llama_path or opts.arch, "precision": args.precision, "n_layers": args.n_layers, "batches": ",".join(map(str, batches)),
             "bandwidth_gb_s": f"{bandwidth / 1e9:.1f}", "best_batch": best,
             "decode_tok_s": f"{r['decode_tok_s']:.3g}", "decode_roofline_tok_s": f"{r['decode_roofline_tok_s']:.3g}",
             "decode_over_roofline": f"{r['decode_over_roofline']:.2f}",
             "decode_peak_gflops": f"{r['decode_peak_gflops']:.0f}",
             "speedup_over_batch1": f"{r['decode_tok_s'] / rows[1]['decode_tok_s']:.1f}" if 1 in rows else "nan",
             "units_issue_gflops": f"{units:.0f}",
-            "speedup_bound": f"{units * 1e9 / step_bytes / rows[1]['decode_tok_s']:.1f}" if 1 in rows else "nan",
-            "machine_balance": f"{units / (bandwidth / 1e9):.1f}",
+            "speedup_bound": f"{units * 1e9 / step_flops / rows[1]['decode_tok_s']:.1f}" if 1 in rows else "nan",
+            "machine_balance": f"{balance:.1f}",
             "prefill_tok_s": f"{r['prefill_tok_s']:.3g}", "prefill_over_peak": f"{r['prefill_over_peak']:.2f}",
             "prefill_peak_gflops": f"{r['prefill_peak_gflops']:.0f}", "peak_rss_gb": f"{peak_rss_gb():.2f}",
             "math_eval_hours": f"{hours['math']:.1f}", "commonsense_eval_hours": f"{hours['commonsense']:.1f}"}
@@ -319,6 +332,8 @@ def main():
     parser.add_argument("--n_layers", type=int, default=None,
                         help="layers of the random checkpoint (default: the architecture's; a quick check: 2)")
     parser.add_argument("--variant", default="sparse", choices=("sparse", "soft"), help="the math recipe's MoA variant")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "int8"),
+                        help="the base's storage (default: bf16, the math recipe's)")
     parser.add_argument("--batch_sizes", nargs="+", type=count_or_auto, default=[1, 8, 32, "auto"],
                         help="batch sizes to time; auto: Infer.py's --batch_size auto (default: 1 8 32 auto)")
     parser.add_argument("--new_tokens", type=int, default=24, help="decode steps timed per batch (default: 24)")

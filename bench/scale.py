@@ -1,14 +1,18 @@
-"""LLaMA-3.1-8B (or Qwen3-8B) on one machine: streaming load, two training steps, adapter save, decoding.
+"""LLaMA-3.1-8B, Qwen3-8B or Qwen3-14B on one machine: streaming load, two training steps, adapter save, decoding.
 
-python bench/scale.py [--arch llama31-8b|qwen3-8b] [--llama_path DIR] [--n_layers 2] [--variants sparse,soft]
+python bench/scale.py [--arch llama31-8b|qwen3-8b|qwen3-14b] [--llama_path DIR] [--n_layers 2]
+                      [--variants sparse,soft] [--precisions bf16 int8]
 Without --llama_path it writes a checkpoint of random bf16 weights of the architecture's shape into a
 temporary folder, tensor by tensor, and removes it at the end: LLaMA-3.1-8B's params.json and one
-consolidated.00.pth (Meta's layout), or Qwen3-8B's config.json and safetensors shards of at most
+consolidated.00.pth (Meta's layout), or Qwen3's config.json and safetensors shards of at most
 4 GB with their index (Hugging Face's layout). For each variant (the `math` recipe: Sparse MoA, Soft MoA with
-prompts on every layer): load, two AdamW steps on 1 x 300 tokens, save the
-adapter, greedy-decode 16 tokens through the KV cache. The plain read of the
-checkpoint is timed in the same run, each read (the plain one and every load)
-starting from a cold page cache for that file (posix_fadvise DONTNEED).
+prompts on every layer): load, two AdamW steps on 1 x 300 tokens, save the adapter, greedy-decode 16
+tokens through the KV cache (after a 2-token warm-up that compiles the decode step: `decode_step_tok_s` is
+the steady rate of the decode steps, `decode_tok_s` the whole timed call). The plain read of the
+checkpoint is timed in the same run, each read (the plain one and every load) starting from a cold page
+cache for that file (posix_fadvise DONTNEED). The base takes the math recipe's precision (bf16) unless
+--precisions names one; several run one after another, each in a process of its own (peak RSS is a
+process's) on the one checkpoint, and end with their ratios to the first (`<precision>_over_<first>_...`).
 Prints key=value pairs last.
 """
 import argparse
@@ -16,6 +20,7 @@ import json
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,14 +41,17 @@ from Models.generate import generate  # noqa: E402
 from Models.ModelArgs import ModelArgs  # noqa: E402
 from Models.formats.pth import TensorSource, float32_to_bf16_bits, save_pth  # noqa: E402
 from Models.kernels.adamw import build_optimizer  # noqa: E402
+from Models.kernels.precision import split_scales  # noqa: E402
+from Models.ModelArgs import PRECISIONS  # noqa: E402
 from Utils.settings import ArgumentParser, recipe_values  # noqa: E402
 
-ARCHS = {  # LLaMA-3.1-8B's params.json; Qwen3-8B's config.json as ModelArgs fields
+QWEN3 = dict(architecture="qwen3", head_dim=128, vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+             tied_embeddings=False)
+ARCHS = {  # LLaMA-3.1-8B's params.json; Qwen3-8B's and Qwen3-14B's config.json as ModelArgs fields
     "llama31-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3,
                        multiple_of=1024, norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True),
-    "qwen3-8b": dict(architecture="qwen3", dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
-                     ffn_dim=12288, vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
-                     tied_embeddings=False),
+    "qwen3-8b": dict(QWEN3, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288),
+    "qwen3-14b": dict(QWEN3, dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17408),
 }
 SHARD_BYTES = 4 << 30  # the safetensors shards' largest size (Qwen3-8B's hub files are 4-5 GB)
 BATCH, SEQ, STEPS, PROMPT_LEN, NEW_TOKENS = 1, 300, 2, 16, 16
@@ -70,7 +78,7 @@ def write_random_checkpoint(out_dir: str, arch: str, n_layers: int, seed: int = 
     """A random bf16 checkpoint of the architecture's shape, written one tensor at a time: Meta's
     params.json + consolidated.00.pth, or Hugging Face's config.json + safetensors shards."""
     fields = {**ARCHS[arch], "n_layers": n_layers}
-    if arch == "qwen3-8b":
+    if fields.get("architecture") == "qwen3":
         args = ModelArgs(**fields)
         write_hf_base(out_dir, args, random_sources(args, seed), max_shard_bytes=SHARD_BYTES)
         return
@@ -104,16 +112,16 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def run_variant(llama_dir: str, variant: str, out_dir: str, roofline: float) -> dict:
+def run_variant(llama_dir: str, variant: str, out_dir: str, roofline: float, precision: str) -> dict:
     settings = {k: v for k, v in recipe_values("math", variant).items() if k in ModelArgs.__dataclass_fields__}
-    args = base_args(llama_dir, **{**settings, "max_seq_len": SEQ, "max_batch_size": BATCH})
+    args = base_args(llama_dir, **{**settings, "max_seq_len": SEQ, "max_batch_size": BATCH,
+                                   **({"precision": precision} if precision else {})})
     for path in weight_paths(llama_dir):
         drop_cached(path)
     start = time.perf_counter()
     model = build_model(llama_dir, args)
     load_s = time.perf_counter() - start
-    base_gb = sum(int(np.prod(p.shape)) * (2 if p.dtype == "bfloat16" else 4)
-                  for p in model.base_parameters().values()) / 1e9
+    base_gb = sum(p.nbytes for p in model.base_parameters().values()) / 1e9
     print(f"[{variant}] loaded in {load_s:.1f} s, peak RSS {peak_rss_gb():.2f} GB (the base's tensors: "
           f"{base_gb:.2f} GB)", flush=True)
 
@@ -137,16 +145,20 @@ def run_variant(llama_dir: str, variant: str, out_dir: str, roofline: float) -> 
 
     model.eval()
     prompt = [list(rng.integers(1, args.vocab_size, PROMPT_LEN))]
-    start = time.perf_counter()
-    out = generate(model, SimpleNamespace(stop_tokens=set()), prompt, max_gen_len=NEW_TOKENS)
+    generate(model, SimpleNamespace(stop_tokens=set()), prompt, max_gen_len=2)  # compiles the decode step
+    start, timings = time.perf_counter(), {}
+    out = generate(model, SimpleNamespace(stop_tokens=set()), prompt, max_gen_len=NEW_TOKENS, timings=timings)
     decode_s = time.perf_counter() - start
-    print(f"[{variant}] decoded {len(out[0])} tokens in {decode_s:.1f} s", flush=True)
+    step_tok_s = timings["decode_steps"] / timings["decode_s"]
+    print(f"[{variant}] decoded {len(out[0])} tokens in {decode_s:.1f} s ({step_tok_s:.2f} tokens/s in the decode "
+          "steps)", flush=True)
 
-    n_base = sum(int(np.prod(p.shape)) for p in model.base_parameters().values())
+    n_base = sum(int(np.prod(p.shape)) for p in split_scales(model.base_parameters())[0].values())
     flops = train_flops_per_token(model, SEQ) * BATCH * SEQ
     step = min(step_s)
     result = dict(load_s=load_s, step_s=step, first_step_s=step_s[0], mfu=flops / step / 1e9 / roofline,
-                  loss=losses[-1], save_s=save_s, decode_tok_s=len(out[0]) / decode_s, n_base=n_base,
+                  loss=losses[-1], save_s=save_s, decode_tok_s=len(out[0]) / decode_s, decode_step_tok_s=step_tok_s,
+                  n_base=n_base,
                   n_adapter=sum(int(np.prod(p.shape)) for p in model.adapter_parameters().values()))
     del model, optimizer, loss
     jt.sync_all()
@@ -163,7 +175,9 @@ def check_options(parser, opts):
         (opts.llama_path and not any(os.path.isfile(os.path.join(opts.llama_path, f)) for f in LAYOUTS.values()),
          f"--llama_path {opts.llama_path}: neither params.json (Meta's layout) nor config.json (Hugging Face's) there"),
         (opts.tmp_dir and not (os.path.isdir(opts.tmp_dir) and os.access(opts.tmp_dir, os.W_OK)),
-         f"--tmp_dir {opts.tmp_dir} is not a writable folder")]
+         f"--tmp_dir {opts.tmp_dir} is not a writable folder"),
+        (len(set(opts.precisions or [])) < len(opts.precisions or []), f"--precisions {opts.precisions}: each once"),
+        (opts.rounds < 1, f"--rounds {opts.rounds} must be at least 1")]
     problem = next((message for broken, message in problems if broken), None)
     if problem:
         parser.error(problem)
@@ -173,13 +187,19 @@ def main():
     """Exit codes: 0 done, 2 bad arguments or input, 4 the temporary checkpoint could not be written."""
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="llama31-8b", choices=list(ARCHS),
-                        help="the random checkpoint's shape and layout: LLaMA-3.1-8B in Meta's, Qwen3-8B in "
-                             "Hugging Face's (default: llama31-8b)")
+                        help="the random checkpoint's shape and layout: LLaMA-3.1-8B in Meta's, Qwen3-8B and "
+                             "Qwen3-14B in Hugging Face's (default: llama31-8b)")
     parser.add_argument("--llama_path", help="a base folder (Meta or Hugging Face) to load instead of a random one")
     parser.add_argument("--n_layers", type=int, default=None,
                         help="layers of the random checkpoint (default: the architecture's; a quick check: 2)")
     parser.add_argument("--variants", default="sparse,soft", help="comma-separated: sparse, soft")
     parser.add_argument("--tmp_dir", default=None, help="where the temporary folder goes (default: the system's)")
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=None,
+                        help="the base's precision (default: the math recipe's, bf16); several: each in a process "
+                             "of its own, in turn, then their ratios to the first")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with several --precisions: run them in turn this many times, each figure the best of "
+                             "its rounds (peak RSS the largest)")
     opts = parser.parse_args()
     check_options(parser, opts)
     jt.set_global_seed(0)
@@ -203,22 +223,64 @@ def measure(opts, work: str):
         start = time.perf_counter()
         write_random_checkpoint(llama_dir, opts.arch, opts.n_layers or ARCHS[opts.arch]["n_layers"])
         print(f"wrote the random checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
+    if opts.precisions and len(opts.precisions) > 1:
+        return compare_precisions(opts, llama_dir, work)
     n_layers = base_args(llama_dir).n_layers
     files = weight_paths(llama_dir)
     file_gb = sum(os.path.getsize(f) for f in files) / 1e9
     read_s = sum(timed_read(f) for f in files)
     print(f"plain cold read of {file_gb:.2f} GB: {read_s:.1f} s", flush=True)
     roofline = sgemm_gflops()
-    results = {v: run_variant(llama_dir, v, work, roofline) for v in opts.variants.split(",")}
+    precision = opts.precisions[0] if opts.precisions else None
+    results = {v: run_variant(llama_dir, v, work, roofline, precision) for v in opts.variants.split(",")}
     peak = peak_rss_gb()
     n_base = next(iter(results.values()))["n_base"]
-    line = {"base": opts.llama_path or opts.arch, "n_layers": n_layers, "file_gb": f"{file_gb:.2f}",
+    line = {"base": opts.llama_path or opts.arch, "precision": precision or recipe_values("math")["precision"],
+            "n_layers": n_layers, "file_gb": f"{file_gb:.2f}",
             "read_s": f"{read_s:.1f}", "sgemm_gflops": f"{roofline:.0f}", "peak_rss_gb": f"{peak:.2f}",
             "bytes_per_base_param": f"{peak * 1e9 / n_base:.2f}", "n_base": n_base}
     for variant, r in results.items():
         line.update({f"{variant}_{k}": (f"{v:.3g}" if isinstance(v, float) else v) for k, v in r.items() if k != "n_base"})
         line[f"{variant}_load_over_read"] = f"{r['load_s'] / read_s:.2f}"
     print(" ".join(f"{k}={v}" for k, v in line.items()))
+
+
+# figures of each variant compared across precisions, and whether more of it is better (for the best of rounds)
+COMPARED = {"load_s": False, "step_s": False, "decode_tok_s": True, "decode_step_tok_s": True}
+
+
+def compare_precisions(opts, llama_dir: str, work: str):
+    """Each precision in a process of its own on the checkpoint at llama_dir, --rounds times in turn; their
+    key=value lines joined (keys prefixed with the precision) with the ratios to the first precision."""
+    best = {}
+    for _ in range(opts.rounds):
+        for precision in opts.precisions:
+            command = [sys.executable, os.path.abspath(__file__), "--llama_path", llama_dir, "--precisions", precision,
+                       "--variants", opts.variants, "--tmp_dir", work]
+            print(f"[{precision}] {' '.join(command[1:])}", flush=True)
+            run = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+            print(run.stdout, end="", flush=True)
+            if run.returncode != 0:
+                sys.exit(f"error: the {precision} run ended with exit code {run.returncode}")
+            line = dict(item.split("=", 1) for item in run.stdout.strip().splitlines()[-1].split())
+            kept = best.setdefault(precision, line)
+            for key, value in line.items():
+                figure = key.split("_", 1)[-1]
+                if key == "peak_rss_gb" or figure in COMPARED:
+                    more = key == "peak_rss_gb" or COMPARED[figure]
+                    kept[key] = str(max(float(value), float(kept[key])) if more else min(float(value), float(kept[key])))
+    for line in best.values():
+        line["bytes_per_base_param"] = float(line["peak_rss_gb"]) * 1e9 / float(line["n_base"])
+    first = opts.precisions[0]
+    keys = ["peak_rss_gb", "bytes_per_base_param"] + [f"{v}_{figure}" for v in opts.variants.split(",")
+                                                      for figure in COMPARED]
+    joined = {"base": opts.llama_path or opts.arch, "n_layers": best[first]["n_layers"], "rounds": opts.rounds}
+    for precision in opts.precisions:
+        joined.update({f"{precision}_{key}": f"{float(best[precision][key]):.3g}" for key in keys})
+    for precision in opts.precisions[1:]:
+        joined.update({f"{precision}_over_{first}_{key}": f"{float(best[precision][key]) / float(best[first][key]):.2f}"
+                       for key in keys if key != "bytes_per_base_param"})
+    print(" ".join(f"{k}={v}" for k, v in joined.items()))
 
 
 if __name__ == "__main__":
