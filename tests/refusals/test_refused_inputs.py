@@ -323,6 +323,8 @@ def test_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path):
              (["bench/scale.py", "--variants", "sparse,dense"], ["--variants", "dense"]),
              (["bench/scale.py", "--llama_path", str(tmp_path)], ["--llama_path", "neither params.json", "nor config.json"]),
              (["bench/scale.py", "--tmp_dir", str(tmp_path / "none")], ["--tmp_dir"]),
+             (["bench/quantization.py", "--bases", str(tmp_path)], ["--bases", "neither params.json"]),
+             (["bench/quantization.py", "--problems", "0"], ["--problems 0 must be at least 1"]),
              (["bench/bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"]),
              (["bench/bench.py", "--max_threshold", "nan"], ["--max_threshold must be a finite number"]),
              (["bench/bench.py", "--config", "huge"], ["--config", "invalid choice"]),
