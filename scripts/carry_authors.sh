@@ -25,7 +25,12 @@ mkdir -p "$OUT"
 # neighbours: a path list of our own would have to follow the loader's
 paths=()
 for variant in LLaMA3_sparse_moa LLaMA3_soft_moa; do paths+=("$variant/llama" "$variant/util"); done
-git --git-dir "$MIRROR" archive --format=tar.gz -o "$OUT/authors.tar.gz.part" "${MOA_REV:-HEAD}" "${paths[@]}"
+# git reports blobs the mirror lacks even outside the exported folders (its large data files): shown only on failure
+if ! said="$(git --git-dir "$MIRROR" archive --format=tar.gz -o "$OUT/authors.tar.gz.part" "${MOA_REV:-HEAD}" \
+             "${paths[@]}" 2>&1)"; then
+  echo "$said" >&2
+  exit 1
+fi
 mv "$OUT/authors.tar.gz.part" "$OUT/authors.tar.gz"
 cp -f "$SHARED/ref/moa_ref_loader.py" "$SHARED/ref/ref_bench.py" "$OUT/"
 chmod u+w "$OUT"/*.py
