@@ -11,7 +11,8 @@ SHARED="${MOA_SHARED:-$REPO/../shared}"
 MIRROR="${MOA_MIRROR:-}"
 OUT="$REPO/.gpu/ref"
 if [ -z "$MIRROR" ] || ! git --git-dir "$MIRROR" rev-parse --verify -q "${MOA_REV:-HEAD}^{commit}" >/dev/null; then
-  echo "error: set MOA_MIRROR to the bare git dir of DCDmllm/MoA (fetched as github:DCDmllm/MoA); got '$MIRROR'" >&2
+  echo "error: MOA_MIRROR='$MIRROR' is not a bare git dir of DCDmllm/MoA (fetched as github:DCDmllm/MoA)" \
+       "holding ${MOA_REV:-HEAD}" >&2
   exit 2
 fi
 for f in moa_ref_loader.py ref_bench.py; do
