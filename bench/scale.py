@@ -28,6 +28,7 @@ import Utils.jittor_env  # noqa: E402,F401
 import jittor as jt  # noqa: E402
 
 from bench import sgemm_gflops, train_flops_per_token  # noqa: E402  (bench/bench.py, beside this script)
+from common import CONFIGS  # noqa: E402  (bench/common.py)
 from Models.formats.adapters import save_adapter  # noqa: E402
 from Models.formats.base_model import LAYOUTS, base_args, build_model, weight_paths  # noqa: E402
 from Models.formats.hf import write_hf_base  # noqa: E402
@@ -38,9 +39,9 @@ from Models.formats.pth import TensorSource, float32_to_bf16_bits, save_pth  # n
 from Models.kernels.adamw import build_optimizer  # noqa: E402
 from Utils.settings import ArgumentParser, recipe_values  # noqa: E402
 
-ARCHS = {  # LLaMA-3.1-8B's params.json; Qwen3-8B's config.json as ModelArgs fields
-    "llama31-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3,
-                       multiple_of=1024, norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True),
+# LLaMA-3.1-8B's params.json (bench.py's and authors_bench.py's 8b); Qwen3-8B's config.json as ModelArgs fields
+ARCHS = {
+    "llama31-8b": CONFIGS["8b"],
     "qwen3-8b": dict(architecture="qwen3", dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
                      ffn_dim=12288, vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
                      tied_embeddings=False),
