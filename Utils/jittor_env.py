@@ -9,13 +9,15 @@ three defaults break on an offline CPU machine:
   `mkl_include_path`/`mkl_lib_path` are broken in 1.3.11;
 - without oneDNN we fall back to `use_mkl=0` (slower, but never a download);
 - on a GPU machine Jittor's CUDA import downloads CUTLASS, cuTT and (where mpicc exists)
-  NCCL and wants cuDNN 8, none of which the project uses: they are switched off unless set.
-Jittor 1.3.11 needs three small patches for CUDA 13 (scripts/jittor_cuda13.sh; setup.sh
-applies them where nvcc is 13 or later).
+  NCCL and wants cuDNN 8: CUTLASS, cuTT and cuDNN are switched off unless set, and NCCL
+  too unless under mpirun with NCCL at hand or downloadable.
+Jittor 1.3.11 needs small patches (setup.sh applies them): its op compiler's threads and
+Python (scripts/jittor_gil.sh) and CUDA 13 (scripts/jittor_cuda13.sh).
 """
 import glob
 import os
 import signal
+import socket
 import sys
 
 ONEDNN_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "mkl", "dnnl_lnx_2.2.0_cpu_gomp")
@@ -45,6 +47,22 @@ def ensure_onednn():
     if not os.path.lexists(link):
         os.symlink(os.path.realpath(system_lib), link)
     return True
+
+
+NCCL_BUILD = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "nccl", "nccl-2.8.4-1", "build", "lib", "libnccl.so")
+
+
+def nccl_obtainable() -> bool:
+    """Whether Jittor can have NCCL under mpirun: given by path, built before, or downloadable. Jittor downloads and
+    builds it whenever MPI and CUDA are both there, and where nothing can be downloaded (a GPU machine without
+    registries) the failed download aborted every rank at import."""
+    if os.environ.get("nccl_lib_path") or os.path.isfile(NCCL_BUILD):
+        return True
+    try:
+        socket.getaddrinfo("codeload.github.com", 443)
+        return True
+    except OSError:
+        return False
 
 
 # The signals a process stops on at its next safe point: Ctrl-C, kill (TERM), and SIGUSR1, which mpirun
@@ -115,8 +133,8 @@ def prepare():
         # needs cuDNN 8; none is used here. conv_opt=1 sets up only cuBLAS and cuRAND.
         for name, value in (("use_cutlass", "0"), ("use_cutt", "0"), ("conv_opt", "1")):
             os.environ.setdefault(name, value)
-        if "OMPI_COMM_WORLD_SIZE" not in os.environ:  # NCCL only matters across ranks
-            os.environ.setdefault("use_nccl", "0")
+        if "OMPI_COMM_WORLD_SIZE" not in os.environ or not nccl_obtainable():
+            os.environ.setdefault("use_nccl", "0")  # ranks then reduce through MPI on the host
     if os.environ.get("use_mkl", "1") == "1" and not ensure_onednn():
         print("[moa] oneDNN not found (apt-get install libdnnl-dev); using Jittor's slower "
               "built-in matmul (use_mkl=0)", file=sys.stderr)

@@ -133,3 +133,21 @@ print(json.dumps({"calls": calls, "nan": nan.numpy().tolist(), "inf": inf.numpy(
     assert seen["nan"] == [False, True, False, False] and seen["inf"] == [False, False, True, False]
     assert any(on_thread for on_thread, _ in seen["calls"]), f"no op was compiled on a compiler thread: {seen}"
     assert all(held == 1 for _, held in seen["calls"]), f"Python called without the interpreter's lock: {seen}"
+
+
+def test_nccl_is_left_off_where_it_cannot_be_had(monkeypatch, tmp_path):
+    """Under mpirun on a GPU machine Jittor downloads NCCL; offline that aborted every rank at import."""
+    import socket
+    from Utils import jittor_env
+
+    def offline(*args, **kwargs):
+        raise socket.gaierror(-3, "Temporary failure in name resolution")
+    monkeypatch.delenv("nccl_lib_path", raising=False)
+    monkeypatch.setattr(jittor_env, "NCCL_BUILD", str(tmp_path / "libnccl.so"))
+    monkeypatch.setattr(socket, "getaddrinfo", offline)
+    assert not jittor_env.nccl_obtainable()
+    (tmp_path / "libnccl.so").write_bytes(b"")  # built by an earlier run
+    assert jittor_env.nccl_obtainable()
+    (tmp_path / "libnccl.so").unlink()
+    monkeypatch.setenv("nccl_lib_path", str(tmp_path))  # the user's own NCCL
+    assert jittor_env.nccl_obtainable()
