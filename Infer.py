@@ -298,6 +298,8 @@ def run(args, stop=None):
     model_args = model_settings(args, adapter, llama_path, max_seq_len)
     if args.batch_size != "auto":
         check_kv_cache_memory(model_args, args.batch_size, max_seq_len)
+    if any(ts.rule in code_task.FIELDS for ts in test_sets):
+        sandbox.isolation()  # no sandbox works here: refused before the first token
     model = load_model(llama_path, adapter, model_args)
     if args.batch_size == "auto":
         args.batch_size = model_args.max_batch_size = auto_batch_size(model_args, max_seq_len,
@@ -354,6 +356,7 @@ def score_samples(args, code):
         if answered:  # a set no sample answers is left out
             test_sets.append(TestSet(ts.name, ts.path, ts.rule, len(examples), len(answered)))
             examples += answered
+    sandbox.isolation()
     staging = output_dirs.staging_dir(output_dir, os.getpid())
     misc.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
     os.makedirs(staging, exist_ok=True)

