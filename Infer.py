@@ -349,7 +349,7 @@ def score_samples(args, code):
                                       *(("--data_path", path) for _, path in sources)])
     code_task.check_code_sets([path for _, path in sources])
     loaded, all_sets = load_test_sets(sources, None)
-    answers = code_task.examples_from_samples(args.samples, [(ts.name, loaded[ts.first:ts.first + ts.count])
+    answers = code_task.examples_from_samples(args.samples, [(ts.name, ts.path, loaded[ts.first:ts.first + ts.count])
                                                              for ts in all_sets], args.max_examples)
     examples, test_sets = [], []
     for ts, answered in zip(all_sets, answers):

@@ -181,18 +181,27 @@ def check_code_sets(paths):
 
 
 def examples_from_samples(path: str, sets: list, max_problems=None) -> list:
-    """Per data set of `sets` [(name, its examples_for(..., 1))], the examples of the samples file's
-    completions (one per sample, problems in order, a problem's samples in file order); empty for a set
-    no sample answers. Samples of problems past max_problems are dropped; a task_id in none of the sets,
-    a set only partly answered and a file answering no set are refused."""
+    """Per data set of `sets` [(name, its file, its examples_for(..., 1))], the examples of the samples
+    file's completions (one per sample, problems in order, a problem's samples in file order); empty for a
+    set no sample answers. Samples of problems past max_problems are dropped; a task_id in none of the
+    sets, or in two (a sample could not say which it answers), a set only partly answered and a file
+    answering no set are refused."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--samples {path}: no such file")
-    owner = {str(ex["task"]["task_id"]): (name, ex["problem"]) for name, examples in sets for ex in examples}
+    owner = {}
+    for name, source, examples in sets:
+        for ex in examples:
+            task_id = str(ex["task"]["task_id"])
+            if task_id in owner and owner[task_id][0] != name:
+                raise ValueError(f"{owner[task_id][2]} and {source} both hold task_id {task_id!r}: a samples file "
+                                 "cannot say which one a sample answers (score them one at a time)")
+            owner[task_id] = (name, ex["problem"], source)
+    sets = [(name, examples) for name, _, examples in sets]
     answers = {name: [] for name, _ in sets}
     for task_id, completion, number in read_samples(path):
         if task_id not in owner:
             raise ValueError(f"{path}: line {number}: task_id {task_id!r} is in none of the data sets given")
-        name, i = owner[task_id]
+        name, i, _ = owner[task_id]
         if max_problems is None or i < max_problems:
             answers[name].append((i, completion))
     out = []
