@@ -219,12 +219,12 @@ def examples_from_samples(path: str, sets: list, max_problems=None) -> list:
     return out
 
 
-def score_examples(kind: str, examples: list, completions: list, fences: str, limits, path: str, mode=None):
+def score_examples(kind: str, examples: list, completions: list, fences: str, limits, stop, path: str, mode=None):
     """Run every completion against its problem's tests (a progress bar per set); (prediction rows, the
-    set's scores, `path` among them)."""
+    set's scores, `path` among them). `stop`: a StopFlag (Stopped is raised when it fires) or None."""
     jobs = [program_and_tests(kind, ex["task"], completion, fences) for ex, completion in zip(examples, completions)]
     with tqdm(total=len(jobs), desc=f"run {kind}", dynamic_ncols=True) as bar:
-        results = sandbox.run_many(jobs, limits, mode, lambda: bar.update(1))
+        results = sandbox.run_many(jobs, limits, mode, lambda: bar.update(1), stop)
     rows, counts = [], {}
     for ex, completion, result in zip(examples, completions, results):
         n, c = counts.get(ex["problem"], (0, 0))
