@@ -26,6 +26,9 @@ TOKEN_PREFIX = "moa-sandbox-"  # + the scorer's pid and a random tail, on each s
 UID_BASE, UIDS_PER_RUN = 2_000_000_000, 1024  # as root: a block of uids per scorer process, two per worker slot
 WORKDIR, MOUNTED_PACKAGE = "/sandbox", "/moa/sandboxed"  # inside bubblewrap
 WORKDIR_MB, FILE_MB = 64, 16  # the tmpfs working directory (bwrap); any one file a program writes
+# bubblewrap's own /dev/shm (16 MiB): multiprocessing's locks (sem_open) live there; on the floor /dev/shm is
+# the machine's, and stays out of reach
+PRIVATE_SHM, SHM_MB = "/dev/shm", 16
 OUTPUT_CAP, REPORT_CAP = 16384, 4096  # bytes of stderr kept (past it the program's writes fail), of a report
 GRACE = 5.0  # seconds past the wall clock before the supervisors themselves are killed
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # + HOME and TMPDIR = the working directory
@@ -92,7 +95,8 @@ def bwrap_prefix(python: str) -> list:
             args += ["--perms", "0755", "--dir", "/".join(parts[:i])]
         args += ["--ro-bind", prefix, prefix]
     args += ["--ro-bind", PACKAGE, MOUNTED_PACKAGE, "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
-             "--dev", "/dev", "--perms", "0777", "--size", str(WORKDIR_MB * 2 ** 20), "--tmpfs", WORKDIR,
+             "--dev", "/dev", "--perms", "01777", "--size", str(SHM_MB * 2 ** 20), "--tmpfs", PRIVATE_SHM,
+             "--perms", "0777", "--size", str(WORKDIR_MB * 2 ** 20), "--tmpfs", WORKDIR,
              "--chdir", WORKDIR, "--clearenv"]
     for key, value in {**ENV, "HOME": WORKDIR, "TMPDIR": WORKDIR}.items():
         args += ["--setenv", key, value]
@@ -136,6 +140,7 @@ class Supervised:
         control, self.control = os.pipe()
         request = {"role": role, "job": job, "uid": uid, "workdir": workdir, "wall_seconds": limits.wall_seconds,
                    "readable": [*SYSTEM_DIRS, *DEVICES, installation(python)],
+                   "writable": [workdir, *([PRIVATE_SHM] if mode == "bwrap" else [])],
                    "landlock": mode == "landlock" or confine.landlock_abi() >= 1,
                    "seccomp": mode == "landlock" or confine.seccomp_supported(),
                    "fds": {"control": control, "requests": requests, "replies": replies},
@@ -184,13 +189,13 @@ class Supervised:
     def verdict_and_work(self):
         """(the verdict line or None, the work's report {"status", "cpu", "how"} or None) from stdout."""
         verdict, work = None, None
-        for line in self.report.decode(errors="replace").splitlines():
+        for line in self.report.decode(errors="replace").split("\n"):
             if line.startswith("{"):
                 try:
                     work = json.loads(line)
                 except ValueError:
                     pass
-            elif verdict is None:
+            elif verdict is None and line:
                 verdict = line
         return verdict, work
 

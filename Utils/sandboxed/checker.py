@@ -117,7 +117,7 @@ def last_line(error: BaseException) -> str:
         text = str(error)
     else:
         text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    return text.replace("\r", " ").replace("\n", " ")[:300]
+    return " ".join(text.splitlines())[:300]  # every line break Python knows: the verdict is one line
 
 
 def run_tests(job: dict, link: Link):

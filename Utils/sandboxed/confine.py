@@ -10,7 +10,7 @@ enforced by the kernel and inherited by every process it forks, so nothing the p
   or, for -1, every process of the uid); clone3 answers ENOSYS so that glibc falls back to clone,
   whose flags the filter can read.
 - Landlock: reads only below the folders it is given (the system's and the interpreter's), writes
-  only in the working directory (and /dev/null), executes nothing; /proc, /sys, /etc, /tmp and the
+  only in the working directory (and /dev/null; under bubblewrap its own /dev/shm), executes nothing; /proc, /sys, /etc, /tmp and the
   project are unreachable by any path, dir_fd included. From ABI 6 on, also no signal to a process
   outside the sandbox; and in every ABI no ptrace of one.
 """
@@ -104,8 +104,9 @@ def seccomp_supported() -> bool:
     return platform.machine() in ARCHES
 
 
-def landlock(workdir: str, readable: tuple):
-    """Restrict this process and its children: read below `readable`, everything in `workdir`."""
+def landlock(writable: tuple, readable: tuple):
+    """Restrict this process and its children: read below `readable`, everything but execute below
+    `writable` (the working directory; under bubblewrap also its private /dev/shm)."""
     abi = landlock_abi()
     if abi < 1:
         raise ConfineError(0, "Landlock is not available in this kernel")
@@ -115,8 +116,8 @@ def landlock(workdir: str, readable: tuple):
     ruleset = _check(_libc.syscall(LANDLOCK_CREATE_RULESET, attr, len(attr), 0), "landlock_create_ruleset")
     try:
         reading = FS_READ_FILE | FS_READ_DIR
-        for path, rights in [(p, reading) for p in readable] + [("/dev/null", FS_READ_FILE | FS_WRITE_FILE),
-                                                                  (workdir, handled & ~FS_EXECUTE)]:
+        rules = [(p, reading) for p in readable] + [(p, handled & ~FS_EXECUTE) for p in writable]
+        for path, rights in rules + [("/dev/null", FS_READ_FILE | FS_WRITE_FILE)]:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             except FileNotFoundError:

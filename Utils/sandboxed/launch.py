@@ -102,7 +102,7 @@ def confine_work(request: dict, fds: dict, verdict):
     confine.set_limits(request["limits"])
     confine.no_new_privileges()
     if request["landlock"]:
-        confine.landlock(request["workdir"], tuple(request["readable"]))
+        confine.landlock(tuple(request["writable"]), tuple(request["readable"]))
     confine.drop_uid(request["uid"])
     if request["seccomp"]:
         confine.seccomp()
