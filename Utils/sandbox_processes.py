@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from Utils.sandboxed import confine
+from Utils.sandboxed import confine, launch
 
 PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandboxed")  # the code run inside
 TOKEN_PREFIX = "moa-sandbox-"  # + the scorer's pid and a random tail, on each supervisor's command line (for ps)
@@ -43,10 +43,10 @@ def is_root() -> bool:
     return os.geteuid() == 0
 
 
-def uid_range() -> range:
-    """As root, the uids this scorer process gives its sandboxed processes (its pid picks the block, so that
-    two scorers at once share neither processes nor their limits)."""
-    first = UID_BASE + (os.getpid() % 2 ** 21) * UIDS_PER_RUN
+def uid_range(scorer: int = None) -> range:
+    """As root, the uids the scorer process `scorer` (default: this one) gives its sandboxed processes (its
+    pid picks the block, so that two scorers at once share neither processes nor their limits)."""
+    first = UID_BASE + ((scorer or os.getpid()) % 2 ** 21) * UIDS_PER_RUN
     return range(first, first + UIDS_PER_RUN)
 
 
@@ -111,20 +111,6 @@ def private_workdir(uid) -> str:
     return path
 
 
-def remove_workdir(path: str):
-    """Remove a floor's working directory and everything in it, also folders the program made unreadable."""
-    shutil.rmtree(path, ignore_errors=True)
-    folders = [path] if os.path.lexists(path) else []
-    while folders:  # chmod 0 on a folder stops rmtree: open every one again (the program's files are its uid's)
-        folder = folders.pop()
-        try:
-            os.chmod(folder, stat.S_IRWXU)
-            folders += [entry.path for entry in os.scandir(folder) if entry.is_dir(follow_symlinks=False)]
-        except OSError:
-            pass
-    shutil.rmtree(path, ignore_errors=True)
-
-
 class Supervised:
     """One supervisor process (Utils/sandboxed/launch.py) running `role` in the sandbox: its report and
     stderr as they come, and the control pipe whose closing ends it."""
@@ -141,6 +127,7 @@ class Supervised:
         request = {"role": role, "job": job, "uid": uid, "workdir": workdir, "wall_seconds": limits.wall_seconds,
                    "readable": [*SYSTEM_DIRS, *DEVICES, installation(python)],
                    "writable": [workdir, *([PRIVATE_SHM] if mode == "bwrap" else [])],
+                   "remove_workdir": mode != "bwrap",
                    "landlock": mode == "landlock" or confine.landlock_abi() >= 1,
                    "seccomp": mode == "landlock" or confine.seccomp_supported(),
                    "fds": {"control": control, "requests": requests, "replies": replies},
@@ -183,7 +170,7 @@ class Supervised:
 
     def remove_workdir(self):
         if self.host_dir is not None:
-            remove_workdir(self.host_dir)
+            launch.remove_workdir(self.host_dir)
             self.host_dir = None
 
     def verdict_and_work(self):

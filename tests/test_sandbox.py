@@ -12,6 +12,8 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,10 +30,11 @@ SQUARE = "def check(candidate):\n    assert candidate(3) == 9\n    assert candid
 CORRECT, WRONG = "def f(x):\n    return x * x\n", "def f(x):\n    return 0\n"
 
 
-def sandboxed_processes(marker=None) -> list:
-    """Live processes of this process's sandboxes: one of its uids (as root), or its TOKEN_PREFIX and pid or
-    `marker` on the command line (other scorers on the machine have theirs)."""
-    found, ours = [], f"{sandbox_processes.TOKEN_PREFIX}{os.getpid()}-".encode()
+def sandboxed_processes(marker=None, scorer=None) -> list:
+    """Live processes of the sandboxes of process `scorer` (default: this one): one of its uids (as root), or
+    its TOKEN_PREFIX and pid or `marker` on the command line (other scorers on the machine have theirs)."""
+    scorer = scorer or os.getpid()
+    found, ours = [], f"{sandbox_processes.TOKEN_PREFIX}{scorer}-".encode()
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
             status = Path(f"/proc/{name}/status").read_text()
@@ -41,7 +44,7 @@ def sandboxed_processes(marker=None) -> list:
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
         marked = ours in cmdline or (marker is not None and marker.encode() in cmdline)
-        if state != "Z" and (marked or uid in sandbox_processes.uid_range()):
+        if state != "Z" and (marked or uid in sandbox_processes.uid_range(scorer)):
             found.append((int(name), cmdline.replace(b"\0", b" ")[:80]))
     return found
 
@@ -238,6 +241,31 @@ def test_no_process_outlives_its_scoring(sandbox_mode):
     results = sandbox.run_many(jobs + [sandbox.Job(CORRECT, SQUARE, "f")] * 3, one, sandbox_mode)
     assert sandboxed_processes(marker) == []
     assert [r.status for r in results[3:]] == [sandbox.PASSED] * 3, results
+
+
+@pytest.mark.slow
+def test_a_killed_scorer_leaves_nothing_behind(sandbox_mode):
+    """kill -9 of the scorer while its programs (and the processes they left) run: their supervisors see
+    the control pipe close, kill everything below them and remove their working folders."""
+    program = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\ndef f():\n    time.sleep(60)\n"
+    scorer = subprocess.Popen([sys.executable, "-c", "import sys\nfrom Utils import sandbox\n"
+                               f"sandbox.run_many([sandbox.Job({program!r}, 'def check(f):\\n    f()\\n', 'f')] * 2, "
+                               f"sandbox.SandboxLimits(exec_timeout=10), {sandbox_mode!r})"], cwd=REPO)
+    uids = sandbox_processes.uid_range(scorer.pid)
+    try:
+        deadline = time.monotonic() + 60
+        while len(sandboxed_processes(scorer=scorer.pid)) < 4:  # both programs (and what they forked) run
+            assert scorer.poll() is None and time.monotonic() < deadline, "the programs never ran"
+            time.sleep(0.05)
+    finally:
+        scorer.kill()
+        scorer.wait()
+    deadline = time.monotonic() + 10
+    while sandboxed_processes(scorer=scorer.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandboxed_processes(scorer=scorer.pid) == []
+    if os.geteuid() == 0:  # as root the floor's folders belong to the scorer's uids
+        assert [p for p in Path(tempfile.gettempdir()).glob("moa-sandbox-*") if p.stat().st_uid in uids] == []
 
 
 @pytest.mark.slow

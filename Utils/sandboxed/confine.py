@@ -10,9 +10,9 @@ enforced by the kernel and inherited by every process it forks, so nothing the p
   or, for -1, every process of the uid); clone3 answers ENOSYS so that glibc falls back to clone,
   whose flags the filter can read.
 - Landlock: reads only below the folders it is given (the system's and the interpreter's), writes
-  only in the working directory (and /dev/null; under bubblewrap its own /dev/shm), executes nothing; /proc, /sys, /etc, /tmp and the
-  project are unreachable by any path, dir_fd included. From ABI 6 on, also no signal to a process
-  outside the sandbox; and in every ABI no ptrace of one.
+  only in the working directory (and /dev/null; under bubblewrap its own /dev/shm), executes
+  nothing; /proc, /sys, /etc, /tmp and the project are unreachable by any path, dir_fd included.
+  From ABI 6 on, also no signal to a process outside the sandbox; and in every ABI no ptrace of one.
 """
 import ctypes
 import os

@@ -6,7 +6,8 @@ the tests', checker.py), which confines itself (confine.py) before any line of t
 and waits for it, for the wall clock, or for the parent to close the control pipe (the parent ends the
 run, or died). Then it kills every process the work started, by any route: under bubblewrap the
 supervisor is the PID namespace's init, and kill(-1) reaches every process in it; on the floor it is a
-child subreaper, so that every orphan is handed to it, and it kills its children until it has none.
+child subreaper, so that every orphan is handed to it, and it kills its children until it has none,
+and removes the working directory.
 Last, one line on stdout, the report: {"status": the work's wait status, "cpu": its CPU seconds, "how":
 "exited", "wall" or "stopped"}. The work cannot reach the supervisor: another uid (as root) or a Landlock
 domain below it, no ptrace, and not dumpable, so not its /proc files either.
@@ -14,7 +15,9 @@ domain below it, no ptrace, and not dumpable, so not its /proc files either.
 import json
 import os
 import select
+import shutil
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -59,6 +62,20 @@ def end_descendants():
             return
         if pid == 0:
             time.sleep(0.002)
+
+
+def remove_workdir(path: str):
+    """Remove a floor's working directory and everything in it, also folders the program made unreadable."""
+    shutil.rmtree(path, ignore_errors=True)
+    folders = [path] if os.path.lexists(path) else []
+    while folders:  # chmod 0 on a folder stops rmtree: open every one again (the program's files are its uid's)
+        folder = folders.pop()
+        try:
+            os.chmod(folder, stat.S_IRWXU)
+            folders += [entry.path for entry in os.scandir(folder) if entry.is_dir(follow_symlinks=False)]
+        except OSError:
+            pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def wait_for(work: int, control: int, deadline: float):
@@ -142,5 +159,7 @@ def main():
         os.close(fd)
     how, status, rusage = wait_for(child, fds["control"], started + request["wall_seconds"])
     end_descendants()
+    if request["remove_workdir"]:  # here too, so that a scorer killed meanwhile leaves no folder behind
+        remove_workdir(request["workdir"])
     report = {"status": status, "cpu": rusage.ru_utime + rusage.ru_stime, "how": how}
     os.write(1, (json.dumps(report) + "\n").encode())
