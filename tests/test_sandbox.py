@@ -103,6 +103,10 @@ def test_plain_outcomes(sandbox_mode):
     fresh = ("import os\nassert os.listdir('.') == [], os.listdir('.')\nopen('scratch', 'w').write('x')\n"
              "assert set(os.environ) <= {'PATH', 'LANG', 'HOME', 'TMPDIR', 'PWD'}, sorted(os.environ)\n" + CORRECT)
     assert [run(sandbox_mode, fresh).status for _ in range(2)] == [sandbox.PASSED] * 2
+    # a table of ten million numbers (more than a message holds) stays in the program's process; a small
+    # one crosses to the tests as data
+    tables = "TABLE = list(range(10 ** 7))\nSMALL = [1, 2]\ndef f(x):\n    return TABLE[abs(x)] * abs(x)\n"
+    assert run(sandbox_mode, tables, SQUARE + "    assert SMALL == [1, 2]\n").status == sandbox.PASSED
 
 
 @pytest.mark.slow

@@ -10,10 +10,13 @@ Messages (wire.py), each answered in order:
 - asked: ["call", handle, [args], {kwargs}], ["getattr", handle, name], ["setattr", handle, name, value];
   answered ["value", value] or ["raised", type name, message].
 """
+import json
 import os
 import sys
 
 from . import wire
+
+NAME_ITEMS, NAME_BYTES = 10 ** 5, 2 ** 20
 
 
 def describe(error: BaseException) -> tuple:
@@ -44,11 +47,18 @@ class Objects:
 
 
 def top_level_names(module, objects) -> dict:
+    """The module's names, data by value and everything else as handles; a large table of the program's
+    (over NAME_ITEMS items or NAME_BYTES bytes) stays a handle too: the tests read it through calls, and
+    it need not fit in a message."""
     names = {}
     for name, value in list(vars(module).items()):
         if not (name.startswith("__") and name.endswith("__")):
             try:
+                if isinstance(value, (list, tuple, set, frozenset, dict)) and len(value) > NAME_ITEMS:
+                    raise wire.WireError(f"{name} holds more than {NAME_ITEMS} items")
                 names[name] = wire.encode(value, objects.handle_of)
+                if len(json.dumps(names[name])) > NAME_BYTES:
+                    raise wire.WireError(f"{name} is larger than {NAME_BYTES} bytes")
             except (wire.WireError, RecursionError):
                 names[name] = ["H", objects.handle_of(value)]
     return names
