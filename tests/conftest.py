@@ -223,6 +223,17 @@ def holds_open(path):
 
 # ---- fixtures
 
+@pytest.fixture
+def code_sandbox():
+    """The isolation level the code sandbox (Utils/sandbox.py) picks here; the test is skipped where none
+    works (the tools refuse code scoring there)."""
+    from Utils import sandbox
+    try:
+        return sandbox.isolation()
+    except sandbox.SandboxUnavailable as e:
+        pytest.skip(str(e))
+
+
 @pytest.fixture(params=["bwrap", "landlock"])
 def sandbox_mode(request):
     """Each isolation level of the code sandbox (Utils/sandbox.py), skipped where it does not work."""

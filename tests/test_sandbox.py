@@ -386,7 +386,7 @@ def test_bubblewrap_alone_contains():
 
 
 @pytest.mark.slow
-def test_workers_bounded_by_cores():
+def test_workers_bounded_by_cores(code_sandbox):
     """At most one program per core runs at a time: each program writes when it started and ended (the
     system's monotonic clock, shared by the sandboxes) to its stderr, which the results keep."""
     program = ("import sys, time\nstart = time.monotonic()\ntime.sleep(0.4)\n"

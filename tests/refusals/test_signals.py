@@ -109,7 +109,7 @@ def sandbox_running(pid, stdout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop, code", [(signal.SIGINT, 130), (signal.SIGUSR1, 138)])
-def test_a_stop_signal_ends_code_scoring(tmp_path, stop, code):
+def test_a_stop_signal_ends_code_scoring(tmp_path, stop, code, code_sandbox):
     """Ctrl-C (or SIGTERM, SIGUSR1) while --samples programs run: they are ended, nothing is left running, the
     results already in --output_dir stay as they were, and the exit status is the signal's."""
     rows = [(f"HumanEval/{i}", "    import time\n    time.sleep(30)\n") for i in range(3) for _ in range(4)]
