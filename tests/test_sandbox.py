@@ -316,6 +316,7 @@ def test_nothing_written_outside_no_network_no_proc(sandbox_mode, tmp_path):
     machine. The probe returns what it managed; the tests pass only when that is nothing."""
     tag, keep = secrets.token_hex(6), tmp_path / "keep.txt"
     keep.write_text("kept")
+    kept = keep.stat()
     targets = [REPO / f"escaped-{tag}", Path.home() / f"escaped-{tag}", Path("/tmp") / f"escaped-{tag}",
                Path("/dev/shm") / f"escaped-{tag}"]
     with socket.socket() as server:
@@ -329,6 +330,8 @@ def test_nothing_written_outside_no_network_no_proc(sandbox_mode, tmp_path):
             "dir_fd write": "lambda: os.write(os.open('escaped2-" + tag + "', os.O_WRONLY | os.O_CREAT, "
                             "dir_fd=os.open('/tmp', os.O_RDONLY)), b'out')",
             "remove": f"lambda: os.remove({str(keep)!r})",
+            "chmod": f"lambda: os.chmod({str(keep)!r}, 0)",
+            "utime": f"lambda: os.utime({str(keep)!r}, (0, 0))",
             "symlink out": "lambda: (os.symlink('/tmp', 'out'), open('out/escaped3-" + tag + "', 'w'))",
             "proc": "lambda: open('/proc/self/status').read()",
             "proc dir_fd": "lambda: os.read(os.open('proc/self/status', os.O_RDONLY, dir_fd=os.open('/', "
@@ -344,7 +347,7 @@ def test_nothing_written_outside_no_network_no_proc(sandbox_mode, tmp_path):
         assert run(sandbox_mode, program, observed(private)) == (sandbox.PASSED, "", 0, ""), program
         with pytest.raises(socket.timeout):
             server.accept()
-    assert keep.read_text() == "kept"
+    assert keep.read_text() == "kept" and (keep.stat().st_mode, keep.stat().st_mtime) == (kept.st_mode, kept.st_mtime)
     escaped = [p for p in [*targets, *(Path(d) / f"escaped{i}-{tag}" for d in ("/tmp", REPO) for i in (2, 3, 4))]
                if p.exists()]
     assert escaped == []

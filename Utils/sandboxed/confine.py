@@ -5,7 +5,8 @@ enforced by the kernel and inherited by every process it forks, so nothing the p
 
 - seccomp (x86_64 and aarch64): no execve (so no /bin/sh, no setuid program), no socket (no
   network: socketpair, a local pair, stays), no ptrace or process_vm_*, no io_uring (it would do
-  the refused calls without a system call), no namespaces (unshare, setns, clone with CLONE_NEW*),
+  the refused calls without a system call), no chmod, chown, utime or xattr by path (Landlock leaves
+  them to the uid: as a user, the user's own files), no namespaces (unshare, setns, clone with CLONE_NEW*),
   no CLONE_PARENT (a child must stay below its supervisor), no kill with a negative pid (a group
   or, for -1, every process of the uid); clone3 answers ENOSYS so that glibc falls back to clone,
   whose flags the filter can read.
@@ -33,7 +34,12 @@ REFUSED = {  # answered EPERM
     "mount": (165, 40), "pivot_root": (155, 41), "chroot": (161, 51), "bpf": (321, 280),
     "perf_event_open": (298, 241), "userfaultfd": (323, 282), "keyctl": (250, 219), "add_key": (248, 217),
     "request_key": (249, 218), "open_by_handle_at": (304, 265), "fsopen": (430, 430), "fsmount": (432, 432),
-    "open_tree": (428, 428), "move_mount": (429, 429), "pidfd_getfd": (438, 438)}
+    "open_tree": (428, 428), "move_mount": (429, 429), "pidfd_getfd": (438, 438),
+    # a file's owner, mode, times and attributes by path: Landlock does not cover them (None: no such call)
+    "chmod": (90, None), "fchmodat": (268, 53), "fchmodat2": (452, 452), "chown": (92, None),
+    "lchown": (94, None), "fchownat": (260, 54), "utime": (132, None), "utimes": (235, None),
+    "futimesat": (261, None), "utimensat": (280, 88), "setxattr": (188, 5), "lsetxattr": (189, 6),
+    "removexattr": (197, 14), "lremovexattr": (198, 15)}
 CLONE, CLONE3, KILL = (56, 220), (435, 435), (62, 129)  # clone's flags and kill's pid are read; clone3: ENOSYS
 CLONE_REFUSED = 0x00008000 | 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 EPERM, ENOSYS = 1, 38
@@ -144,7 +150,7 @@ def seccomp_program() -> bytes:
     code += [(LD_ABS, 0, 0, 4), (JEQ, 0, "dead", arch), (LD_ABS, 0, 0, 0)]  # another ABI (i386 on x86_64): killed
     if x32:
         code.append((JGE, "deny", 0, x32))
-    code += [(JEQ, "deny", 0, numbers[which]) for numbers in REFUSED.values()]
+    code += [(JEQ, "deny", 0, numbers[which]) for numbers in REFUSED.values() if numbers[which] is not None]
     code += [(JEQ, "nosys", 0, clone3), (JEQ, "clone", 0, clone), (JEQ, "kill", 0, kill), (RET, 0, 0, allow),
              ("clone",), (LD_ABS, 0, 0, 16), (JSET, "deny", 0, CLONE_REFUSED), (RET, 0, 0, allow),
              ("kill",), (LD_ABS, 0, 0, 16), (JSET, "deny", 0, 0x80000000), (RET, 0, 0, allow),
