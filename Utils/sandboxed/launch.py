@@ -15,12 +15,10 @@ domain below it, no ptrace, and not dumpable, so not its /proc files either.
 import json
 import os
 import select
-import shutil
 import signal
 import stat
 import sys
 import time
-import traceback
 
 from . import candidate, checker, confine
 
@@ -66,6 +64,7 @@ def end_descendants():
 
 def remove_workdir(path: str):
     """Remove a floor's working directory and everything in it, also folders the program made unreadable."""
+    import shutil  # only on the floor: every sandboxed interpreter starts without it
     shutil.rmtree(path, ignore_errors=True)
     folders = [path] if os.path.lexists(path) else []
     while folders:  # chmod 0 on a folder stops rmtree: open every one again (the program's files are its uid's)
@@ -139,6 +138,7 @@ def work(request: dict, fds: dict, verdict):
         else:
             checker.check(request["job"], fds["requests"], fds["replies"], verdict)
     except BaseException:  # a fault of ours, not the program's (the roles catch the program's own)
+        import traceback
         traceback.print_exc()
         os._exit(1)
     os._exit(0)
