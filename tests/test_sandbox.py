@@ -1,10 +1,7 @@
 """The code sandbox (Utils/sandbox.py, Utils/sandboxed/): programs scored as what they did, hostile ones
 contained and scored 0 in each isolation level, the verdict out of their reach, no process left, nothing
-written outside the working directory, no network, ordinary limits.
-
-Every test but the first runs programs in the sandbox (marked slow) and then checks that no sandboxed
-process is left: as root, none of the sandbox uids; for any user, none whose command line carries
-TOKEN_PREFIX or the test's marker.
+written outside the working directory, no network, ordinary limits. Every test but the first runs
+programs (marked slow) and then checks that no sandboxed process is left (sandboxed_processes).
 """
 import itertools
 import os
@@ -215,13 +212,12 @@ def test_in_process_tricks_do_not_pass(sandbox_mode):
 SPAWN = """
 import os, _posixsubprocess
 def spawn(script):
-    # what subprocess does, minus its audit event: fork and exec /bin/sh, which it waits for
+    # what subprocess does, below the subprocess module: fork and exec /bin/sh, and wait for it
     r, w = os.pipe()
     pid = _posixsubprocess.fork_exec([b"/bin/sh", b"-c", script.encode()], [b"/bin/sh"], True, (w,), None, None,
                                      -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, None, -1, None, False)
     os.close(w)
-    error = os.read(r, 1024)
-    os.waitpid(pid, 0)
+    error, _ = os.read(r, 1024), os.waitpid(pid, 0)
     if error:
         raise PermissionError(error.decode())
     return 1
