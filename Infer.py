@@ -21,7 +21,8 @@ beside --output_dir and replaces it as a whole once every data set is scored; it
 (.manifest.json) lists them. A folder holding anything its manifest does not list is refused
 (it is not an evaluation folder), and so is a mount point; a symlink's target is replaced.
 Exit codes: 0 done, 2 bad input (one line on stderr), 4 a file could not be written (disk
-full, permissions), 130 / 143 / 138 stopped by SIGINT / SIGTERM / SIGUSR1 (nothing written).
+full, permissions), 130 / 143 / 138 stopped by SIGINT / SIGTERM / SIGUSR1 (while generating or while
+the code sets' programs run; nothing written).
 """
 import Utils.jittor_env  # must precede numpy and jittor (see block_stop_signals)
 
@@ -220,7 +221,7 @@ def write_jsonl(path, rows):
 
 def score_and_write(test_sets, examples, results, output_dir, meta, code=None):
     """Predictions JSONL per data set, scores.json (each set's score and their average); returns the scores.
-    code: (--code_fences, SandboxLimits) for the code sets, whose accuracy is their pass@1."""
+    code: (--code_fences, SandboxLimits, StopFlag or None) for the code sets, whose accuracy is their pass@1."""
     scores = {}
     for ts in test_sets:
         generations = [results[i]["generation"] for i in range(ts.first, ts.first + ts.count)]
@@ -267,15 +268,15 @@ def sequence_lengths(args, config, prompts, test_sets, max_gen_len) -> tuple:
     return context, min(context, needed), given_len or trained
 
 
-def code_settings(args):
-    """(--code_fences, SandboxLimits) from the flags given."""
+def code_settings(args, stop=None):
+    """(--code_fences, SandboxLimits, `stop`) from the flags given: how the code sets' programs run."""
     return code_task.CodeArgs(**given(args, code_task.CodeArgs)).code_fences, \
-        sandbox.SandboxLimits(**given(args, sandbox.SandboxLimits))
+        sandbox.SandboxLimits(**given(args, sandbox.SandboxLimits)), stop
 
 
 def run(args, stop=None):
     check_args(args)
-    code = code_settings(args)
+    code = code_settings(args, stop)
     if args.samples:
         return score_samples(args, code)
     misc.init_distributed_mode(args)
@@ -298,6 +299,8 @@ def run(args, stop=None):
     model_args = model_settings(args, adapter, llama_path, max_seq_len)
     if args.batch_size != "auto":
         check_kv_cache_memory(model_args, args.batch_size, max_seq_len)
+    if any(ts.rule in code_task.FIELDS for ts in test_sets):
+        sandbox.isolation()  # no sandbox works here: refused before the first token
     model = load_model(llama_path, adapter, model_args)
     if args.batch_size == "auto":
         args.batch_size = model_args.max_batch_size = auto_batch_size(model_args, max_seq_len,
@@ -347,13 +350,14 @@ def score_samples(args, code):
                                       *(("--data_path", path) for _, path in sources)])
     code_task.check_code_sets([path for _, path in sources])
     loaded, all_sets = load_test_sets(sources, None)
-    answers = code_task.examples_from_samples(args.samples, [(ts.name, loaded[ts.first:ts.first + ts.count])
+    answers = code_task.examples_from_samples(args.samples, [(ts.name, ts.path, loaded[ts.first:ts.first + ts.count])
                                                              for ts in all_sets], args.max_examples)
     examples, test_sets = [], []
     for ts, answered in zip(all_sets, answers):
         if answered:  # a set no sample answers is left out
             test_sets.append(TestSet(ts.name, ts.path, ts.rule, len(examples), len(answered)))
             examples += answered
+    sandbox.isolation()
     staging = output_dirs.staging_dir(output_dir, os.getpid())
     misc.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
     os.makedirs(staging, exist_ok=True)

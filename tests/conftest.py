@@ -223,6 +223,27 @@ def holds_open(path):
 
 # ---- fixtures
 
+@pytest.fixture
+def code_sandbox():
+    """The isolation level the code sandbox (Utils/sandbox.py) picks here; the test is skipped where none
+    works (the tools refuse code scoring there)."""
+    from Utils import sandbox
+    try:
+        return sandbox.isolation()
+    except sandbox.SandboxUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(params=["bwrap", "landlock"])
+def sandbox_mode(request):
+    """Each isolation level of the code sandbox (Utils/sandbox.py), skipped where it does not work."""
+    from Utils import sandbox
+    works, why = sandbox.probe(request.param)
+    if not works:
+        pytest.skip(f"{request.param} does not work here: {why}")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_meta():
     """The authors' tiny base in Meta's format: params.json, consolidated.00.pth (bf16), base_logits.npz."""
@@ -287,6 +308,30 @@ def write_synthetic_splits(folder, n_train, n_val, seed) -> dict:
         with open(paths[name], "w") as f:
             json.dump(split, f)
     return paths
+
+
+# A signal handler that walks from its frame to every caller and writes a pass, with every secret-looking
+# string it finds, to every descriptor (the program then ends): a forged verdict, if the verdict were in reach.
+FORGE_BY_FRAME_WALK = """
+import os, signal
+def forge(signum, frame):
+    # from the handler's frame up to every caller: any secret-looking string, any descriptor
+    texts, fds = set(), set(range(64))
+    while frame is not None:
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, str) and len(value) == 32:
+                texts.add(value)
+            elif isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1024:
+                fds.add(value)
+        frame = frame.f_back
+    lines = b"".join((t + "\\tpassed\\n").encode() for t in texts) + b"passed\\n"
+    for fd in fds:
+        try:
+            os.write(fd, lines)
+        except OSError:
+            pass
+    os._exit(0)
+"""
 
 
 def write_samples(path, rows):

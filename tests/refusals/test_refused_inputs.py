@@ -145,14 +145,21 @@ def test_a_samples_file_is_checked_before_any_program_runs(capsys, tmp_path):
     partial = write_samples(tmp_path / "partial.jsonl", [("HumanEval/0", "pass"), ("HumanEval/2", "pass")])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"task_id": "HumanEval/0", "completion": 3}\n')
+    twins = [tmp_path / "twins" / name / "test.jsonl" for name in ("first", "second")]  # the same task_ids
+    for twin in twins:
+        twin.parent.mkdir(parents=True)
+        twin.write_bytes((code / "humaneval" / "test.jsonl").read_bytes())
     cases = [(["--data_path", code, "--samples", good], "needs --data_path"),
              (["--data_path", code, "--samples", unknown, *out], "line 1: task_id 'HumanEval/999'"),
              (["--data_path", code, "--samples", partial, *out], "the first: HumanEval/1"),
              (["--data_path", code, "--samples", bad, *out], "line 1: expected an object"),
              (["--data_path", DATA / "math" / "AddSub", "--samples", good, *out], "code data sets"),
-             (["--data_path", code, "--samples", good, *out, "--exec_timeout", "0"], "--exec_timeout")]
-    for argv, message in cases:
-        assert_refused(capsys, lambda: Infer.main([*map(str, argv)]), message)
+             (["--data_path", code, "--samples", good, *out, "--exec_timeout", "0"], "--exec_timeout"),
+             (["--data_path", tmp_path / "twins", "--samples", good, *out], str(twins[0]), str(twins[1]),
+              "HumanEval/0")]
+    for argv, *messages in cases:
+        assert_refused(capsys, lambda: Infer.main([*map(str, argv)]), *messages)
+    assert not (tmp_path / "eval").exists()
 
 
 # ---- data sets: every set and label scored by its rule, or refused before the first token -----------------

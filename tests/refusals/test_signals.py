@@ -1,5 +1,6 @@
 """Stop signals and kills: SIGINT (130) and SIGTERM (143) end a run between steps with its last checkpoint
-written whole and resumable, end an evaluation between batches writing nothing, end a run blocked on its input;
+written whole and resumable, end an evaluation between batches writing nothing, end code scoring with its
+sandboxed programs (nothing written, none left running), end a run blocked on its input;
 a SIGKILL in the middle of a checkpoint write leaves the last whole one, and resuming from it is bit-exact.
 Every signal is sent by conftest.run_and_signal once the program is where the test wants it."""
 import json
@@ -8,14 +9,16 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
-from conftest import (MPIRUN, REPO, holds_open, log_lines, log_records, math_argv, one_error_line, printed,
-                      python_program, run_and_signal, train)
+from conftest import (DATA, MPIRUN, REPO, holds_open, log_lines, log_records, math_argv, one_error_line, printed,
+                      python_program, run_and_signal, snapshot, train, write_samples)
 
+import Infer
 from Data.synthetic import make_splits
 from Models.formats.pth import load_pth
-from Utils import misc
+from Utils import misc, sandbox_processes
 
 EVERY_STEP = ("--eval_interval", "1")  # validate and save checkpoint-latest after every step
 MPI = [pytest.mark.mpi, pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data "
@@ -89,6 +92,44 @@ def test_sigint_stops_an_evaluation_between_batches_and_writes_nothing(tiny_base
     assert done.returncode == 130, output
     assert "stopped by SIGINT" in output and "Traceback" not in output and "quick exit" not in output
     assert not out.exists() and no_temp_files(tmp_path)
+
+
+def sandbox_running(pid, stdout):
+    """Ready once a sandboxed program of process `pid` runs (its supervisors carry TOKEN_PREFIX and `pid`)."""
+    token = f"{sandbox_processes.TOKEN_PREFIX}{pid}-".encode()
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if token in f.read():
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop, code", [(signal.SIGINT, 130), (signal.SIGUSR1, 138)])
+def test_a_stop_signal_ends_code_scoring(tmp_path, stop, code, code_sandbox):
+    """Ctrl-C (or SIGTERM, SIGUSR1) while --samples programs run: they are ended, nothing is left running, the
+    results already in --output_dir stay as they were, and the exit status is the signal's."""
+    rows = [(f"HumanEval/{i}", "    import time\n    time.sleep(30)\n") for i in range(3) for _ in range(4)]
+    samples = write_samples(tmp_path / "samples.jsonl", rows)
+    out = tmp_path / "eval"
+    quick = write_samples(tmp_path / "quick.jsonl", [(f"HumanEval/{i}", "    return 1\n") for i in range(3)])
+    humaneval = DATA / "code" / "humaneval"
+    earlier = Infer.main(["--data_path", str(humaneval), "--samples", quick, "--output_dir", str(out)])
+    assert earlier["datasets"]["humaneval"]["total"] == 3
+    before = snapshot(out)
+    command = python_program("Infer.py", "--data_path", humaneval, "--samples", samples,
+                             "--output_dir", out, "--exec_timeout", 5)
+    started = time.monotonic()
+    scorer = []
+    done = run_and_signal(command, stop, lambda pid, stdout: scorer.append(pid) or sandbox_running(pid, stdout),
+                          timeout=120)
+    assert done.returncode == code, done.stderr[-3000:]
+    assert time.monotonic() - started < 30  # not the 102 s that 12 programs of a 17 s wall clock take on 2 workers
+    one_error_line(done.stderr, f"stopped by {stop.name}", "nothing was written")
+    assert not sandbox_running(scorer[0], "") and snapshot(out) == before and no_temp_files(tmp_path)
 
 
 @pytest.mark.slow
