@@ -11,7 +11,7 @@ layer's input, the prompt's keys go through HF's own k_proj, the attention's out
 """
 import os
 
-from ..ModelArgs import BASE_FIELDS, ModelArgs
+from ..ModelArgs import ModelArgs
 from .hf import to_hf_rows
 
 MODELING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_remote_code")
@@ -64,5 +64,4 @@ def remote_config(args: ModelArgs, base: str) -> dict:
     return {"architectures": ["MoAForCausalLM"], "model_type": "moa_jittor",
             "auto_map": {"AutoConfig": "configuration_moa.MoAConfig",
                          "AutoModelForCausalLM": "modeling_moa.MoAForCausalLM"},
-            "base_model_name_or_path": base, "moa": remote_settings(args),
-            "moa_jittor_base": {k: getattr(args, k) for k in BASE_FIELDS}}
+            "base_model_name_or_path": base, "moa": remote_settings(args)}
