@@ -15,7 +15,7 @@ from ..ModelArgs import ModelArgs
 from .hf import to_hf_rows
 
 MODELING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_remote_code")
-MODELING_FILES = ("configuration_moa.py", "modeling_moa.py")
+MODELING_FILES = ("configuration_moa.py", "experts_moa.py", "modeling_moa.py")
 REMOTE_WEIGHTS = "moa_adapter.safetensors"
 REMOTE_CONFIG = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
