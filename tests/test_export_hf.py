@@ -212,3 +212,16 @@ def test_peft_layers_differing_in_projections_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="LoRA on other projections in some layers than in others "
                                               r"\(layer 0 Q lora_A is absent\)"):
         read_adapter_config(folder)
+
+
+@pytest.mark.slow
+def test_infer_scores_with_a_peft_folder(tiny_hf_llama, addsub, tmp_path):
+    """Infer.py takes a peft LoRA folder as --adapter_path: its settings from adapter_config.json, its tensors
+    from adapter_model.safetensors."""
+    import Infer
+    save_adapter(adapted(tiny_hf_llama, method="moe", expert_num=1, lora_layers="0-2"), str(tmp_path / "adapter"))
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "peft"), "--base", tiny_hf_llama]) is None
+    summary = Infer.main(["--adapter_path", str(tmp_path / "peft"), "--llama_path", tiny_hf_llama, "--data_path",
+                          addsub, "--output_dir", str(tmp_path / "eval"), "--max_gen_len", "2", "--batch_size", "2",
+                          "--plot_examples", "0"])
+    assert summary["adapter"] == str(tmp_path / "peft") and summary["datasets"]["AddSub"]["total"] == 2
