@@ -179,6 +179,12 @@ def to_hf_rows(array: np.ndarray, head_dim: int) -> np.ndarray:
     return np.ascontiguousarray(heads.swapaxes(1, 2)).reshape(array.shape)
 
 
+def from_hf_rows(array: np.ndarray, head_dim: int) -> np.ndarray:
+    """HF's row order of a q/k tensor (halves) -> Meta's (pairs): the inverse of to_hf_rows."""
+    heads = array.reshape(-1, 2, head_dim // 2, int(np.prod(array.shape[1:], dtype=np.int64)))
+    return np.ascontiguousarray(heads.swapaxes(1, 2)).reshape(array.shape)
+
+
 def write_hf_base(folder: str, args: ModelArgs, weights: dict, max_shard_bytes: int = None, bf16: bool = False):
     """config.json and the safetensors of `weights` ({our name: numpy array or pth.TensorSource}, the names
     of meta.meta_shapes), in HF's names and row order; sharded with an index above max_shard_bytes."""

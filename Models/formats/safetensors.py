@@ -22,7 +22,7 @@ import numpy as np
 
 from Utils.misc import atomic_write, read_json_object, write_json
 
-from .pth import CheckpointError, TensorSource, storage_bytes
+from .pth import CheckpointError, TensorSource, bf16_bits_to_float32, storage_bytes
 
 # the format's dtype codes -> (torch's dtype name, bytes per element)
 DTYPES = {"BF16": ("bfloat16", 2), "F16": ("float16", 2), "F32": ("float32", 4), "F64": ("float64", 8),
@@ -179,3 +179,16 @@ def save_checkpoint(tensors: dict, folder: str, max_shard_bytes: int = None, bf1
         weight_map.update(dict.fromkeys(names, file))
     total = sum(stored(source, bf16)[1] for source in tensors.values())
     write_json({"metadata": {"total_size": total}, "weight_map": weight_map}, os.path.join(folder, INDEX_FILE))
+
+
+def read_arrays(path: str) -> dict:
+    """{name: numpy array} of one small .safetensors file (an adapter's): bfloat16 widened to float32 exactly."""
+    arrays = {}
+    with open(path, "rb") as f:
+        for name, tensor in read_header(path).items():
+            f.seek(tensor.offset)
+            element = np.dtype("uint16" if tensor.dtype == "bfloat16" else tensor.dtype).newbyteorder("<")
+            array = np.frombuffer(f.read(tensor.nbytes), element).reshape(tensor.shape)
+            bf16 = tensor.dtype == "bfloat16"
+            arrays[name] = bf16_bits_to_float32(array) if bf16 else array.astype(array.dtype.newbyteorder("="))
+    return arrays
