@@ -47,6 +47,7 @@ from Models.formats.base_model import base_args, build_model, open_tokenizer
 from Models.generate import auto_batch_size, check_kv_cache_memory, generate
 from Data.tiny_base import ensure_default_base
 from Models.formats.pth import CheckpointError
+from Models.Tokenizer import decode_until_unknown
 from Utils import misc, output_dirs, sandbox
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
 from Utils.misc import print_main, read_json_object
@@ -184,8 +185,9 @@ def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len
                            gen.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size,
                            budget_seq_len=budget_seq_len)
         for j, (i, out) in enumerate(zip(batch, outputs)):
-            results[i] = {"generation": tok.decode(out), "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),
-                          "records": records[j] if records is not None else None}
+            text, unknown = decode_until_unknown(tok, out)
+            results[i] = {"generation": text, "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),
+                          "records": records[j] if records is not None else None, "undecodable_id": unknown}
         bar.update(len(batch))
     bar.close()
     return results
@@ -223,8 +225,16 @@ def score_and_write(test_sets, examples, results, output_dir, meta, code=None):
     code: (--code_fences, SandboxLimits) for the code sets, whose accuracy is their pass@1."""
     scores = {}
     for ts in test_sets:
-        generations = [results[i]["generation"] for i in range(ts.first, ts.first + ts.count)]
-        rows, scores[ts.name] = score_set(ts, examples, generations, code)
+        indices = range(ts.first, ts.first + ts.count)
+        rows, scores[ts.name] = score_set(ts, examples, [results[i]["generation"] for i in indices], code)
+        marked = [(row, results[i]["undecodable_id"]) for row, i in zip(rows, indices)
+                  if results[i].get("undecodable_id") is not None]
+        for row, unknown in marked:  # its generation is the text before that id
+            row["undecodable_id"] = unknown
+        if marked:
+            scores[ts.name]["undecodable"] = len(marked)
+            print_main(f"[infer] {ts.name}: {len(marked)} generation(s) reached a token id outside the tokenizer "
+                       "and keep the text before it (undecodable_id in the predictions)")
         write_jsonl(os.path.join(output_dir, f"{ts.name}_predictions.jsonl"), rows)
     summary = {"datasets": scores, "average": sum(s["accuracy"] for s in scores.values()) / len(scores), **meta}
     if code is not None and any(ts.rule in code_task.FIELDS for ts in test_sets):

@@ -68,7 +68,8 @@ def weight_pickles(test_sets, tok, results, model):
         for i in range(first, first + count):
             r = results[i]
             common = {"dataset": name, "index": i - first, "token_ids": r["token_ids"],
-                      "tokens": [tok.decode([t]) for t in r["token_ids"]], "n_prompt": r["n_prompt"],
+                      "tokens": [tok.decode([t]) if t < tok.n_words else f"<id {t}>" for t in r["token_ids"]],
+                      "n_prompt": r["n_prompt"],
                       "generation": r["generation"]}
             type_data["examples"].append({**common, "weights": [layer["type_weight"] for layer in r["records"]]})
             token_data["examples"].append({**common, "weights": [layer["token_weight"] for layer in r["records"]]})

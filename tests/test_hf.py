@@ -220,7 +220,7 @@ def test_qwen3_tokenizer_conventions(tiny_qwen3):
     tok = open_tokenizer(tiny_qwen3, args.vocab_size)
     end_of_text, im_end = tok.token_id("<|endoftext|>"), tok.token_id("<|im_end|>")
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.stop_tokens) == (None, im_end, end_of_text, {im_end, end_of_text})
-    assert tok.n_words == args.vocab_size
+    assert (tok.n_words, args.vocab_size) == (387, 512)  # the table's last rows pad it, as Qwen3's do
     text = "Natalia sold 48 clips <|im_end|> in April."
     ids = tok.encode(text, bos=False, eos=False)
     assert tok.encode(text, bos=True, eos=True) == ids + [im_end]  # no BOS
