@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-from conftest import GOLDEN, kv_logits, load_peak, max_abs, randomize_adapters
+from conftest import GOLDEN, kv_logits, load_peak, max_abs, one_error_line, randomize_adapters, train
 
 import jittor as jt
 from Models import load_base_model
@@ -249,6 +249,17 @@ def test_tokenizer_refusals(tiny_qwen3, tmp_path):
     (folder / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match=r"tokenizer.json is not a tokenizer.json of the tokenizers library"):
         open_tokenizer(str(folder), vocab)
+
+
+def test_a_rule_joining_settings_names_where_each_came_from(tiny_qwen3, tiny_base, synthetic_data, tmp_path, capsys):
+    """`--method topk --expert_num 8` from the demo recipe breaks top-k's rule (LoRA experts only): the refusal names
+    the recipe's p_adapter_layers and the flag's method, never the base's config.json, which holds neither."""
+    for base in (tiny_qwen3, tiny_base):
+        assert train(base, synthetic_data, tmp_path / "run", "--method", "topk", "--expert_num", 8) == 2
+        err = capsys.readouterr().err
+        one_error_line(err, "method=topk is a mixture of LoRA experts only", "method 'topk' from --method",
+                       "p_adapter_layers 'all' from recipe 'demo'", "prompt_layers '0-0' from its default")
+        assert "config.json" not in err and not (tmp_path / "run").exists()
 
 
 # ---- Qwen3 with the experts ----------------------------------------------------------------------

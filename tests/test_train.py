@@ -199,8 +199,8 @@ def test_only_adapters_change(tiny_base, synthetic_data, tmp_path, monkeypatch):
     captured = {}
     prepare = Math.prepare
 
-    def spy(args):
-        result = prepare(args)
+    def spy(*args):
+        result = prepare(*args)
         captured["model"] = model = result[0]
         captured["before"] = {n: p.numpy().copy() for n, p in model.named_parameters()}
         return result
