@@ -339,18 +339,19 @@ def train_and_save(args, stop, run_id, claim, model, optimizer, stopper, dataset
     if log_writer is not None:
         log_writer.close()
     if end.train_seconds > 0:
-        steps = end.global_step - start.global_step
-        print_main(f"trained {steps} steps in {end.train_seconds:.1f} s: {steps / end.train_seconds:.2f} steps/s, "
-                   f"{end.input_tokens / end.train_seconds:.0f} tokens/s (padded inputs, all ranks)")
-    # the run's totals (over resumes too), for Compare.py and anyone reading log.txt
+        steps, speed = end.global_step - start.global_step, end.timed.tokens_per_s
+        print_main(f"trained {steps} steps in {end.train_seconds:.1f} s; " + (
+            f"{speed:.0f} tokens/s (padded inputs, all ranks) over the {end.timed.steps} step(s) that compiled nothing"
+            if speed else "every step met a new batch shape (Jittor compiled), so no tokens/s"))
+    # this process's totals, for Compare.py and anyone reading log.txt; tokens/s without the steps that compiled
     log_line(ctx, {"event": "end", "step": end.global_step, "stop_reason": end.stop_reason,
                    "train_seconds": end.train_seconds, "input_tokens": end.input_tokens,
-                   "train_tokens_per_s": end.input_tokens / end.train_seconds if end.train_seconds else None,
+                   "train_tokens_per_s": end.timed.tokens_per_s, "timed_steps": end.timed.steps,
                    "trainable_params": model.parameter_counts()["total"]})
     if end.stop_reason == "signal":
         all_reduce_sum([0.0])
-        print_main(f"stopped by {stop.name} at step {end.global_step}; checkpoint-latest.pth is saved, "
-                   f"continue with --resume auto")
+        print_main(f"stopped by {stop.name} at step {end.global_step}; checkpoint-latest.pth is saved, continue "
+                   f"with: python Math.py --resume auto --output_dir {args.output_dir}")
         return stop_exit_status(stop.name)
     if claim is not None:
         claim.record("adapter")
