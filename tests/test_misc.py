@@ -119,6 +119,21 @@ def test_early_stopper_state_round_trip():
     assert restored.step(0.7) == stopper.step(0.7) == (False, True)
 
 
+def test_numpy_says_nothing_of_the_subnormals_jittor_flushes():
+    """Jittor's kernels (-Ofast) set the CPU to treat subnormals as zero in the whole process; numpy's finfo found
+    none and warned about it on every Infer.py run (matplotlib asks). Preparing Jittor's environment silences it."""
+    program = """
+import Utils.jittor_env, jittor as jt, numpy as np
+(jt.array(np.ones(4, np.float32)) * 2).sync()
+print(np.finfo(np.float64).eps, np.nextafter(0.0, 1.0) == 0)
+"""
+    run = subprocess.run([sys.executable, "-W", "default", "-c", program], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "True"  # the smallest subnormal reads as zero: what numpy warned about
+    assert "smallest subnormal" not in run.stderr, run.stderr
+
+
 def test_op_compiler_threads_hold_the_interpreter_lock():
     """Ops whose source calls Python (jt.isnan, jt.isfinite: the optimizer step's finite check on a GPU) compiled
     by Jittor's op compiler threads: each call must hold the interpreter's lock (scripts/jittor_gil.sh). Without it
