@@ -40,10 +40,10 @@ from tqdm import tqdm
 from Data import code_task
 from Data.prompts import format_prompt
 from Data.test_sets import TestSet, check_prompt_lengths, data_files, default_test_set, load_test_sets, score_set
-from Models.ModelArgs import BASE_FIELDS, ModelArgs
+from Models.ModelArgs import ModelArgs
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
                                      read_adapter_config)
-from Models.formats.base_model import base_args, build_model, open_tokenizer
+from Models.formats.base_model import adapter_settings, base_args, build_model, open_tokenizer
 from Models.generate import auto_batch_size, check_kv_cache_memory, generate
 from Data.tiny_base import ensure_default_base
 from Models.formats.pth import CheckpointError
@@ -128,19 +128,8 @@ def resolve_run(args):
 
 
 def model_overrides(args, adapter, llama_path):
-    """ModelArgs fields for the model: the adapter's config, then the MoA flags given."""
-    overrides = {}
-    config_path = adapter_config_path(adapter)
-    config = read_adapter_config(adapter)  # ours or the authors' (their option names)
-    if config is not None:
-        base = base_args(llama_path).to_dict()
-        other_base = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in BASE_FIELDS
-                      if k in config and config[k] != base[k]]
-        if other_base:
-            raise CheckpointError(f"{config_path}: adapter trained on another base than {llama_path}: "
-                                  + "; ".join(other_base))
-        overrides = {k: v for k, v in config.items() if k not in BASE_FIELDS}
-    return {**overrides, **given(args, ModelArgs)}
+    """ModelArgs fields for the model: the adapter's config (ours or the authors'), then the MoA flags given."""
+    return {**adapter_settings(adapter, llama_path), **given(args, ModelArgs)}
 
 
 def model_settings(args, adapter, llama_path, max_seq_len):
