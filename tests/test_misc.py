@@ -134,6 +134,26 @@ print(np.finfo(np.float64).eps, np.nextafter(0.0, 1.0) == 0)
     assert "smallest subnormal" not in run.stderr, run.stderr
 
 
+def test_compile_progress_patch_clears_the_line_in_a_terminal(tmp_path):
+    """scripts/jittor_progress.sh on a copy of the installed Jittor's src/parallel_compiler.cc: the progress starts
+    by clearing a terminal's line (it wrote "\\n", an empty line after every finished one), still "\\n" into a
+    file; once only, and the patched file compiles with Jittor's include paths."""
+    import jittor
+    source = Path(jittor.__file__).parent / "src" / "parallel_compiler.cc"
+    copy = tmp_path / "jittor" / "src" / "parallel_compiler.cc"
+    copy.parent.mkdir(parents=True)
+    copy.write_text(source.read_text())
+    for _ in range(2):
+        subprocess.run(["bash", str(REPO / "scripts" / "jittor_progress.sh"), str(tmp_path)], check=True)
+    patched = copy.read_text()
+    assert patched.count('std::cerr << (isatty(2) ? "\\r\\033[K" : "\\n");') == 1
+    assert patched.count("#include <unistd.h>") == 1 and 'std::cerr << "\\n";' not in patched
+    includes = [flag for flag in jittor.compiler.cc_flags.split() if flag.startswith("-I")]
+    compiled = subprocess.run(["g++", "-fsyntax-only", "-std=c++14", *[f.replace('"', "") for f in includes],
+                               str(copy)], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stderr[-2000:]
+
+
 def test_op_compiler_threads_hold_the_interpreter_lock():
     """Ops whose source calls Python (jt.isnan, jt.isfinite: the optimizer step's finite check on a GPU) compiled
     by Jittor's op compiler threads: each call must hold the interpreter's lock (scripts/jittor_gil.sh). Without it
