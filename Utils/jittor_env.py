@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import warnings
 
 ONEDNN_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "mkl", "dnnl_lnx_2.2.0_cpu_gomp")
 SYSTEM_DNNL_LIBS = ("/usr/lib/x86_64-linux-gnu/libdnnl.so", "/usr/lib/aarch64-linux-gnu/libdnnl.so", "/usr/lib/libdnnl.so")
@@ -152,4 +153,8 @@ def prepare():
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
 
 
+# Jittor's kernels are built with -Ofast, whose start-up code sets the CPU to treat subnormal floats as zero in the
+# whole process: numpy's finfo then finds none and warns, once per float type, on every Infer.py run (matplotlib
+# asks). The kernels chose that mode; the warning leaves nothing to do.
+warnings.filterwarnings("ignore", message="The value of the smallest subnormal", category=UserWarning)
 prepare()

@@ -290,24 +290,28 @@ class MetricLogger:
     def log_every(self, iterable, print_freq, header="", total=None):
         """Yield the items of `iterable`, printing progress every `print_freq` items.
 
-        `total` overrides len(iterable), e.g. when resuming mid-epoch.
+        `total` overrides len(iterable), e.g. when resuming mid-epoch. The ETA is the items left times the
+        mean time of the items after the first, which compiles Jittor's kernels (none yet at the first).
         """
         if total is None:
             total = len(iterable) if hasattr(iterable, "__len__") else None
         iter_time, data_time = SmoothedValue(fmt="{avg:.4f}"), SmoothedValue(fmt="{avg:.4f}")
+        after_first = SmoothedValue()
         start = end = time.time()
         count = 0
         for i, item in enumerate(iterable):
             data_time.update(time.time() - end)
             yield item
             iter_time.update(time.time() - end)
+            if i > 0:
+                after_first.update(time.time() - end)
             count = i + 1
             if i % print_freq == 0 or (total is not None and i == total - 1):
                 where = f"[{i}/{total}]" if total is not None else f"[{i}]"
                 parts = [header, where]
                 if total is not None:
-                    eta = iter_time.global_avg * (total - 1 - i)
-                    parts.append(f"eta: {datetime.timedelta(seconds=int(eta))}")
+                    eta = after_first.global_avg * (total - 1 - i) if i > 0 else None
+                    parts.append(f"eta: {'-' if eta is None else datetime.timedelta(seconds=int(eta))}")
                 parts += [str(self), f"time: {iter_time}", f"data: {data_time}"]
                 print_main(self.delimiter.join(p for p in parts if p))
             end = time.time()

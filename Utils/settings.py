@@ -14,6 +14,7 @@ __post_init__, which also checks every field again (programmatic construction in
 """
 import argparse
 import os
+import re
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 
@@ -68,6 +69,14 @@ _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str:
 def where(source, name: str) -> str:
     """How an error names a value: the flag (source None) or the file and its field."""
     return f"--{name}" if source is None else f"{source}: field '{name}'"
+
+
+def with_sources(message: str, sources: dict) -> str:
+    """`message` (a rule joining several settings was broken) followed by the value of each setting it names
+    and where that came from; `sources` {name: (value, where)}, where: a flag, a recipe, a file."""
+    named = [f"{name} {value!r} from {origin}" for name, (value, origin) in sources.items()
+             if re.search(rf"(?<!\w){re.escape(name)}(?!\w)", message)]
+    return f"{message} ({'; '.join(named)})" if named else message
 
 
 def check_value(f, value, source=None):

@@ -108,7 +108,7 @@ def time_training(model: LLaMA_adapter, steps: int = TIMED_STEPS, warmup: int = 
 def time_decoding(model: LLaMA_adapter):
     """Greedy decoding through the KV cache, no stop tokens so every row makes NEW_TOKENS:
     (tokens/s over the whole call, prefill included, tokens made per call)."""
-    no_stops = SimpleNamespace(stop_tokens=set())
+    no_stops = SimpleNamespace(stop_tokens=set(), n_words=model.args.vocab_size)
     model.eval()
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(1, model.args.vocab_size, PROMPT_LEN)) for _ in range(DECODE_BATCH)]

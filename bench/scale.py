@@ -138,8 +138,9 @@ def run_variant(llama_dir: str, variant: str, out_dir: str, roofline: float) -> 
 
     model.eval()
     prompt = [list(rng.integers(1, args.vocab_size, PROMPT_LEN))]
+    no_stops = SimpleNamespace(stop_tokens=set(), n_words=args.vocab_size)
     start = time.perf_counter()
-    out = generate(model, SimpleNamespace(stop_tokens=set()), prompt, max_gen_len=NEW_TOKENS)
+    out = generate(model, no_stops, prompt, max_gen_len=NEW_TOKENS)
     decode_s = time.perf_counter() - start
     print(f"[{variant}] decoded {len(out[0])} tokens in {decode_s:.1f} s", flush=True)
 

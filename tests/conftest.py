@@ -259,8 +259,9 @@ def tiny_base(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     """A random tiny Qwen3ForCausalLM folder (head_dim 32 != 64/4, q/k norms, tied embeddings) with a
-    tokenizer.json of its own, written by our safetensors writer (seeded); read-only."""
-    return write_random_hf_base(str(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3", head_dim=32)
+    tokenizer.json of its own, written by our safetensors writer (seeded); its embedding table padded past the
+    tokenizer's 387 tokens to 512 rows, as a real Qwen3's is (151,936 rows, 151,669 tokens); read-only."""
+    return write_random_hf_base(str(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3", head_dim=32, vocab_size=512)
 
 
 @pytest.fixture(scope="session")

@@ -85,6 +85,18 @@ def test_metric_logger(capsys):
     assert logger.loss.count == 2
 
 
+def test_progress_eta_leaves_out_the_first_item(capsys, monkeypatch):
+    """The ETA counts the items left at the mean time of the items after the first, whose compiling (100 s here,
+    2 s each after) would inflate it; at the first item it says nothing."""
+    now = [0.0]
+    monkeypatch.setattr(misc, "time", SimpleNamespace(time=lambda: now[0]))
+    for i in MetricLogger().log_every(range(5), print_freq=1, header="Epoch: [0]"):
+        now[0] += 100.0 if i == 0 else 2.0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("eta: ")[1].split()[0] for line in lines[:5]] == ["-", "0:00:06", "0:00:04", "0:00:02",
+                                                                          "0:00:00"]
+
+
 def test_early_stopper_patience_and_min_delta():
     stopper = EarlyStopper(patience=2, min_delta=0.1)
     assert stopper.step(1.0) == (True, False)
@@ -105,6 +117,41 @@ def test_early_stopper_state_round_trip():
     assert (restored.best, restored.bad_rounds) == (0.5, 1)
     assert restored.step(0.7) == stopper.step(0.7) == (False, False)
     assert restored.step(0.7) == stopper.step(0.7) == (False, True)
+
+
+def test_numpy_says_nothing_of_the_subnormals_jittor_flushes():
+    """Jittor's kernels (-Ofast) set the CPU to treat subnormals as zero in the whole process; numpy's finfo found
+    none and warned about it on every Infer.py run (matplotlib asks). Preparing Jittor's environment silences it."""
+    program = """
+import Utils.jittor_env, jittor as jt, numpy as np
+(jt.array(np.ones(4, np.float32)) * 2).sync()
+print(np.finfo(np.float64).eps, np.nextafter(0.0, 1.0) == 0)
+"""
+    run = subprocess.run([sys.executable, "-W", "default", "-c", program], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "True"  # the smallest subnormal reads as zero: what numpy warned about
+    assert "smallest subnormal" not in run.stderr, run.stderr
+
+
+def test_compile_progress_patch_clears_the_line_in_a_terminal(tmp_path):
+    """scripts/jittor_progress.sh on a copy of the installed Jittor's src/parallel_compiler.cc: the progress starts
+    by clearing a terminal's line (it wrote "\\n", an empty line after every finished one), still "\\n" into a
+    file; once only, and the patched file compiles with Jittor's include paths."""
+    import jittor
+    source = Path(jittor.__file__).parent / "src" / "parallel_compiler.cc"
+    copy = tmp_path / "jittor" / "src" / "parallel_compiler.cc"
+    copy.parent.mkdir(parents=True)
+    copy.write_text(source.read_text())
+    for _ in range(2):
+        subprocess.run(["bash", str(REPO / "scripts" / "jittor_progress.sh"), str(tmp_path)], check=True)
+    patched = copy.read_text()
+    assert patched.count('std::cerr << (isatty(2) ? "\\r\\033[K" : "\\n");') == 1
+    assert patched.count("#include <unistd.h>") == 1 and 'std::cerr << "\\n";' not in patched
+    includes = [flag for flag in jittor.compiler.cc_flags.split() if flag.startswith("-I")]
+    compiled = subprocess.run(["g++", "-fsyntax-only", "-std=c++14", *[f.replace('"', "") for f in includes],
+                               str(copy)], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stderr[-2000:]
 
 
 def test_op_compiler_threads_hold_the_interpreter_lock():

@@ -99,12 +99,18 @@ def write_adapter(arrays: dict, model_args: dict, out_dir: str):
     write_json(model_args, os.path.join(out_dir, ADAPTER_PARAMS))
 
 
-def config_differences(saved: dict, args: ModelArgs) -> list:
-    """Fields of a saved adapter config that disagree with the model's (runtime fields ignored)."""
+def differing_fields(saved: dict, args: ModelArgs) -> list:
+    """(name, saved value, the model's) of the fields of a saved adapter config that disagree with the
+    model's (runtime fields ignored)."""
     current = args.to_dict()
     skip = {"max_batch_size", "max_seq_len", "precision", "kv_cache"}
-    return [f"{k}: adapter has {saved[k]!r}, model has {current[k]!r}"
-            for k in sorted(saved) if k in current and k not in skip and saved[k] != current[k]]
+    return [(k, saved[k], current[k]) for k in sorted(saved)
+            if k in current and k not in skip and saved[k] != current[k]]
+
+
+def config_differences(saved: dict, args: ModelArgs) -> list:
+    """differing_fields as text."""
+    return [f"{k}: adapter has {old!r}, model has {new!r}" for k, old, new in differing_fields(saved, args)]
 
 
 def read_adapter(path: str) -> dict:

@@ -1,13 +1,16 @@
 """A base model folder of either layout, told apart by its files: Meta's (params.json, consolidated.NN.pth,
 tokenizer.model: meta.py) or Hugging Face's (config.json, model.safetensors or shards with their index,
 tokenizer.json: hf.py). Math.py, Infer.py, Compare.py (through them), the scripts and bench/ open a
-base only through here; `load_base_model` is the public entry (`from Models import load_base_model`).
+base only through here; `load_base_model` and `load_trained_model` are the public entries (`from Models
+import ...`).
 """
 import os
 
 from ..LLaMA_Adapter import LLaMA_adapter
-from ..ModelArgs import ModelArgs
+from ..ModelArgs import BASE_FIELDS, ModelArgs
 from . import hf, meta
+from .adapters import adapter_config_path, load_adapter, read_adapter_config
+from .pth import CheckpointError
 
 LAYOUTS = {"meta": "params.json", "hf": hf.CONFIG}
 
@@ -58,3 +61,29 @@ def load_base_model(path: str, **settings) -> LLaMA_adapter:
     unless given, e.g. lora_layers="all", variant="soft"). `model.llama(tokens)` gives logits
     [B,T,vocab]; after `model.eval()`, `model.llama(tokens, start_pos=p)` runs through the KV cache."""
     return build_model(path, base_args(path, **settings))
+
+
+def adapter_settings(adapter: str, path: str) -> dict:
+    """The MoA settings a trained adapter records (its adapter_params.json, ours or the authors'; {} without
+    one), refused when it was trained on another base than the folder `path`."""
+    config = read_adapter_config(adapter)
+    if config is None:
+        return {}
+    base = base_args(path).to_dict()
+    other = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in BASE_FIELDS
+             if k in config and config[k] != base[k]]
+    if other:
+        raise CheckpointError(f"{adapter_config_path(adapter)}: adapter trained on another base than {path}: "
+                              + "; ".join(other))
+    return {k: v for k, v in config.items() if k not in BASE_FIELDS}
+
+
+def load_trained_model(path: str, adapter: str, **settings) -> tuple:
+    """(model, tokenizer): the base folder `path` with a trained adapter (our adapter folder, or the authors'
+    adapter.pth beside its adapter_params.json) loaded strictly, in eval mode, for Models.generate.generate.
+    `settings`: ModelArgs fields over the adapter's, as load_base_model takes them (max_seq_len: the adapter's
+    training length unless given)."""
+    model = build_model(path, base_args(path, **{**adapter_settings(adapter, path), **settings}))
+    load_adapter(model, adapter)
+    model.eval()
+    return model, open_tokenizer(path, model.args.vocab_size)

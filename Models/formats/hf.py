@@ -126,9 +126,10 @@ def args_from_config(folder: str, **overrides) -> ModelArgs:
     path = os.path.join(folder, CONFIG)
     fields = config_fields(read_json_object(path, "model settings"), path)
     try:
-        return ModelArgs(**{**fields, **overrides})
-    except (TypeError, ValueError) as e:  # a bad file is bad input, whichever check caught it
+        ModelArgs(**fields)  # the file alone: a bad file is bad input, whichever check caught it
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
+    return ModelArgs(**{**fields, **overrides})  # the overrides' rules: their caller names where they came from
 
 
 def hf_config(args: ModelArgs) -> dict:

@@ -16,6 +16,7 @@ from conftest import (DATA, MPIRUN, REPO, holds_open, log_lines, log_records, ma
                       python_program, run_and_signal, snapshot, train, write_samples)
 
 import Infer
+import Math
 from Data.synthetic import make_splits
 from Models.formats.pth import load_pth
 from Utils import misc, sandbox_processes
@@ -49,9 +50,9 @@ def test_a_stop_signal_checkpoints_the_last_step(tiny_base, synthetic_data, tmp_
     steps = [r["step"] for r in log_records(out, "train")]
     assert load_pth(out / "checkpoint-latest.pth")["global_step"] == steps[-1] >= logged
     assert no_temp_files(out)
-    if ranks == 1:
-        assert train(tiny_base, synthetic_data, out, "--epochs", 50, "--resume", "auto", "--max_steps",
-                     steps[-1] + 1) == 0
+    if ranks == 1:  # the command the stop message gives, with a flag that may change
+        assert f"continue with: python Math.py --resume auto --output_dir {out}" in output
+        assert Math.main(["--resume", "auto", "--output_dir", str(out), "--max_steps", str(steps[-1] + 1)]) == 0
         assert [r["step"] for r in log_records(out, "train")] == steps + [steps[-1] + 1]
 
 
@@ -148,7 +149,7 @@ def test_a_stop_signal_ends_a_run_blocked_on_its_input(tiny_base, synthetic_data
 
 
 @pytest.mark.slow
-def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, synthetic_data, tmp_path):
+def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, synthetic_data, tmp_path, capsys):
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     assert train(tiny_base, synthetic_data, straight, "--max_steps", 3, *EVERY_STEP) == 0
     # the real Math.py, SIGKILLed halfway through writing its second checkpoint-latest.pth
@@ -180,7 +181,14 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, sy
     assert len(leftovers) == 1 and leftovers[0].endswith("checkpoint-latest.pth")
     assert load_pth(os.path.join(killed, "checkpoint-latest.pth"))["global_step"] == 1  # the last whole one
 
-    assert train(tiny_base, synthetic_data, killed, "--max_steps", 3, "--resume", "auto", *EVERY_STEP) == 0
+    # resumed with no flag but the folder: the rest from its args.json; a flag that changes the model is refused
+    # in one short line naming it, the folder untouched
+    before = sorted(os.listdir(killed))
+    assert Math.main(["--resume", "auto", "--output_dir", killed, "--lora_rank", "8"]) == 2
+    err = capsys.readouterr().err
+    one_error_line(err, "cannot resume", "lora_rank: checkpoint has 4, this run has 8 (--lora_rank)")
+    assert len(err) < 300 and sorted(os.listdir(killed)) == before
+    assert Math.main(["--resume", "auto", "--output_dir", killed]) == 0
     assert not [n for n in os.listdir(killed) if n.startswith(misc.TMP_PREFIX)]  # removed at the start
     a = load_pth(os.path.join(straight, "adapter", "adapter.pth"))
     b = load_pth(os.path.join(killed, "adapter", "adapter.pth"))
