@@ -12,7 +12,7 @@ three defaults break on an offline CPU machine:
   NCCL and wants cuDNN 8: CUTLASS, cuTT and cuDNN are switched off unless set, and NCCL
   too unless under mpirun with NCCL at hand or downloadable.
 Jittor 1.3.11 needs small patches (setup.sh applies them): its op compiler's threads and
-Python (scripts/jittor_gil.sh) and CUDA 13 (scripts/jittor_cuda13.sh).
+Python, and its compile progress (scripts/jittor_patches.sh), and CUDA 13 (scripts/jittor_cuda13.sh).
 """
 import glob
 import os

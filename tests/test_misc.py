@@ -135,16 +135,17 @@ print(np.finfo(np.float64).eps, np.nextafter(0.0, 1.0) == 0)
 
 
 def test_compile_progress_patch_clears_the_line_in_a_terminal(tmp_path):
-    """scripts/jittor_progress.sh on a copy of the installed Jittor's src/parallel_compiler.cc: the progress starts
+    """scripts/jittor_patches.sh on a copy of the installed Jittor's sources: the progress starts
     by clearing a terminal's line (it wrote "\\n", an empty line after every finished one), still "\\n" into a
     file; once only, and the patched file compiles with Jittor's include paths."""
     import jittor
-    source = Path(jittor.__file__).parent / "src" / "parallel_compiler.cc"
+    for name in ("parallel_compiler.cc", "pyjt/py_caller.cc"):
+        copy = tmp_path / "jittor" / "src" / name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text((Path(jittor.__file__).parent / "src" / name).read_text())
     copy = tmp_path / "jittor" / "src" / "parallel_compiler.cc"
-    copy.parent.mkdir(parents=True)
-    copy.write_text(source.read_text())
     for _ in range(2):
-        subprocess.run(["bash", str(REPO / "scripts" / "jittor_progress.sh"), str(tmp_path)], check=True)
+        subprocess.run(["bash", str(REPO / "scripts" / "jittor_patches.sh"), str(tmp_path)], check=True)
     patched = copy.read_text()
     assert patched.count('std::cerr << (isatty(2) ? "\\r\\033[K" : "\\n");') == 1
     assert patched.count("#include <unistd.h>") == 1 and 'std::cerr << "\\n";' not in patched
@@ -156,7 +157,7 @@ def test_compile_progress_patch_clears_the_line_in_a_terminal(tmp_path):
 
 def test_op_compiler_threads_hold_the_interpreter_lock():
     """Ops whose source calls Python (jt.isnan, jt.isfinite: the optimizer step's finite check on a GPU) compiled
-    by Jittor's op compiler threads: each call must hold the interpreter's lock (scripts/jittor_gil.sh). Without it
+    by Jittor's op compiler threads: each call must hold the interpreter's lock (scripts/jittor_patches.sh). Without it
     Python 3.12 segfaults there ("thread_name: 'C10'", docs/gpu.md); Python 3.11 lends the thread the main thread's
     state, which PyGILState_Check tells apart."""
     program = """
