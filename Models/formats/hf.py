@@ -163,7 +163,8 @@ def load_base(model: LLaMA_adapter, folder: str):
 
     def value_of(name, var, fds):
         t = tensors[hf_name(name)]
-        return read_var(fds[t.path], t.offset, t.nbytes, t.shape, t.dtype, var.dtype, paired_head_dim(name, args))
+        return read_var(fds[t.path], t.offset, t.nbytes, t.shape, t.dtype, var.dtype, paired_head_dim(name, args),
+                        (t.path, hf_name(name)))
     fill_base(base, value_of, sorted({t.path for t in tensors.values()}), source)
     model.freeze_base()
 

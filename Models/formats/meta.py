@@ -17,7 +17,7 @@ from ..LLaMA_Adapter import LLaMA_adapter
 from ..ModelArgs import ModelArgs
 from ..Tokenizer import Tokenizer
 from .pth import CheckpointError, StoredTensor, load_pth
-from .reading import fill_base, read_var
+from .reading import TensorRead, checked_in_memory, fill_base, read_var
 
 
 def meta_shapes(args: ModelArgs) -> dict:
@@ -42,15 +42,18 @@ def meta_shapes(args: ModelArgs) -> dict:
 REINTERPRET_SOURCE = "std::memcpy(out0_p, in0_p, in0->size);"
 
 
-def tensor_var(tensor: StoredTensor, fd: int, dtype: str) -> jt.Var:
-    """One stored tensor as a Var of `dtype`, read when the Var is executed (reading.read_var)."""
-    where = tensor.file_range()
-    if where is not None:
-        return read_var(fd, *where, tensor.shape, tensor.dtype, dtype)
+def tensor_var(tensor: StoredTensor, fd: int, dtype: str, name: str) -> TensorRead:
+    """One stored tensor (`name` in its file) as a Var of `dtype`, read and checked finite when the Var
+    is executed (reading.read_var)."""
+    where = (tensor.storage.reader.path, name)
+    span = tensor.file_range()
+    if span is not None:
+        return read_var(fd, *span, tensor.shape, tensor.dtype, dtype, where=where)
     array = jt.array(tensor.numpy())  # non-contiguous or big-endian: rare, through numpy
-    if tensor.dtype != "bfloat16":
-        return array
-    return jt.code(tensor.shape, "bfloat16", [array], cpu_header="#include <cstring>\n", cpu_src=REINTERPRET_SOURCE)
+    if tensor.dtype == "bfloat16":
+        array = jt.code(tensor.shape, "bfloat16", [array], cpu_header="#include <cstring>\n",
+                        cpu_src=REINTERPRET_SOURCE)
+    return checked_in_memory(array, tensor.dtype, dtype, where)
 
 
 COMPARE_CHUNK = 64 << 20  # bytes of each copy held at once while replicated tensors are compared
@@ -139,8 +142,10 @@ def load_base(model: LLaMA_adapter, ckpt_dir: str):
 
     def value_of(name, var, fds):
         parts, dim = plan[name]
-        values = [tensor_var(part, fds[part.storage.reader.path], var.dtype) for part in parts]
-        return values[0] if dim is None else jt.concat(values, dim)
+        reads = [tensor_var(part, fds[part.storage.reader.path], var.dtype, name) for part in parts]
+        if dim is None:
+            return reads[0]
+        return TensorRead(jt.concat([read.value for read in reads], dim), [c for read in reads for c in read.checks])
     fill_base(base, value_of, paths, source)
     model.freeze_base()
 
