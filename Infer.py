@@ -44,7 +44,8 @@ from Models.ModelArgs import BASE_FIELDS, ModelArgs
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
                                      read_adapter_config)
 from Models.formats.base_model import base_args, build_model, open_tokenizer
-from Models.generate import auto_batch_size, check_kv_cache_memory, generate
+from Models.generate import auto_batch_size, generate
+from Models.memory import check_memory
 from Data.tiny_base import ensure_default_base
 from Models.formats.pth import CheckpointError
 from Utils import misc, output_dirs, sandbox
@@ -296,8 +297,8 @@ def run(args, stop=None):
     config = read_adapter_config(adapter) if adapter else None
     context, max_seq_len, budget_seq_len = sequence_lengths(args, config, prompts, test_sets, gen.max_gen_len)
     model_args = model_settings(args, adapter, llama_path, max_seq_len)
-    if args.batch_size != "auto":
-        check_kv_cache_memory(model_args, args.batch_size, max_seq_len)
+    # auto: at least one row, whose cache must fit beside the model too
+    check_memory(model_args, llama_path, 1 if args.batch_size == "auto" else args.batch_size, max_seq_len)
     model = load_model(llama_path, adapter, model_args)
     if args.batch_size == "auto":
         args.batch_size = model_args.max_batch_size = auto_batch_size(model_args, max_seq_len,

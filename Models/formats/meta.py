@@ -22,20 +22,11 @@ from .reading import TensorRead, checked_in_memory, fill_base, read_var
 
 def meta_shapes(args: ModelArgs) -> dict:
     """The base's tensor names (Meta's: our attribute names under `llama.`) and shapes."""
-    D, F, hd, V = args.dim, args.ffn_hidden_dim, args.head_dim, args.vocab_size
-    shapes = {"tok_embeddings.weight": (V, D)}
+    outer = args.outer_shapes()
+    shapes = {"tok_embeddings.weight": outer.pop("tok_embeddings.weight")}
     for i in range(args.n_layers):
-        p = f"layers.{i}."
-        shapes.update({p + "attention.wq.weight": (args.n_heads * hd, D), p + "attention.wk.weight": (args.n_kv_heads * hd, D),
-                       p + "attention.wv.weight": (args.n_kv_heads * hd, D), p + "attention.wo.weight": (D, args.n_heads * hd),
-                       p + "feed_forward.w1.weight": (F, D), p + "feed_forward.w2.weight": (D, F),
-                       p + "feed_forward.w3.weight": (F, D), p + "attention_norm.weight": (D,), p + "ffn_norm.weight": (D,)})
-        if args.qk_norm:
-            shapes.update({p + "attention.q_norm.weight": (hd,), p + "attention.k_norm.weight": (hd,)})
-    shapes["norm.weight"] = (D,)
-    if not args.tied_embeddings:
-        shapes["output.weight"] = (V, D)
-    return shapes
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in args.layer_shapes().items()})
+    return {**shapes, **outer}
 
 
 # bf16 bits that came through numpy as uint16 -> a bfloat16 Var, same bytes

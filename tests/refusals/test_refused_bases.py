@@ -1,19 +1,23 @@
 """Bases, refused in one line naming the file and the tensor or field (exit 2), nothing written: a tensor holding
-NaN or inf (a corrupted download) found while it streams in, and a config field of the wrong kind found before
-anything is computed from it."""
+NaN or inf (a corrupted download) found while it streams in, a config field of the wrong kind found before anything
+is computed from it, and a base, RoPE tables or KV cache larger than the memory left found before any of it is
+allocated (--batch_size auto included)."""
 import json
 import shutil
 import struct
 
 import numpy as np
 import pytest
-from conftest import assert_refused, edited_base, infer_base_alone
+from conftest import assert_refused, edited_base, infer_base_alone, math_refuses
 
 import Infer
+from Models import memory
 from Models.formats.base_model import base_args, build_model
-from Models.formats.pth import load_pth, save_pth
+from Models.formats.pth import CheckpointError, load_pth, save_pth
 from Models.formats.reading import NonFiniteBase, checked_in_memory
 from Models.formats.safetensors import read_header
+
+GIB = 1 << 30
 
 
 def no_generation(*args, **kwargs):
@@ -103,3 +107,57 @@ def test_config_fields_are_checked_by_kind_before_use(tiny_qwen3, addsub, tmp_pa
     assert_refused(capsys, lambda: infer_base_alone(folder, tmp_path / "eval", "--data_path", addsub),
                    f"{folder}/tokenizer.json", "vocabulary", "empty")
     assert not (tmp_path / "eval").exists()
+
+
+def test_sizes_are_checked_before_anything_is_allocated(tiny_qwen3, tiny_base, synthetic_data, addsub, tmp_path,
+                                                        monkeypatch, capsys):
+    """With 1 GiB left (whatever the machine has): a base, RoPE tables or one row of KV cache past it is refused
+    in one line naming the file or the flags, before the tables or the model are built or a token generated."""
+    monkeypatch.setattr(memory, "available_memory", lambda: GIB)
+    monkeypatch.setattr(Infer, "generate", no_generation)
+    for i, fields in enumerate([dict(vocab_size=2**62), dict(head_dim=2**22), dict(hidden_size=2**30),
+                                dict(intermediate_size=2**40), dict(num_hidden_layers=2**40)]):
+        folder = edited_base(tiny_qwen3, tmp_path / f"big{i}", "config.json", **fields)
+        assert_refused(capsys, lambda: infer_base_alone(folder, tmp_path / "eval", "--data_path", addsub),
+                       f"{folder}/config.json: the model needs", "base weights", "more than the 1 GiB available")
+    # a layer span over 2^40 layers (Math.py's default: every layer) would be built before the model
+    math_refuses(edited_base(tiny_base, tmp_path / "deep", n_layers=2**40), synthetic_data, tmp_path / "out", capsys,
+                 [], ["params.json: the model needs", "GiB available"])
+    # --batch_size auto (the default): the cache of its first row must fit beside the model too
+    for extra, needles in [(["--max_seq_len", 200_000_000, "--max_gen_len", 100_000_000], ["RoPE tables"]),
+                           (["--max_seq_len", 3_000_000, "--max_gen_len", 2_000_000],
+                            ["the KV cache for --batch_size 1 x 2000", "1 GiB available"])]:
+        assert_refused(capsys, lambda: Infer.main(["--no_adapter", "--llama_path", tiny_base, "--data_path", addsub,
+                                                   "--output_dir", str(tmp_path / "eval"), *map(str, extra)]), *needles)
+    assert not (tmp_path / "eval").exists()
+
+
+def test_a_size_past_64_bits_in_a_safetensors_header_is_refused(tmp_path):
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [2**70], "data_offsets": [0, 2]}}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0")
+    with pytest.raises(CheckpointError, match=f"{path}: tensor 'w': dtype BF16 and shape \\[{2**70}\\] make"):
+        read_header(path)
+
+
+def test_model_and_kv_cache_memory_are_counted_exactly():
+    from Models.ModelArgs import ModelArgs
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=1000)
+    assert memory.kv_cache_bytes(args, 8, 100_000) == 8 * 2 * 2 * 2 * 16 * 100_000 * 4 == 409_600_000
+    weights = sum(int(np.prod(s)) * 4 for s in args.outer_shapes().values()) + 2 * sum(
+        int(np.prod(s)) * 4 for s in args.layer_shapes().values())
+    matrices = 2 * 97 * 64 + 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 176 * 64)  # 2 kv heads of 16; FFN 176
+    assert memory.base_bytes(args) == weights == 4 * (matrices + 64 + 2 * 2 * 64)
+    need = weights + memory.rope_table_bytes(args) + 409_600_000
+    assert memory.rope_table_bytes(args) == 4 * 2000 * 8 * 4
+    memory.check_memory(args, "f", 8, 100_000, available=need)  # fits exactly
+    with pytest.raises(ValueError, match=r"f: the model needs 0\.38\d GiB .*the KV cache for --batch_size 8 x 100000 "
+                                         r"tokens.*more than the 0\.38\d GiB available: lower --batch_size"):
+        memory.check_memory(args, "f", 8, 100_000, available=need - 1)
+    bf16 = ModelArgs(**{**args.to_dict(), "precision": "bf16"})
+    assert memory.base_bytes(bf16) == weights - 2 * matrices  # the norms stay fp32
+    # LLaMA-3-8B's shape: 32 layers, 8 kv heads of 128; batch 8 x 8192 tokens is 16 GiB in fp32
+    big = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
+                    ffn_dim_multiplier=1.3, precision="bf16")
+    assert memory.kv_cache_bytes(ModelArgs(**{**big.to_dict(), "precision": "fp32"}), 8, 8192) == 16 * 2**30
+    assert memory.base_bytes(big) == 2 * 8_030_261_248 + 2 * 4096 * 65  # 8.03 B parameters, 65 norms in fp32

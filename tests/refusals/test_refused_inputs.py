@@ -16,7 +16,6 @@ import Infer
 from Data import test_sets
 from Data.prompts import format_prompt
 from Data.tiny_base import write_random_base
-from Models.generate import check_kv_cache_memory, kv_cache_bytes
 from Models.ModelArgs import ModelArgs
 from Models.Tokenizer import Tokenizer
 from Models.formats.pth import load_pth
@@ -302,17 +301,6 @@ def test_a_records_declared_size_is_checked_before_it_is_read(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(CheckpointError, match="not a regular file"):  # no writer: an open would block
         load_pth(fifo)
-
-
-def test_kv_cache_memory_check():
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97)
-    assert kv_cache_bytes(args, 8, 100_000) == 8 * 2 * 2 * 2 * 16 * 100_000 * 4 == 409_600_000
-    check_kv_cache_memory(args, 8, 100_000, available=409_600_000)  # fits exactly
-    with pytest.raises(ValueError, match=r"needs 0\.38 GiB, more than the 0\.38 GiB available.*--batch_size"):
-        check_kv_cache_memory(args, 8, 100_000, available=409_599_999)
-    # LLaMA-3-8B's shape: 32 layers, 8 kv heads of 128; batch 8 x 8192 tokens is 16 GiB in fp32
-    big = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256)
-    assert kv_cache_bytes(big, 8, 8192) == 16 * 2**30
 
 
 # ---- the bench scripts -------------------------------------------------------------------------------------
