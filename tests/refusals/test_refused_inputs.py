@@ -15,6 +15,7 @@ from conftest import (DATA, REPO, assert_refused, edited_base, infer_base_alone,
 import Infer
 from Data import test_sets
 from Data.prompts import format_prompt
+from Data.synthetic import make_splits
 from Data.tiny_base import write_random_base
 from Models.ModelArgs import ModelArgs
 from Models.Tokenizer import Tokenizer
@@ -171,6 +172,35 @@ def test_labels_are_normalised_or_refused_by_their_rule():
     for rule, labels, index in bad:
         with pytest.raises(ValueError, match=f"f.json: example {index} of data set 'x' has the label"):
             checked_labels(rule, labels, "f.json", "x")
+
+
+def test_text_no_encoding_can_write_is_refused_as_it_is_read(tiny_base, tiny_qwen3, synthetic_data, tmp_path,
+                                                            monkeypatch, capsys):
+    """A lone surrogate (JSON's escape \\ud800) in a test set, a training set or a samples file: refused naming the
+    file and the example or line, before a token is generated or trained on, on either layout of base."""
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generation started on text that cannot be encoded")
+    monkeypatch.setattr(Infer, "generate", no_generation)
+    rows = make_splits(4, 0, 2, seed=0)[2]
+    rows[1]["instruction"] += " \ud800"
+    make_entries(tmp_path / "AddSub", "test.json", text=json.dumps(rows))  # json writes it as the escape
+    bad_test = str(tmp_path / "AddSub" / "test.json")
+    for base in (tiny_base, tiny_qwen3):
+        assert_refused(capsys, lambda: infer_base_alone(base, tmp_path / "eval", "--data_path", bad_test), bad_test,
+                       "example 1 field 'instruction' holds a lone surrogate ('\\ud800')")
+    with open(synthetic_data["train"]) as f:
+        train_rows = json.load(f)
+    train_rows[5]["output"] = "\udc80" + train_rows[5]["output"]
+    bad_train = tmp_path / "train.json"
+    bad_train.write_text(json.dumps(train_rows))
+    math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, ["--data_path", str(bad_train)],
+                 [str(bad_train), "example 5 field 'output'"])
+    samples = write_samples(tmp_path / "samples.jsonl", [(f"HumanEval/{i}", "    return 1\n" + "\ud800" * (i == 1))
+                                                         for i in range(3)])
+    assert_refused(capsys, lambda: Infer.main(["--data_path", str(DATA / "code"), "--samples", samples,
+                                               "--output_dir", str(tmp_path / "eval")]),
+                   samples, "line 2 field 'completion'")
+    assert not (tmp_path / "eval").exists()
 
 
 def test_two_data_sets_of_one_name_are_refused(tmp_path):
