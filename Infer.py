@@ -310,8 +310,8 @@ def run(args, stop=None):
     pid0 = int(misc.all_reduce_sum([float(os.getpid()) if rank == 0 else 0.0])[0])
     staging = output_dirs.staging_dir(output_dir, pid0)
     if rank == 0:
-        misc.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
-    os.makedirs(staging, exist_ok=True)
+        output_dirs.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
+    output_dirs.make_staging(staging)
     try:
         local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, gen, rank,
                                budget_seq_len, stop)
@@ -356,8 +356,8 @@ def score_samples(args, code):
             test_sets.append(TestSet(ts.name, ts.path, ts.rule, len(examples), len(answered)))
             examples += answered
     staging = output_dirs.staging_dir(output_dir, os.getpid())
-    misc.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
-    os.makedirs(staging, exist_ok=True)
+    output_dirs.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
+    output_dirs.make_staging(staging)
     try:
         summary = score_and_write(test_sets, examples, {i: {"generation": ex["completion"]} for i, ex in
                                                         enumerate(examples)}, staging,

@@ -10,9 +10,7 @@ import json
 import math
 import os
 import pickle
-import re
 import select
-import shutil
 import stat
 import time
 from collections import defaultdict, deque
@@ -24,9 +22,9 @@ import jittor as jt
 
 from Utils.jittor_env import StopFlag, Stopped
 
-# Temp files of interrupted writes start with this, beside the file they were to replace.
+# Temp files of interrupted writes start with this, beside the file they were to replace
+# (.tmp<pid>.<name>: the writer's pid; Utils/output_dirs.remove_stale_temp removes those of dead writers).
 TMP_PREFIX = ".tmp"
-_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(\d+)\.")  # .tmp<pid>.<name>: the writer's pid
 _is_master = True
 
 
@@ -98,39 +96,6 @@ def atomic_write(path, write):
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
     return path
-
-
-def _pid_alive(pid):
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        return True
-    return True
-
-
-def remove_stale_temp(folder, recursive=True):
-    """Remove the temp files (and staging folders) of interrupted writes in `folder` (and below):
-    those named `.tmp<pid>.*` whose writing process is gone (a live one, e.g. an Infer.py run writing
-    beside a training run, keeps its own). Returns the removed paths."""
-    removed = []
-    if not os.path.isdir(folder):
-        return removed
-    for root, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            match = _TMP_NAME.match(name)
-            if match and not _pid_alive(int(match.group(1))):
-                path = os.path.join(root, name)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    os.remove(path)
-                removed.append(path)
-        dirs[:] = [d for d in dirs if not _TMP_NAME.match(d)] if recursive else []
-    return removed
 
 
 def write_json(obj, path):

@@ -15,9 +15,13 @@ import numpy as np
 
 from Utils import plots  # sets matplotlib's Agg backend before pyplot is imported
 from Utils.misc import read_json_object, write_json
+from Utils.output_dirs import check_claimable, check_output_dir, record_written
 
 import matplotlib.pyplot as plt  # noqa: E402  (isort: after Utils.plots)
 from matplotlib.ticker import FormatStrFormatter  # noqa: E402
+
+TOOL = "compare_routers.py"
+OUTPUTS = ("similarity.json", "router_comparison.png")
 
 
 def correlation(a: np.ndarray, b: np.ndarray) -> float:
@@ -80,8 +84,8 @@ def read_run(folder: str, label: str = None) -> dict:
         args_path = os.path.join(run_dir, "args.json")
         seed = read_json_object(args_path, "run settings").get("seed") if os.path.isfile(args_path) else None
         label = f"seed {seed}" if seed is not None else os.path.basename(run_dir)
-    return {"label": label, "type": plots.load_pickle(type_path),
-            "token": plots.load_pickle(token_path) if os.path.isfile(token_path) else None,
+    return {"label": label, "type": plots.load_pickle(type_path, "type_weight"),
+            "token": plots.load_pickle(token_path, "token_weight") if os.path.isfile(token_path) else None,
             "log": log_path if os.path.isfile(log_path) else None}
 
 
@@ -149,10 +153,24 @@ def plot_comparison(runs: list, sims: dict, path: str, example: int = 0):
 
 
 def compare(folders: list, out_dir: str, labels=None, example: int = 0) -> dict:
-    """Read the runs, write router_comparison.png and similarity.json into out_dir; returns the similarity."""
+    """Read the runs, write router_comparison.png and similarity.json into out_dir; returns the similarity.
+    out_dir is written as every tool writes (Utils/output_dirs.py): a name it writes that no manifest lists
+    is the user's and refused, and its manifest records both before they are written."""
+    check_output_dir(out_dir)
+    check_claimable(out_dir, OUTPUTS)
     runs = [read_run(f, label) for f, label in zip(folders, labels or [None] * len(folders))]
+    layers = {len(run["type"]["layer_types"]) for run in runs}
+    if len(layers) > 1:
+        raise ValueError(f"the runs have {' and '.join(map(str, sorted(layers)))} layers ("
+                         + ", ".join(f"{f}: {len(r['type']['layer_types'])}" for f, r in zip(folders, runs))
+                         + "): runs of different bases cannot be compared layer by layer")
+    fewest = min(runs, key=lambda run: len(run["type"]["examples"]))
+    if example >= len(fewest["type"]["examples"]):
+        raise ValueError(f"--example {example}: {folders[runs.index(fewest)]} holds {len(fewest['type']['examples'])} "
+                         "examples (counted from 0)")
     sims = similarity(runs)
     os.makedirs(out_dir, exist_ok=True)
+    record_written(out_dir, TOOL, OUTPUTS)
     report = {"runs": [{"label": r["label"], "folder": os.path.abspath(f)} for r, f in zip(runs, folders)], **sims}
     write_json(report, os.path.join(out_dir, "similarity.json"))
     plt.close(plot_comparison(runs, sims, os.path.join(out_dir, "router_comparison.png"), example))
