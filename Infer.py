@@ -45,7 +45,8 @@ from Models.ModelArgs import ModelArgs
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
                                      read_adapter_config)
 from Models.formats.base_model import adapter_settings, base_args, build_model, open_tokenizer
-from Models.generate import auto_batch_size, check_kv_cache_memory, generate
+from Models.generate import auto_batch_size, generate
+from Models.memory import check_memory
 from Data.tiny_base import ensure_default_base
 from Models.formats.pth import CheckpointError
 from Models.Tokenizer import decode_until_unknown
@@ -298,8 +299,8 @@ def run(args, stop=None):
     config = read_adapter_config(adapter) if adapter else None
     context, max_seq_len, budget_seq_len = sequence_lengths(args, config, prompts, test_sets, gen.max_gen_len)
     model_args = model_settings(args, adapter, llama_path, max_seq_len)
-    if args.batch_size != "auto":
-        check_kv_cache_memory(model_args, args.batch_size, max_seq_len)
+    # auto: at least one row, whose cache must fit beside the model too
+    check_memory(model_args, llama_path, 1 if args.batch_size == "auto" else args.batch_size, max_seq_len)
     if any(ts.rule in code_task.FIELDS for ts in test_sets):
         sandbox.isolation()  # no sandbox works here: refused before the first token
     model = load_model(llama_path, adapter, model_args)
@@ -313,8 +314,8 @@ def run(args, stop=None):
     pid0 = int(misc.all_reduce_sum([float(os.getpid()) if rank == 0 else 0.0])[0])
     staging = output_dirs.staging_dir(output_dir, pid0)
     if rank == 0:
-        misc.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
-    os.makedirs(staging, exist_ok=True)
+        output_dirs.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
+    output_dirs.make_staging(staging)
     try:
         local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, gen, rank,
                                budget_seq_len, stop)
@@ -360,8 +361,8 @@ def score_samples(args, code):
             examples += answered
     sandbox.isolation()
     staging = output_dirs.staging_dir(output_dir, os.getpid())
-    misc.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
-    os.makedirs(staging, exist_ok=True)
+    output_dirs.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
+    output_dirs.make_staging(staging)
     try:
         summary = score_and_write(test_sets, examples, {i: {"generation": ex["completion"]} for i, ex in
                                                         enumerate(examples)}, staging,

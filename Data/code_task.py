@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from Utils import sandbox
+from Utils.misc import check_encodable
 from Utils.settings import setting
 
 FIELDS = {"humaneval": ("task_id", "prompt", "canonical_solution", "test", "entry_point"),
@@ -54,10 +55,15 @@ def is_code_file(path: str) -> bool:
 
 
 def read_jsonl(path: str, what: str) -> list:
-    """[(line number, object)] of a JSON Lines file, blank lines skipped; `what` names its objects."""
+    """[(line number, object)] of a JSON Lines file, blank lines skipped; `what` names its objects. Text no
+    encoding can write (Utils/misc.check_encodable) is refused naming its line."""
     items = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: line {number}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
@@ -66,6 +72,7 @@ def read_jsonl(path: str, what: str) -> list:
                 raise ValueError(f"{path}: line {number}: malformed JSON ({e.msg})") from None
             if not isinstance(item, dict):
                 raise ValueError(f"{path}: line {number}: a {type(item).__name__}, expected a {what} object")
+            check_encodable(item, path, f"line {number}")
             items.append((number, item))
     if not items:
         raise ValueError(f"{path}: no {what}s in it")

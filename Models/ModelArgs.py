@@ -198,6 +198,24 @@ class ModelArgs:
         return (self.rope_scale_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
                 self.rope_original_context)
 
+    def layer_shapes(self) -> dict:
+        """The base tensors of one layer: {name under 'layers.<i>.' (Meta's, our attributes'): shape}."""
+        D, F, hd = self.dim, self.ffn_hidden_dim, self.head_dim
+        shapes = {"attention.wq.weight": (self.n_heads * hd, D), "attention.wk.weight": (self.n_kv_heads * hd, D),
+                  "attention.wv.weight": (self.n_kv_heads * hd, D), "attention.wo.weight": (D, self.n_heads * hd),
+                  "feed_forward.w1.weight": (F, D), "feed_forward.w2.weight": (D, F), "feed_forward.w3.weight": (F, D),
+                  "attention_norm.weight": (D,), "ffn_norm.weight": (D,)}
+        if self.qk_norm:
+            shapes.update({"attention.q_norm.weight": (hd,), "attention.k_norm.weight": (hd,)})
+        return shapes
+
+    def outer_shapes(self) -> dict:
+        """The base tensors outside the layers (the output matrix only where it is not the embedding table)."""
+        shapes = {"tok_embeddings.weight": (self.vocab_size, self.dim), "norm.weight": (self.dim,)}
+        if not self.tied_embeddings:
+            shapes["output.weight"] = (self.vocab_size, self.dim)
+        return shapes
+
     def type_names(self, layer: int) -> list:
         """The type router's columns in layer `layer`, in the authors' fixed order (MoA and instance)."""
         if self.method not in ("moa", "instance"):

@@ -162,7 +162,10 @@ class HFTokenizer:
         except Exception as err:  # the library raises a bare Exception for any file it cannot read
             raise ValueError(f"{path} is not a tokenizer.json of the tokenizers library: {err}") from None
         self.model.encode_special_tokens = True
-        self.n_words = max(self.model.get_vocab(with_added_tokens=True).values()) + 1
+        ids = self.model.get_vocab(with_added_tokens=True).values()
+        if not ids:
+            raise ValueError(f"{path}: its vocabulary (model.vocab and added_tokens) is empty")
+        self.n_words = max(ids) + 1
         self.bos_id = self.eos_id = None
         self.pad_id = -1
         self.stop_tokens = set()

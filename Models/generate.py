@@ -15,7 +15,6 @@ A decode step's products read the base's weights once for the whole batch
 (Models/kernels/switch.decoding), so tokens per second grow with the batch up to
 DECODE_ROWS rows; `auto_batch_size` picks the largest batch the memory holds.
 """
-import os
 import time
 
 import numpy as np
@@ -24,29 +23,11 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
+from .memory import available_memory, kv_cache_bytes, ranks_on_this_host
 from .ModelArgs import INSTANCE_METHODS
 from .kernels.switch import DECODE_ROWS, GEMV_ROWS
 
 PAD_TOKEN = 0  # fed in padded slots that are never read (pad_id -1 is not a valid embedding row)
-
-
-def available_memory() -> int:
-    """Bytes the machine can still give (MemAvailable; free pages where /proc/meminfo is missing)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
-    """The keys and values of every layer: batch * layers * 2 * kv_heads * head_dim * seq * (4, or 2 in a
-    bf16 cache: ModelArgs.kv_cache 'base' with a bf16 base)."""
-    element = 2 if args.precision == "bf16" and args.kv_cache == "base" else 4
-    return batch_size * args.n_layers * 2 * args.n_kv_heads * args.head_dim * seq_len * element
 
 
 def decode_buffer_bytes(args, batch_size: int, chunk: int) -> int:
@@ -67,24 +48,10 @@ def auto_batch_size(args, seq_len: int, n_prompts: int, available=None, chunk: i
     kernels serves (DECODE_ROWS with a bf16 base, GEMV_ROWS otherwise), whose KV cache (counted
     KV_CACHE_SHARE times) and decode buffers fit in 80% of the memory left (all ranks on this host
     together; call it with the model loaded). The rest is for Jittor's compiler on the first batch."""
-    ranks_here = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
-    available = (available_memory() if available is None else available) * 0.8 / ranks_here
+    available = (available_memory() if available is None else available) * 0.8 / ranks_on_this_host()
     per_row = KV_CACHE_SHARE * kv_cache_bytes(args, 1, seq_len) + decode_buffer_bytes(args, 1, chunk)
     most = DECODE_ROWS if args.precision == "bf16" else GEMV_ROWS
     return max(1, min(most, n_prompts, int(available // per_row)))
-
-
-def check_kv_cache_memory(args, batch_size: int, seq_len: int, available=None):
-    """Refuse a KV cache larger than the free memory (all ranks on this host together), before
-    it is allocated: past it, the allocation ends in a crash, not an error."""
-    ranks_here = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
-    need = kv_cache_bytes(args, batch_size, seq_len) * ranks_here
-    available = available_memory() if available is None else available
-    if need > available:
-        raise ValueError(f"the KV cache for --batch_size {batch_size} x {seq_len} tokens ({args.n_layers} layers, "
-                         f"{args.n_kv_heads} kv heads of {args.head_dim}{f', {ranks_here} ranks' if ranks_here > 1 else ''}) "
-                         f"needs {need / 2**30:.2f} GiB, more than the {available / 2**30:.2f} GiB available: lower "
-                         "--batch_size, --max_gen_len or --max_seq_len")
 
 
 def prefill_length(shortest_prompt: int, step: int = 64) -> int:

@@ -124,6 +124,54 @@ class Stopped(Exception):
     """A stop signal ended the work before it was done; str() is the signal's name."""
 
 
+class StopForwarder:
+    """The stop signals of a process that only runs the tools as children (Compare.py): each is caught by a
+    Python handler, Jittor's own SIGINT handler replaced ("quick exit", status 1: this process runs no
+    Jittor op a handler could interrupt), and passed on to the child running at the time, which stops as
+    the tools do (a training run at its next step boundary, checkpoint saved). mpirun is sent SIGUSR1,
+    which it forwards to its ranks as it is. Each child runs in a session of its own, so a terminal's
+    Ctrl-C reaches it through here only, once. `run` waits for the child; `signal` is the first stop.
+    The handlers hold inside `with StopForwarder() as stops:`; the earlier ones come back after it."""
+
+    def __init__(self):
+        self.signal, self.child, self.previous = None, None, {}
+
+    def __enter__(self):
+        self.previous = {signum: signal.signal(signum, self.received) for signum in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def received(self, signum, frame):
+        self.signal = self.signal or signum
+        self.pass_on()
+
+    def pass_on(self):
+        child = self.child
+        if child is not None and self.signal is not None:
+            mpirun = os.path.basename(str(child.args[0])) == "mpirun"
+            child.send_signal(signal.SIGUSR1 if mpirun else self.signal)  # nothing when it has ended
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name
+
+    def run(self, command: list, **popen) -> int:
+        """Run `command` (subprocess.Popen's `popen` arguments) to its end, stop signals passed on; its exit
+        status. Raises Stopped before starting it when a stop came first."""
+        import subprocess
+        if self.signal is not None:
+            raise Stopped(self.name)
+        self.child = subprocess.Popen(command, start_new_session=True, **popen)
+        try:
+            self.pass_on()  # a stop that came while it started
+            return self.child.wait()
+        finally:
+            self.child = None
+
+
 def prepare():
     if "jittor" in sys.modules:
         return  # too late to change anything; whoever imported it chose

@@ -83,10 +83,41 @@ def family_order(name: str) -> int:
     return TYPE_ORDER.index(name) if name in TYPE_ORDER else len(TYPE_ORDER)
 
 
-def load_pickle(path):
+def load_pickle(path, kind: str = None):
+    """A --save_weights pickle; with `kind` (type_weight, token_weight) its structure is checked against
+    the one above, so a damaged file, or one of another kind under this name, is a ValueError naming it."""
     import pickle
     with open(path, "rb") as f:
-        return pickle.load(f)
+        try:
+            data = pickle.load(f)
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as e:
+            raise ValueError(f"{path}: not a --save_weights pickle ({type(e).__name__}: {e})") from None
+    if kind is not None:
+        check_weights(data, path, kind)
+    return data
+
+
+def check_weights(data, path, kind: str):
+    """Refuse a type_weight or token_weight dict that is not the structure above, naming the file and where."""
+    def bad(where, what):
+        raise ValueError(f"{path}: {where} {what}, not the {kind} structure Infer.py --save_weights writes")
+    if not isinstance(data, dict) or data.get("kind") != kind:
+        bad("is", f"kind {data.get('kind') if isinstance(data, dict) else type(data).__name__!r}")
+    layers = data.get("layer_types")
+    if not (isinstance(layers, list) and all(isinstance(n, list) and all(isinstance(t, str) for t in n) for n in layers)):
+        bad("its layer_types", "are not per layer a list of type names")
+    if not isinstance(data.get("examples"), list):
+        bad("its examples", "are not a list")
+    for i, ex in enumerate(data["examples"]):
+        ids = ex.get("token_ids") if isinstance(ex, dict) else None
+        if not (isinstance(ids, list) and isinstance(ex.get("n_prompt"), int) and 0 <= ex["n_prompt"] <= len(ids)
+                and isinstance(ex.get("weights"), list) and len(ex["weights"]) == len(layers)):
+            bad(f"example {i}", f"has no token_ids, n_prompt within them and weights for each of {len(layers)} layers")
+        for layer, (names, w) in enumerate(zip(layers, ex["weights"])):
+            columns = len(names) if kind == "type_weight" else 1
+            if w is not None and not (isinstance(w, np.ndarray) and w.shape == (len(ids), columns)):
+                bad(f"example {i} layer {layer}", f"weights {getattr(w, 'shape', type(w).__name__)}, expected "
+                                                  f"[{len(ids)} tokens, {columns}]")
 
 
 def type_columns(data) -> list:

@@ -18,9 +18,13 @@ import numpy as np
 
 from Utils import plots  # sets matplotlib's Agg backend before pyplot is imported
 from Utils.misc import read_json_object, write_json
+from Utils.output_dirs import check_claimable, check_output_dir, record_written
 
 import matplotlib.pyplot as plt  # noqa: E402  (isort: after Utils.plots)
 from matplotlib.ticker import FormatStrFormatter  # noqa: E402
+
+TOOL = "compare_routers.py"
+OUTPUTS = ("similarity.json", "router_comparison.png")
 
 
 def pearson(a: np.ndarray, b: np.ndarray) -> tuple:
@@ -107,10 +111,10 @@ def read_run(folder: str, label: str = None) -> dict:
     run_dir = os.path.dirname(os.path.abspath(folder))
     log_path = os.path.join(run_dir, "log.txt")
     args_path = os.path.join(run_dir, "args.json")
-    types = plots.load_pickle(type_path)
+    types = plots.load_pickle(type_path, "type_weight")
     seed = read_json_object(args_path, "run settings").get("seed") if os.path.isfile(args_path) else None
     return {"label": label, "name": os.path.basename(run_dir), "type": types,
-            "token": plots.load_pickle(token_path) if os.path.isfile(token_path) else None,
+            "token": plots.load_pickle(token_path, "token_weight") if os.path.isfile(token_path) else None,
             "log": log_path if os.path.isfile(log_path) else None,
             "tells": {"method": plots.method_title(types), "seed": None if seed is None else f"seed {seed}"}}
 
@@ -192,11 +196,25 @@ def plot_comparison(runs: list, sims: dict, path: str, example: int = 0):
 
 
 def compare(folders: list, out_dir: str, labels=None, example: int = 0) -> dict:
-    """Read the runs, write router_comparison.png and similarity.json into out_dir; returns the similarity."""
+    """Read the runs, write router_comparison.png and similarity.json into out_dir; returns the similarity.
+    out_dir is written as every tool writes (Utils/output_dirs.py): a name it writes that no manifest lists
+    is the user's and refused, and its manifest records both before they are written."""
+    check_output_dir(out_dir)
+    check_claimable(out_dir, OUTPUTS)
     runs = [read_run(f, label) for f, label in zip(folders, labels or [None] * len(folders))]
+    layers = {len(run["type"]["layer_types"]) for run in runs}
+    if len(layers) > 1:
+        raise ValueError(f"the runs have {' and '.join(map(str, sorted(layers)))} layers ("
+                         + ", ".join(f"{f}: {len(r['type']['layer_types'])}" for f, r in zip(folders, runs))
+                         + "): runs of different bases cannot be compared layer by layer")
+    fewest = min(runs, key=lambda run: len(run["type"]["examples"]))
+    if example >= len(fewest["type"]["examples"]):
+        raise ValueError(f"--example {example}: {folders[runs.index(fewest)]} holds {len(fewest['type']['examples'])} "
+                         "examples (counted from 0)")
     label_runs(runs)
     sims = similarity(runs)
     os.makedirs(out_dir, exist_ok=True)
+    record_written(out_dir, TOOL, OUTPUTS)
     report = {"runs": [{"label": r["label"], "folder": os.path.abspath(f)} for r, f in zip(runs, folders)], **sims}
     undefined_as_null = {k: [[None if np.isnan(r) else r for r in row] for row in sims[k]] for k in ("mean",
                                                                                                      "prompt_tokens")}

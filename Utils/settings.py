@@ -7,8 +7,9 @@ of one class into argparse flags; `resolve` builds the instance from, in rising 
 dataclass defaults, a recipe, and the flags actually given on the command line.
 
 Every value of a field, wherever it comes from (a flag, a recipe file, args.json, an
-adapter_params.json, Meta's params.json), passes `check_values`: its declared type, a finite number
-for a float (finite in float32, which the kernels compute in), its choices and its bounds; the error
+adapter_params.json, Meta's params.json, a Hugging Face config.json), passes `check_values`: its
+declared type, a finite number for a float (finite in float32, which the kernels compute in), an
+integer of 64 bits for an int (what a shape holds), its choices and its bounds; the error
 names where the value came from. Rules that join several settings live in each class's
 __post_init__, which also checks every field again (programmatic construction included).
 """
@@ -21,6 +22,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from Utils.misc import read_json_object
 
 FLOAT32_MAX = 3.4028234663852886e38
+INT64_LIMIT = 2**63
 
 
 class SettingError(ValueError):
@@ -79,10 +81,11 @@ def with_sources(message: str, sources: dict) -> str:
     return f"{message} ({'; '.join(named)})" if named else message
 
 
-def check_value(f, value, source=None):
-    """`value` of field `f` by its declared type and rule, or a SettingError naming where it came from.
-    Returns it, an integer given for a float as a float."""
-    kind, rule, label = _scalar_type(f.type), f.metadata, where(source, f.name)
+def check_value(f, value, source=None, name=None):
+    """`value` of field `f` by its declared type and rule, or a SettingError naming where it came from
+    (`name`: the field's name there, when the file calls it otherwise). Returns it, an integer given for
+    a float as a float."""
+    kind, rule, label = _scalar_type(f.type), f.metadata, where(source, name or f.name)
     if value is None:
         if _optional(f.type) or kind not in _KIND_NAMES:
             return value
@@ -97,7 +100,9 @@ def check_value(f, value, source=None):
         raise SettingError(f"{label} must be one of {', '.join(map(str, rule['choices']))}; got {value!r}")
     for bound, broken, text in _BOUNDS:
         if rule.get(bound) is not None and broken(value, rule[bound]):
-            raise SettingError(f"{label} must be {text} {rule[bound]}, got {value!r}")
+            raise SettingError(f"{label} must be {text} {rule[bound]}, got {value!r:.40}")
+    if kind is int and not -INT64_LIMIT <= value < INT64_LIMIT:  # sizes and counts become int64 shapes
+        raise SettingError(f"{label} must be an integer of 64 bits, got {value!r:.40}")
     return value
 
 

@@ -14,15 +14,23 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from Utils.router_comparison import compare  # noqa: E402
+from Utils.settings import ArgumentParser  # noqa: E402
+
+
+def example_index(text: str) -> int:
+    """--example: an example's position in the runs' pickles, 0 or more."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an example's position (0 or more), got {text!r}")
+    return int(text)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python scripts/compare_routers.py", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python scripts/compare_routers.py", description=__doc__.split("\n\n")[0])
     p.add_argument("folders", nargs="+", help="Infer.py --save_weights output folders, one per run")
     p.add_argument("--output_dir", required=True, help="where router_comparison.png and similarity.json go")
     p.add_argument("--labels", help="comma list of run labels (default: what differs between the runs: method, "
                    "MoA's variant, seed)")
-    p.add_argument("--example", type=int, default=0, help="the example whose per-token Gamma is drawn")
+    p.add_argument("--example", type=example_index, default=0, help="the example whose per-token Gamma is drawn")
     args = p.parse_args(argv)
     labels = args.labels.split(",") if args.labels else None
     if labels is not None and len(labels) != len(args.folders):

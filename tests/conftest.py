@@ -137,14 +137,15 @@ def make_entries(folder, *names, text="old"):
         path.write_text(text)
 
 
-def edited_base(tiny_base, copy, **params):
-    """A copy of the base folder `tiny_base` at `copy` (links to its files) whose params.json has `params`."""
+def edited_base(tiny_base, copy, settings_file="params.json", **params):
+    """A copy of the base folder `tiny_base` at `copy` (links to its files) whose JSON `settings_file`
+    (params.json, config.json, tokenizer.json, ...) has `params`."""
     copy.mkdir()
     for name in os.listdir(tiny_base):
-        if name != "params.json":
+        if name != settings_file:
             os.symlink(os.path.join(tiny_base, name), copy / name)
-    with open(os.path.join(tiny_base, "params.json")) as f:
-        (copy / "params.json").write_text(json.dumps({**json.load(f), **params}))
+    with open(os.path.join(tiny_base, settings_file)) as f:
+        (copy / settings_file).write_text(json.dumps({**json.load(f), **params}))
     return str(copy)
 
 

@@ -190,10 +190,10 @@ def test_shard_index_is_checked(tmp_path):
     ("qwen3_tiny", {"rope_parameters": None, "rope_scaling": {"type": "dynamic"}}, r"rope_scaling.rope_type 'dynamic'"),
     ("qwen3_tiny", {"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
     ("qwen3_tiny", {"quantization_config": {"quant_method": "awq"}}, r"quantization_config 'awq'"),
-    ("qwen3_tiny", {"hidden_size": "64"}, r"field 'hidden_size' is '64'"),
+    ("qwen3_tiny", {"hidden_size": "64"}, r"field 'hidden_size' must be an integer, got '64'"),
     ("qwen3_tiny", {"head_dim": 31}, r"head_dim=31 must be even"),
     ("llama31_tiny", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
-     r"field 'rope_parameters.low_freq_factor' is None"),
+     r"field 'rope_parameters.low_freq_factor' is missing"),
     ("llama31_tiny", {"mlp_bias": True}, r"mlp_bias True: biases"),
 ])
 def test_config_fields_not_implemented_are_refused(name, changes, message, tmp_path):

@@ -7,12 +7,14 @@ import ...`).
 import os
 
 from ..LLaMA_Adapter import LLaMA_adapter
+from ..memory import check_memory
 from ..ModelArgs import BASE_FIELDS, ModelArgs
 from . import hf, meta
 from .adapters import adapter_config_path, load_adapter, read_adapter_config
 from .pth import CheckpointError
 
 LAYOUTS = {"meta": "params.json", "hf": hf.CONFIG}
+SIZE_SETTINGS = ("precision", "max_seq_len")  # the overrides that change what the base takes in memory
 
 
 def base_layout(path: str) -> str:
@@ -31,10 +33,14 @@ def base_layout(path: str) -> str:
 
 
 def base_args(path: str, **overrides) -> ModelArgs:
-    """The base's settings (params.json or config.json) updated with runtime/MoA `overrides`."""
-    if base_layout(path) == "meta":
-        return ModelArgs.from_params_json(path, **overrides)
-    return hf.args_from_config(path, **overrides)
+    """The base's settings (params.json or config.json) updated with runtime/MoA `overrides`. The base the
+    file and the sizing overrides (SIZE_SETTINGS) describe must fit in the memory left: checked first,
+    before anything is built from them (a layer span over n_layers, the RoPE tables, the model); in bf16,
+    the least it takes, unless `overrides` set the precision (build_model checks the model's own)."""
+    read = ModelArgs.from_params_json if base_layout(path) == "meta" else hf.args_from_config
+    sized = read(path, **{"precision": "bf16", **{k: v for k, v in overrides.items() if k in SIZE_SETTINGS}})
+    check_memory(sized, os.path.join(path, LAYOUTS[base_layout(path)]))
+    return read(path, **overrides)
 
 
 def weight_paths(path: str) -> list:
@@ -43,7 +49,10 @@ def weight_paths(path: str) -> list:
 
 
 def build_model(path: str, args: ModelArgs) -> LLaMA_adapter:
-    """The model `args` describes, its frozen base read from the folder tensor by tensor."""
+    """The model `args` describes, its frozen base read from the folder tensor by tensor (and checked
+    finite while it is read: reading.py); refused before anything is allocated when it does not fit in
+    the memory left."""
+    check_memory(args, os.path.join(path, LAYOUTS[base_layout(path)]))
     model = LLaMA_adapter(args)
     (meta if base_layout(path) == "meta" else hf).load_base(model, path)
     return model

@@ -14,11 +14,10 @@ bytes), and `save_safetensors` writes tensor by tensor (numpy arrays or pth.Tens
 file larger than memory streams). The tests check reading and writing against the library.
 """
 import json
+import math
 import os
 import struct
 from typing import NamedTuple
-
-import numpy as np
 
 from Utils.misc import atomic_write, read_json_object, write_json
 
@@ -85,7 +84,7 @@ def read_header(path: str) -> dict:
         if not 0 <= begin <= end <= data_bytes:
             raise bad(f"tensor '{name}': data_offsets {offsets} lie outside the {data_bytes} bytes of data")
         dtype, itemsize = DTYPES[entry["dtype"]]
-        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        nbytes = math.prod(shape) * itemsize  # exact: a crafted shape may not fit 64 bits
         if end - begin != nbytes:
             raise bad(f"tensor '{name}': dtype {entry['dtype']} and shape {shape} make {nbytes} bytes, its "
                       f"data_offsets {offsets} hold {end - begin}")
@@ -133,7 +132,7 @@ def stored(source, bf16: bool) -> tuple:
         dtype = "bfloat16"
     if dtype not in CODES:
         raise CheckpointError(f"cannot save a {dtype} tensor in safetensors")
-    return dtype, int(np.prod(source.shape, dtype=np.int64)) * DTYPES[CODES[dtype]][1]
+    return dtype, math.prod(source.shape) * DTYPES[CODES[dtype]][1]
 
 
 def save_safetensors(tensors: dict, path: str, bf16: bool = False):

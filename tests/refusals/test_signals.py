@@ -1,7 +1,8 @@
 """Stop signals and kills: SIGINT (130) and SIGTERM (143) end a run between steps with its last checkpoint
 written whole and resumable, end an evaluation between batches writing nothing, end code scoring with its
 sandboxed programs (nothing written, none left running), end a run blocked on its input;
-a SIGKILL in the middle of a checkpoint write leaves the last whole one, and resuming from it is bit-exact.
+a SIGKILL in the middle of a checkpoint write leaves the last whole one, and resuming from it is bit-exact;
+Compare.py passes a stop on to the run it waits for and exits as the tools do.
 Every signal is sent by conftest.run_and_signal once the program is where the test wants it."""
 import json
 import os
@@ -146,6 +147,43 @@ def test_a_stop_signal_ends_a_run_blocked_on_its_input(tiny_base, synthetic_data
     assert done.returncode == code, done.stderr
     one_error_line(done.stderr, f"stopped by {signal.Signals(stop).name}", "nothing was written")
     assert not out.exists()
+
+
+# Compare.py whose training run is a stand-in that stops as Math.py does: at its next poll, with the signal's status
+STAND_IN = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import Utils.jittor_env as env
+env.block_stop_signals()
+stop, start = env.StopFlag(), time.time()
+print("ready", flush=True)
+while not stop.poll() and time.time() < start + 60:
+    time.sleep(0.05)
+time.sleep(1)  # the step in progress
+print("stand-in stopped by", stop.name, flush=True)
+raise SystemExit(env.stop_exit_status(stop.name))
+"""
+COMPARE_WITH_A_STAND_IN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import Compare
+stand_in = [sys.executable, "-c", sys.argv[3], sys.argv[1]]
+Compare.commands = lambda args, method: {"math": stand_in, "infer": ["false"]}
+sys.exit(Compare.main(["--methods", "lora", "--output_dir", sys.argv[2]]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGUSR1, 138)])
+def test_compare_passes_a_stop_on_to_its_run_and_waits_for_it(tmp_path, stop, code):
+    log = tmp_path / "lora" / "compare.log"
+    command = [sys.executable, "-c", COMPARE_WITH_A_STAND_IN, str(REPO), str(tmp_path), STAND_IN]
+    done = run_and_signal(command, stop, lambda pid, out: log.exists() and "ready" in log.read_text(), timeout=120)
+    name = signal.Signals(stop).name
+    assert done.returncode == code, done.stdout + done.stderr
+    one_error_line(done.stderr, f"stopped by {name}", f"lora: Math.py stopped with exit {code}", str(log))
+    assert f"stand-in stopped by {name}" in log.read_text()  # it got the signal, and Compare.py waited for it
+    assert "quick exit" not in done.stdout + done.stderr
 
 
 @pytest.mark.slow
