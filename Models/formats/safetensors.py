@@ -19,6 +19,8 @@ import os
 import struct
 from typing import NamedTuple
 
+import numpy as np
+
 from Utils.misc import atomic_write, read_json_object, write_json
 
 from .pth import CheckpointError, TensorSource, bf16_bits_to_float32, storage_bytes

@@ -352,7 +352,7 @@ def test_non_finite_weights_stop_the_run_before_they_are_saved(tiny_base, synthe
     def nan_loss_at(step):
         def reduce(values):
             result = real_reduce(values)
-            if len(values) == 5:  # the per-step loss reduction
+            if len(values) > 2:  # the per-step reduction (validation sums two values)
                 reductions.append(1)
                 if len(reductions) == step:
                     result[0] = math.nan

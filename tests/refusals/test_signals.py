@@ -156,7 +156,7 @@ sys.path.insert(0, sys.argv[1])
 import Utils.jittor_env as env
 env.block_stop_signals()
 stop, start = env.StopFlag(), time.time()
-print("ready", flush=True)
+print("signals", "blocked", flush=True)  # the log also holds this source: the marker is the joined output
 while not stop.poll() and time.time() < start + 60:
     time.sleep(0.05)
 time.sleep(1)  # the step in progress
@@ -178,7 +178,8 @@ sys.exit(Compare.main(["--methods", "lora", "--output_dir", sys.argv[2]]))
 def test_compare_passes_a_stop_on_to_its_run_and_waits_for_it(tmp_path, stop, code):
     log = tmp_path / "lora" / "compare.log"
     command = [sys.executable, "-c", COMPARE_WITH_A_STAND_IN, str(REPO), str(tmp_path), STAND_IN]
-    done = run_and_signal(command, stop, lambda pid, out: log.exists() and "ready" in log.read_text(), timeout=120)
+    done = run_and_signal(command, stop, lambda pid, out: log.exists() and "signals blocked" in log.read_text(),
+                          timeout=120)
     name = signal.Signals(stop).name
     assert done.returncode == code, done.stdout + done.stderr
     one_error_line(done.stderr, f"stopped by {name}", f"lora: Math.py stopped with exit {code}", str(log))
