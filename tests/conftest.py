@@ -86,6 +86,46 @@ def shared_path(*parts):
     return path
 
 
+# ---- the time summary: where a run's time went, per test file (test.sh adds pytest's slowest tests)
+
+JIT_DIR = os.path.join(jt.flags.cache_path, "jit")
+FILE_TIMES = {}  # test file: [seconds, tests, kernels compiled]
+
+
+def cached_kernels() -> int:
+    """The kernels in Jittor's cache: each new shape of an op that a test (or a program it starts) runs compiles
+    one more .so, so the count that a file adds says how much of its time went to compiling."""
+    try:
+        return sum(name.endswith(".so") for name in os.listdir(JIT_DIR))
+    except OSError:
+        return 0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    kernels, start = cached_kernels(), time.monotonic()
+    yield  # setup (a fixture's first user pays for it, as in --durations), call, teardown
+    entry = FILE_TIMES.setdefault(item.location[0], [0.0, 0, 0])
+    entry[0] += time.monotonic() - start
+    entry[1] += 1
+    entry[2] += cached_kernels() - kernels
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's slowest tests: the last lines before the verdict
+def pytest_terminal_summary(terminalreporter):
+    if not FILE_TIMES:
+        return
+    total = sum(seconds for seconds, _, _ in FILE_TIMES.values())
+    write = terminalreporter.write_line
+    terminalreporter.section("time per test file")
+    write("(kernels: added to Jittor's cache meanwhile, by these tests or any process sharing the cache; a warm "
+          "cache compiles none)")
+    for path, (seconds, tests, kernels) in sorted(FILE_TIMES.items(), key=lambda item: -item[1][0]):
+        write(f"{seconds:8.1f}s {100 * seconds / max(total, 1e-9):5.1f}% {tests:4d} tests {kernels:5d} kernels  {path}")
+    write(f"{total:8.1f}s in {sum(t for _, t, _ in FILE_TIMES.values())} tests, "
+          f"{sum(k for _, _, k in FILE_TIMES.values())} kernels compiled")
+
+
 # ---- refusals: one line, a documented exit code, nothing touched
 
 def one_error_line(err, *needles):
