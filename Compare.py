@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from Utils.jittor_env import StopForwarder, Stopped, stop_exit_status
 from Utils.output_dirs import check_output_dir
 from Utils.settings import METHOD_PRESETS, RECIPES, ArgumentParser
 from Utils.misc import atomic_write, read_json_object, write_json
@@ -108,18 +109,22 @@ def commands(args, method: str) -> dict:
     return {"math": math, "infer": infer + ["--adapter_path", os.path.join(run, "adapter")]}
 
 
-def run_logged(command: list, log_path: str, what: str):
-    """Run one command with its output appended to log_path; a failure names the method and the log."""
+def run_logged(command: list, log_path: str, what: str, stops: StopForwarder):
+    """Run one command with its output appended to log_path, passing stop signals on to it and waiting for
+    it (then Stopped); a failure names the method and the log."""
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     with open(log_path, "a") as log:
         log.write(f"\n$ {' '.join(command)}\n")
         log.flush()
-        done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-    if done.returncode:
+        returncode = stops.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if stops.signal is not None:
+        raise Stopped(f"{stops.name}; {what} stopped with exit {returncode} (its output is in {log_path}): "
+                      "rerun the command to continue")
+    if returncode:
         with open(log_path) as f:
             lines = [line.strip() for line in f if line.strip()]
         said = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
-        raise RuntimeError(f"{what} failed (exit {done.returncode}; its output is in {log_path}): {said}")
+        raise RuntimeError(f"{what} failed (exit {returncode}; its output is in {log_path}): {said}")
 
 
 def end_record(run: str) -> dict:
@@ -129,7 +134,7 @@ def end_record(run: str) -> dict:
     return ends[-1]
 
 
-def evaluate_method(args, method: str) -> dict:
+def evaluate_method(args, method: str, stops: StopForwarder) -> dict:
     """Train (or continue) and evaluate one method unless the same command already did; its table row."""
     run = os.path.join(args.output_dir, method)
     os.makedirs(run, exist_ok=True)
@@ -144,9 +149,9 @@ def evaluate_method(args, method: str) -> dict:
     log_path = os.path.join(run, "compare.log")
     if "math" in cmds:
         print(f"[compare] {method}: training ({os.path.relpath(log_path)})", flush=True)
-        run_logged(cmds["math"], log_path, f"{method}: Math.py")
+        run_logged(cmds["math"], log_path, f"{method}: Math.py", stops)
     print(f"[compare] {method}: evaluating", flush=True)
-    run_logged(cmds["infer"], log_path, f"{method}: Infer.py")
+    run_logged(cmds["infer"], log_path, f"{method}: Infer.py", stops)
     scores = read_json_object(scores_path, "scores")
     row = {"method": method, "accuracy": {k: v["accuracy"] for k, v in scores["datasets"].items()},
            "average": scores["average"]}
@@ -174,18 +179,28 @@ def table(rows: list) -> str:
 
 def main(argv=None):
     """Exit codes: 0 done, 2 bad arguments or a method's run failed (one `error:` line naming its log),
-    4 the table could not be written."""
+    4 the table could not be written, 130 / 143 / 138 stopped by SIGINT / SIGTERM / SIGUSR1 (passed on to
+    the run in progress, which stops as the tools do; rerunning the command continues)."""
     args = get_args_parser().parse_args(argv)
     if args.max_steps < 0 or args.max_examples < 0 or args.ranks < 1:
         get_args_parser().error("--max_steps and --max_examples must be >= 0 and --ranks >= 1")
+    with StopForwarder() as stops:
+        return compare_methods(args, stops)
+
+
+def compare_methods(args, stops: StopForwarder) -> int:
+    """Every method's row, then the table (main's exit codes)."""
     rows = []
     try:
         check_math_flags(args)
         check_output_dir(args.output_dir)
         os.makedirs(args.output_dir, exist_ok=True)
         for method in args.methods:
-            rows.append(evaluate_method(args, method))
-        rows.append(evaluate_method(args, BASE_ROW))
+            rows.append(evaluate_method(args, method, stops))
+        rows.append(evaluate_method(args, BASE_ROW, stops))
+    except Stopped as e:
+        print(f"error: stopped by {e}", file=sys.stderr)
+        return stop_exit_status(stops.name)
     except (RuntimeError, ValueError) as e:  # RunDirError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -194,7 +209,8 @@ def main(argv=None):
         return 4
     text = table(rows)
     note = (f"recipe {args.recipe}, {args.max_steps or 'all'} steps per method on {args.ranks} rank(s), "
-            f"{args.max_examples or 'all'} test examples per data set; accuracy in %")
+            f"{args.max_examples or 'all'} test examples per data set; accuracy in %; train tokens/s over the steps "
+            "that compiled nothing (a step meeting a new batch shape builds Jittor's kernels)")
     try:
         atomic_write(os.path.join(args.output_dir, "compare.md"),
                      lambda tmp: Path(tmp).write_text(text + "\n\n" + note + "\n"))

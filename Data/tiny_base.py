@@ -80,10 +80,13 @@ HF_TOKENS = {"qwen3": dict(special=("<|endoftext|>", "<|im_start|>", "<|im_end|>
 
 def write_random_hf_base(out_dir: str, architecture: str = "qwen3", dim: int = 64, n_layers: int = 2, n_heads: int = 4,
                          n_kv_heads: int = 2, head_dim: int = None, ffn_dim: int = 160, tied: bool = True,
-                         bpe_vocab: int = 384, seed: int = 0, max_shard_bytes: int = None) -> str:
+                         bpe_vocab: int = 384, seed: int = 0, max_shard_bytes: int = None,
+                         vocab_size: int = None) -> str:
     """A random Qwen3ForCausalLM (or LlamaForCausalLM) folder as the hub has them: config.json, bf16
     safetensors (sharded above max_shard_bytes), a byte-level BPE tokenizer.json (the `tokenizers`
-    library, trained on synthetic math), tokenizer_config.json and generation_config.json (HF_TOKENS)."""
+    library, trained on synthetic math), tokenizer_config.json and generation_config.json (HF_TOKENS).
+    vocab_size: the embedding table's rows (config.json), when more than the tokenizer's tokens: the rest
+    pad it, as Qwen3's 151,936 rows do its 151,669 tokens."""
     tokens = HF_TOKENS[architecture]
     tokenizer = train_hf_bpe(synthetic_corpus(seed=seed), bpe_vocab, os.path.join(out_dir, "tokenizer.json"),
                              tokens["special"])
@@ -93,7 +96,7 @@ def write_random_hf_base(out_dir: str, architecture: str = "qwen3", dim: int = 6
     write_json({"eos_token_id": ends}, os.path.join(out_dir, "generation_config.json"))
     qwen3 = architecture == "qwen3"
     args = ModelArgs(architecture=architecture, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                     head_dim=head_dim, ffn_dim=ffn_dim, vocab_size=tokenizer.get_vocab_size(),
+                     head_dim=head_dim, ffn_dim=ffn_dim, vocab_size=vocab_size or tokenizer.get_vocab_size(),
                      norm_eps=1e-6 if qwen3 else 1e-5, rope_theta=1e6 if qwen3 else 500000.0,
                      use_scaled_rope=not qwen3, qk_norm=qwen3, tied_embeddings=tied)
     write_hf_base(out_dir, args, random_base_weights(args, seed), max_shard_bytes, bf16=True)

@@ -37,6 +37,7 @@ BASE_FIELDS = ("architecture",) + META_FIELDS + ("head_dim", "ffn_dim", "qk_norm
                                                 "rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                                                 "rope_original_context")
 ARCHITECTURES = ("llama", "qwen3")
+SPANS = "half-open spans: '0-2' is layers 0 and 1, '0-8,24-32' sixteen layers, 'all' every one, '0-0' none"
 
 
 def parse_layer_span(spec: str, n_layers: int, field: str = "layers") -> frozenset:
@@ -104,7 +105,7 @@ class ModelArgs:
     # MoA: experts (layer spans are half-open, e.g. '0-32' or '0-8,24-32'; 'all' = every layer, '0-0' = none)
     variant: str = setting("sparse", "method moa: Soft MoA (every expert, sigmoid-weighted) or Sparse MoA (a learned "
                                      "per-token threshold switches experts off)", VARIANTS)
-    lora_layers: str = setting("0-0", "layer spans with LoRA experts")
+    lora_layers: str = setting("0-0", f"the layers with LoRA experts, {SPANS}")
     lora_rank: int = setting(8, "LoRA rank r", at_least=1)
     lora_targets: str = setting("Q,K,V,O,FFN_DOWN",
                                 f"comma list of distinct LoRA targets from {','.join(LORA_TARGETS)}")
@@ -112,10 +113,10 @@ class ModelArgs:
     expert_num: int = setting(1, "experts per LoRA target, prompt and parallel adapter (MoE-LoRA when > 1)",
                               at_least=1)
     hydra_moe: bool = setting(False, "the LoRA experts share one A (HydraLoRA)")
-    p_adapter_layers: str = setting("0-0", "layer spans with the parallel adapter")
+    p_adapter_layers: str = setting("0-0", f"the layers with the parallel adapter, {SPANS}")
     p_adapter_size: int = setting(16, "parallel adapter bottleneck width", at_least=1)
     p_adapter_hydra: bool = setting(False, "the parallel adapter's experts share one down projection")
-    prompt_layers: str = setting("0-0", "layer spans with prompt tuning (Soft MoA only)")
+    prompt_layers: str = setting("0-0", f"the layers with prompt tuning (Soft MoA only), {SPANS}")
     prompt_len: int = setting(10, "prompt tokens per layer", at_least=1)
     # MoA: routing
     swi_x: int = setting(4, "type router hidden width multiplier (SwiGLU); 0 = a Linear router", at_least=0)
@@ -199,6 +200,24 @@ class ModelArgs:
             return None
         return (self.rope_scale_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
                 self.rope_original_context)
+
+    def layer_shapes(self) -> dict:
+        """The base tensors of one layer: {name under 'layers.<i>.' (Meta's, our attributes'): shape}."""
+        D, F, hd = self.dim, self.ffn_hidden_dim, self.head_dim
+        shapes = {"attention.wq.weight": (self.n_heads * hd, D), "attention.wk.weight": (self.n_kv_heads * hd, D),
+                  "attention.wv.weight": (self.n_kv_heads * hd, D), "attention.wo.weight": (D, self.n_heads * hd),
+                  "feed_forward.w1.weight": (F, D), "feed_forward.w2.weight": (D, F), "feed_forward.w3.weight": (F, D),
+                  "attention_norm.weight": (D,), "ffn_norm.weight": (D,)}
+        if self.qk_norm:
+            shapes.update({"attention.q_norm.weight": (hd,), "attention.k_norm.weight": (hd,)})
+        return shapes
+
+    def outer_shapes(self) -> dict:
+        """The base tensors outside the layers (the output matrix only where it is not the embedding table)."""
+        shapes = {"tok_embeddings.weight": (self.vocab_size, self.dim), "norm.weight": (self.dim,)}
+        if not self.tied_embeddings:
+            shapes["output.weight"] = (self.vocab_size, self.dim)
+        return shapes
 
     def type_names(self, layer: int) -> list:
         """The type router's columns in layer `layer`, in the authors' fixed order (MoA and instance)."""

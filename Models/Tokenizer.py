@@ -142,6 +142,14 @@ def known_ids(ids, n_words: int) -> list:
     return [i for i in ids if i >= 0]
 
 
+def decode_until_unknown(tokenizer, ids) -> tuple:
+    """(text of `ids` up to the first id outside the tokenizer's vocabulary, that id or None): a generation
+    keeps its text should a model still produce such an id."""
+    ids = [int(i) for i in ids]
+    unknown = next((i for i in ids if i >= tokenizer.n_words), None)
+    return tokenizer.decode(ids if unknown is None else ids[:ids.index(unknown)]), unknown
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer.json through the `tokenizers` library, with Tokenizer's interface. The
     folder's files name its special ids (Models/formats/hf.open_tokenizer calls use_special_ids);
@@ -154,7 +162,10 @@ class HFTokenizer:
         except Exception as err:  # the library raises a bare Exception for any file it cannot read
             raise ValueError(f"{path} is not a tokenizer.json of the tokenizers library: {err}") from None
         self.model.encode_special_tokens = True
-        self.n_words = max(self.model.get_vocab(with_added_tokens=True).values()) + 1
+        ids = self.model.get_vocab(with_added_tokens=True).values()
+        if not ids:
+            raise ValueError(f"{path}: its vocabulary (model.vocab and added_tokens) is empty")
+        self.n_words = max(ids) + 1
         self.bos_id = self.eos_id = None
         self.pad_id = -1
         self.stop_tokens = set()

@@ -1,9 +1,12 @@
-"""The model. `from Models import load_base_model` opens a base of either layout (Models/formats/base_model.py);
-it is imported on first use, so that `import Models.ModelArgs` and the like stay light."""
+"""The model. `from Models import load_base_model, load_trained_model` opens a base of either layout, alone or
+with a trained adapter (Models/formats/base_model.py); imported on first use, so that `import Models.ModelArgs`
+and the like stay light."""
+
+PUBLIC = ("load_base_model", "load_trained_model")
 
 
 def __getattr__(name):
-    if name == "load_base_model":
-        from .formats.base_model import load_base_model
-        return load_base_model
+    if name in PUBLIC:
+        from .formats import base_model
+        return getattr(base_model, name)
     raise AttributeError(f"module 'Models' has no attribute {name!r}")

@@ -15,7 +15,6 @@ A decode step's products read the base's weights once for the whole batch
 (Models/kernels/switch.decoding), so tokens per second grow with the batch up to
 DECODE_ROWS rows; `auto_batch_size` picks the largest batch the memory holds.
 """
-import os
 import time
 
 import numpy as np
@@ -24,29 +23,11 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
+from .memory import available_memory, kv_cache_bytes, ranks_on_this_host
 from .ModelArgs import BF16_PRODUCTS, INSTANCE_METHODS
 from .kernels.switch import DECODE_ROWS, GEMV_ROWS
 
 PAD_TOKEN = 0  # fed in padded slots that are never read (pad_id -1 is not a valid embedding row)
-
-
-def available_memory() -> int:
-    """Bytes the machine can still give (MemAvailable; free pages where /proc/meminfo is missing)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
-    """The keys and values of every layer: batch * layers * 2 * kv_heads * head_dim * seq * (4, or 2 in a
-    bf16 cache: ModelArgs.kv_cache 'base' with a bf16 or int8 base)."""
-    element = 2 if args.precision in BF16_PRODUCTS and args.kv_cache == "base" else 4
-    return batch_size * args.n_layers * 2 * args.n_kv_heads * args.head_dim * seq_len * element
 
 
 def decode_buffer_bytes(args, batch_size: int, chunk: int) -> int:
@@ -67,24 +48,10 @@ def auto_batch_size(args, seq_len: int, n_prompts: int, available=None, chunk: i
     kernels serves (DECODE_ROWS with a bf16 or int8 base, GEMV_ROWS otherwise), whose KV cache (counted
     KV_CACHE_SHARE times) and decode buffers fit in 80% of the memory left (all ranks on this host
     together; call it with the model loaded). The rest is for Jittor's compiler on the first batch."""
-    ranks_here = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
-    available = (available_memory() if available is None else available) * 0.8 / ranks_here
+    available = (available_memory() if available is None else available) * 0.8 / ranks_on_this_host()
     per_row = KV_CACHE_SHARE * kv_cache_bytes(args, 1, seq_len) + decode_buffer_bytes(args, 1, chunk)
     most = DECODE_ROWS if args.precision in BF16_PRODUCTS else GEMV_ROWS
     return max(1, min(most, n_prompts, int(available // per_row)))
-
-
-def check_kv_cache_memory(args, batch_size: int, seq_len: int, available=None):
-    """Refuse a KV cache larger than the free memory (all ranks on this host together), before
-    it is allocated: past it, the allocation ends in a crash, not an error."""
-    ranks_here = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
-    need = kv_cache_bytes(args, batch_size, seq_len) * ranks_here
-    available = available_memory() if available is None else available
-    if need > available:
-        raise ValueError(f"the KV cache for --batch_size {batch_size} x {seq_len} tokens ({args.n_layers} layers, "
-                         f"{args.n_kv_heads} kv heads of {args.head_dim}{f', {ranks_here} ranks' if ranks_here > 1 else ''}) "
-                         f"needs {need / 2**30:.2f} GiB, more than the {available / 2**30:.2f} GiB available: lower "
-                         "--batch_size, --max_gen_len or --max_seq_len")
 
 
 def prefill_length(shortest_prompt: int, step: int = 64) -> int:
@@ -187,8 +154,13 @@ def nucleus_of_sorted_rows(probs: np.ndarray, top_p: float) -> tuple:
     return order, p / p.sum(-1, keepdims=True)
 
 
-def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random.Generator) -> np.ndarray:
-    """Greedy (argmax on the device) when temperature == 0, else temperature + nucleus sampling."""
+def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random.Generator,
+                n_words: int = None) -> np.ndarray:
+    """Greedy (argmax on the device) when temperature == 0, else temperature + nucleus sampling, among the ids
+    below n_words (the tokenizer's): an embedding table may have more rows than the tokenizer has tokens (Qwen3's
+    151,936 for 151,669), and those padding rows are no tokens, whatever the weights give them."""
+    if n_words is not None and n_words < logits.shape[-1]:
+        logits = logits[:, :n_words]
     if temperature == 0:
         return jt.argmax(logits, dim=-1)[0].numpy().astype(np.int64)
     probs = nn.softmax(logits / temperature, dim=-1).numpy()
@@ -226,7 +198,8 @@ def row_records(steps: list, row: int, n_tokens: int) -> list:
 def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature: float = 0.0,
              top_p: float = 0.9, seed: int = 0, records=None, batch_size=None, prefill_step: int = 64,
              budget_seq_len=None, timings=None):
-    """Continue each prompt (a list of token ids, bos included) by up to max_gen_len tokens.
+    """Continue each prompt (a list of token ids, bos included) by up to max_gen_len tokens. `tokenizer` gives
+    stop_tokens (the ids that end a generation) and n_words (generated ids stay below it: pick_tokens).
 
     budget_seq_len: the authors' budget, a sequence length that no example's prompt plus
       generation exceeds: each prompt gets min(max_gen_len, budget_seq_len - len(prompt))
@@ -300,7 +273,7 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
             if timings is not None:
                 logits.sync()  # the forward's time stays out of the sampling's
                 picking = time.perf_counter()
-            picked = pick_tokens(logits, temperature, top_p, rng)
+            picked = pick_tokens(logits, temperature, top_p, rng, tokenizer.n_words)
             if timings is not None and pos > P:
                 sampling_s += time.perf_counter() - picking
             if pos == P:

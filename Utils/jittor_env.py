@@ -9,14 +9,17 @@ three defaults break on an offline CPU machine:
   `mkl_include_path`/`mkl_lib_path` are broken in 1.3.11;
 - without oneDNN we fall back to `use_mkl=0` (slower, but never a download);
 - on a GPU machine Jittor's CUDA import downloads CUTLASS, cuTT and (where mpicc exists)
-  NCCL and wants cuDNN 8, none of which the project uses: they are switched off unless set.
-Jittor 1.3.11 needs three small patches for CUDA 13 (scripts/jittor_cuda13.sh; setup.sh
-applies them where nvcc is 13 or later).
+  NCCL and wants cuDNN 8: CUTLASS, cuTT and cuDNN are switched off unless set, and NCCL
+  too unless under mpirun with NCCL at hand or downloadable.
+Jittor 1.3.11 needs small patches (setup.sh applies them): its op compiler's threads and
+Python, and its compile progress (scripts/jittor_patches.sh), and CUDA 13 (scripts/jittor_cuda13.sh).
 """
 import glob
 import os
 import signal
+import socket
 import sys
+import warnings
 
 ONEDNN_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "mkl", "dnnl_lnx_2.2.0_cpu_gomp")
 SYSTEM_DNNL_LIBS = ("/usr/lib/x86_64-linux-gnu/libdnnl.so", "/usr/lib/aarch64-linux-gnu/libdnnl.so", "/usr/lib/libdnnl.so")
@@ -45,6 +48,22 @@ def ensure_onednn():
     if not os.path.lexists(link):
         os.symlink(os.path.realpath(system_lib), link)
     return True
+
+
+NCCL_BUILD = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "nccl", "nccl-2.8.4-1", "build", "lib", "libnccl.so")
+
+
+def nccl_obtainable() -> bool:
+    """Whether Jittor can have NCCL under mpirun: given by path, built before, or downloadable. Jittor downloads and
+    builds it whenever MPI and CUDA are both there, and where nothing can be downloaded (a GPU machine without
+    registries) the failed download aborted every rank at import."""
+    if os.environ.get("nccl_lib_path") or os.path.isfile(NCCL_BUILD):
+        return True
+    try:
+        socket.getaddrinfo("codeload.github.com", 443)
+        return True
+    except OSError:
+        return False
 
 
 # The signals a process stops on at its next safe point: Ctrl-C, kill (TERM), and SIGUSR1, which mpirun
@@ -105,6 +124,54 @@ class Stopped(Exception):
     """A stop signal ended the work before it was done; str() is the signal's name."""
 
 
+class StopForwarder:
+    """The stop signals of a process that only runs the tools as children (Compare.py): each is caught by a
+    Python handler, Jittor's own SIGINT handler replaced ("quick exit", status 1: this process runs no
+    Jittor op a handler could interrupt), and passed on to the child running at the time, which stops as
+    the tools do (a training run at its next step boundary, checkpoint saved). mpirun is sent SIGUSR1,
+    which it forwards to its ranks as it is. Each child runs in a session of its own, so a terminal's
+    Ctrl-C reaches it through here only, once. `run` waits for the child; `signal` is the first stop.
+    The handlers hold inside `with StopForwarder() as stops:`; the earlier ones come back after it."""
+
+    def __init__(self):
+        self.signal, self.child, self.previous = None, None, {}
+
+    def __enter__(self):
+        self.previous = {signum: signal.signal(signum, self.received) for signum in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def received(self, signum, frame):
+        self.signal = self.signal or signum
+        self.pass_on()
+
+    def pass_on(self):
+        child = self.child
+        if child is not None and self.signal is not None:
+            mpirun = os.path.basename(str(child.args[0])) == "mpirun"
+            child.send_signal(signal.SIGUSR1 if mpirun else self.signal)  # nothing when it has ended
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name
+
+    def run(self, command: list, **popen) -> int:
+        """Run `command` (subprocess.Popen's `popen` arguments) to its end, stop signals passed on; its exit
+        status. Raises Stopped before starting it when a stop came first."""
+        import subprocess
+        if self.signal is not None:
+            raise Stopped(self.name)
+        self.child = subprocess.Popen(command, start_new_session=True, **popen)
+        try:
+            self.pass_on()  # a stop that came while it started
+            return self.child.wait()
+        finally:
+            self.child = None
+
+
 def prepare():
     if "jittor" in sys.modules:
         return  # too late to change anything; whoever imported it chose
@@ -115,8 +182,8 @@ def prepare():
         # needs cuDNN 8; none is used here. conv_opt=1 sets up only cuBLAS and cuRAND.
         for name, value in (("use_cutlass", "0"), ("use_cutt", "0"), ("conv_opt", "1")):
             os.environ.setdefault(name, value)
-        if "OMPI_COMM_WORLD_SIZE" not in os.environ:  # NCCL only matters across ranks
-            os.environ.setdefault("use_nccl", "0")
+        if "OMPI_COMM_WORLD_SIZE" not in os.environ or not nccl_obtainable():
+            os.environ.setdefault("use_nccl", "0")  # ranks then reduce through MPI on the host
     if os.environ.get("use_mkl", "1") == "1" and not ensure_onednn():
         print("[moa] oneDNN not found (apt-get install libdnnl-dev); using Jittor's slower "
               "built-in matmul (use_mkl=0)", file=sys.stderr)
@@ -134,4 +201,8 @@ def prepare():
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
 
 
+# Jittor's kernels are built with -Ofast, whose start-up code sets the CPU to treat subnormal floats as zero in the
+# whole process: numpy's finfo then finds none and warns, once per float type, on every Infer.py run (matplotlib
+# asks). The kernels chose that mode; the warning leaves nothing to do.
+warnings.filterwarnings("ignore", message="The value of the smallest subnormal", category=UserWarning)
 prepare()

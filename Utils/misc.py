@@ -10,9 +10,7 @@ import json
 import math
 import os
 import pickle
-import re
 import select
-import shutil
 import stat
 import time
 from collections import defaultdict, deque
@@ -24,9 +22,9 @@ import jittor as jt
 
 from Utils.jittor_env import StopFlag, Stopped
 
-# Temp files of interrupted writes start with this, beside the file they were to replace.
+# Temp files of interrupted writes start with this, beside the file they were to replace
+# (.tmp<pid>.<name>: the writer's pid; Utils/output_dirs.remove_stale_temp removes those of dead writers).
 TMP_PREFIX = ".tmp"
-_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(\d+)\.")  # .tmp<pid>.<name>: the writer's pid
 _is_master = True
 
 
@@ -100,39 +98,6 @@ def atomic_write(path, write):
     return path
 
 
-def _pid_alive(pid):
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        return True
-    return True
-
-
-def remove_stale_temp(folder, recursive=True):
-    """Remove the temp files (and staging folders) of interrupted writes in `folder` (and below):
-    those named `.tmp<pid>.*` whose writing process is gone (a live one, e.g. an Infer.py run writing
-    beside a training run, keeps its own). Returns the removed paths."""
-    removed = []
-    if not os.path.isdir(folder):
-        return removed
-    for root, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            match = _TMP_NAME.match(name)
-            if match and not _pid_alive(int(match.group(1))):
-                path = os.path.join(root, name)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    os.remove(path)
-                removed.append(path)
-        dirs[:] = [d for d in dirs if not _TMP_NAME.match(d)] if recursive else []
-    return removed
-
-
 def write_json(obj, path):
     """Atomically write `obj` as indented JSON."""
     def write(tmp):
@@ -172,14 +137,47 @@ def read_input(path) -> bytes:
 
 
 def read_json_object(path, what: str) -> dict:
-    """A JSON file holding one object; malformed JSON or another value is a ValueError naming the file."""
+    """A JSON file holding one object; malformed JSON, another value or text that cannot be encoded
+    (check_encodable) is a ValueError naming the file."""
     try:
         value = json.loads(read_input(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path}: expected a JSON object of {what}")
+    check_encodable(value, path)
     return value
+
+
+def check_encodable(value, path, what: str = ""):
+    """Refuse JSON text holding a string that no encoding can write: a lone surrogate, which an escape
+    such as \\ud800 makes and json reads without complaint, but a tokenizer, a prediction file or the
+    terminal then fails on. Every JSON input of the tools passes here as it is read (objects, data sets,
+    each line of a JSON Lines file); the error names the file, `what` (an example, a line) and the field."""
+    found = unencodable(value)
+    if found is not None:
+        where, char = found
+        place = " ".join(part for part in (what, f"field '{where}'" if where else "") if part)
+        raise ValueError(f"{path}: {place + ' ' if place else ''}holds a lone surrogate ({ascii(char)}), text that "
+                         "no encoding can write: fix or drop it")
+
+
+def unencodable(value, where: str = ""):
+    """(where, the character) of the first string in `value` (lists and objects, keys too) that UTF-8
+    cannot encode; None when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return None
+        except UnicodeEncodeError as e:
+            return where, value[e.start]
+    if isinstance(value, dict):
+        items = [(key, f"{where}.{key}" if where else str(key)) for key in value]
+        return next((found for key, inside in items
+                     for found in (unencodable(key, where), unencodable(value[key], inside)) if found), None)
+    if isinstance(value, list):
+        return next((found for i, item in enumerate(value) if (found := unencodable(item, f"{where}[{i}]"))), None)
+    return None
 
 
 def save_on_master(payload, path):
@@ -290,24 +288,28 @@ class MetricLogger:
     def log_every(self, iterable, print_freq, header="", total=None):
         """Yield the items of `iterable`, printing progress every `print_freq` items.
 
-        `total` overrides len(iterable), e.g. when resuming mid-epoch.
+        `total` overrides len(iterable), e.g. when resuming mid-epoch. The ETA is the items left times the
+        mean time of the items after the first, which compiles Jittor's kernels (none yet at the first).
         """
         if total is None:
             total = len(iterable) if hasattr(iterable, "__len__") else None
         iter_time, data_time = SmoothedValue(fmt="{avg:.4f}"), SmoothedValue(fmt="{avg:.4f}")
+        after_first = SmoothedValue()
         start = end = time.time()
         count = 0
         for i, item in enumerate(iterable):
             data_time.update(time.time() - end)
             yield item
             iter_time.update(time.time() - end)
+            if i > 0:
+                after_first.update(time.time() - end)
             count = i + 1
             if i % print_freq == 0 or (total is not None and i == total - 1):
                 where = f"[{i}/{total}]" if total is not None else f"[{i}]"
                 parts = [header, where]
                 if total is not None:
-                    eta = iter_time.global_avg * (total - 1 - i)
-                    parts.append(f"eta: {datetime.timedelta(seconds=int(eta))}")
+                    eta = after_first.global_avg * (total - 1 - i) if i > 0 else None
+                    parts.append(f"eta: {'-' if eta is None else datetime.timedelta(seconds=int(eta))}")
                 parts += [str(self), f"time: {iter_time}", f"data: {data_time}"]
                 print_main(self.delimiter.join(p for p in parts if p))
             end = time.time()

@@ -18,15 +18,19 @@ Evaluation (Infer.py): a folder holds one evaluation's complete results. They ar
 staging folder beside it, which replaces it as a whole once everything is scored; a folder holding
 anything its manifest does not list is refused, and so is a mount point (it cannot be renamed). A
 symlinked folder is followed: its target is replaced.
+
+Interrupted writes (a kill -9) leave temp files `.tmp<pid>.<name>` and staging folders; the next run
+removes those of dead writers by the same rule, never by their name alone (remove_stale_temp).
 """
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
 import uuid
 
-from Utils.misc import TMP_PREFIX, remove_stale_temp, temp_name, write_json
+from Utils.misc import TMP_PREFIX, temp_name, write_json
 
 LOCK_NAME = ".lock"
 MANIFEST = ".manifest.json"
@@ -36,6 +40,8 @@ RUN_FILES = ("args.json", "log.txt", "checkpoint-latest.pth", "checkpoint-best.p
              "tensorboard", "data")
 INFER = "Infer.py"
 BOOKKEEPING = (LOCK_NAME, MANIFEST)
+STAGING = "staging"  # a manifest's mark of a staging folder: all it holds is the evaluation's
+TEMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(\d+)\.")  # .tmp<pid>.<name>: the writer's pid
 
 
 class RunDirError(ValueError):
@@ -140,6 +146,59 @@ def removable_entries(folder: str) -> list:
     return paths
 
 
+def manifest_or_none(folder: str) -> dict:
+    """read_manifest, or {} for a folder whose manifest is not the tools' (a sweep then removes nothing there)."""
+    try:
+        return read_manifest(folder)
+    except RunDirError:
+        return {}
+
+
+def pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def temp_folder_of_the_tools(path: str) -> bool:
+    """A temp folder its own manifest claims whole: a staging folder, or an evaluation folder set aside to
+    be replaced (everything in it listed)."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    manifest = manifest_or_none(path)
+    return bool(manifest.get(STAGING)) or (manifest.get("tool") == INFER and not user_entries(path))
+
+
+def remove_stale_temp(folder: str, recursive: bool = True, owned: bool = False) -> list:
+    """Remove what interrupted writes of dead processes left in `folder` (and in its sub-folders), where a
+    manifest lists it: `.tmp<pid>.<name>` whose <name> the folder's manifest lists (or which is a temp
+    copy of the manifest itself), anything of that form inside an entry a manifest lists (`owned`:
+    adapter/, tensorboard/), and a temp folder that its own manifest claims (temp_folder_of_the_tools).
+    Anything else, however it is named, is the user's and stays; so does what a live process writes.
+    Returns the removed paths."""
+    removed = []
+    if not os.path.isdir(folder):
+        return removed
+    listed = set(manifest_or_none(folder).get("written", [])) | {MANIFEST}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        match = TEMP_NAME.match(name)
+        if match:
+            ours = owned or name[match.end():] in listed or temp_folder_of_the_tools(path)
+            if ours and not pid_alive(int(match.group(1))):
+                remove(path)
+                removed.append(path)
+        elif recursive and os.path.isdir(path) and not os.path.islink(path):
+            removed += remove_stale_temp(path, True, owned or name in listed)
+    return removed
+
+
 def remove(path: str):
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
@@ -238,6 +297,14 @@ def evaluation_foreign(folder: str) -> list:
 def staging_dir(path: str, pid: int) -> str:
     """The folder beside `path` that process `pid` fills before it replaces `path`."""
     return os.path.join(os.path.dirname(path), f"{TMP_PREFIX}{pid}.{os.path.basename(path)}")
+
+
+def make_staging(staging: str):
+    """Create the staging folder with a manifest that claims all of it, so that a later run may remove it
+    once its writer is dead (remove_stale_temp); every rank may call it."""
+    os.makedirs(staging, exist_ok=True)
+    if not os.path.isfile(os.path.join(staging, MANIFEST)):
+        write_json({"tool": INFER, "written": [], STAGING: True}, os.path.join(staging, MANIFEST))
 
 
 def swap_in(staging: str, path: str):

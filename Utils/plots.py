@@ -39,7 +39,9 @@ that token was fed to the model (a token's weights decide how the experts
 process it, and thereby what comes next). type_weight is the weight w each
 expert type's output is multiplied by (Sparse: 0 for an unselected expert).
 
-Functions take the loaded dicts, write a PNG and return the matplotlib Figure.
+Functions take the loaded dicts, write a PNG and return the matplotlib Figure. Every colour scale spans the
+values drawn (after 30 steps a router's type weights may all lie within 0.50-0.51, invisible on 0-1), and the
+colour bar says the span.
 """
 import json
 import os
@@ -68,7 +70,8 @@ def weight_pickles(test_sets, tok, results, model):
         for i in range(first, first + count):
             r = results[i]
             common = {"dataset": name, "index": i - first, "token_ids": r["token_ids"],
-                      "tokens": [tok.decode([t]) for t in r["token_ids"]], "n_prompt": r["n_prompt"],
+                      "tokens": [tok.decode([t]) if t < tok.n_words else f"<id {t}>" for t in r["token_ids"]],
+                      "n_prompt": r["n_prompt"],
                       "generation": r["generation"]}
             type_data["examples"].append({**common, "weights": [layer["type_weight"] for layer in r["records"]]})
             token_data["examples"].append({**common, "weights": [layer["token_weight"] for layer in r["records"]]})
@@ -80,10 +83,41 @@ def family_order(name: str) -> int:
     return TYPE_ORDER.index(name) if name in TYPE_ORDER else len(TYPE_ORDER)
 
 
-def load_pickle(path):
+def load_pickle(path, kind: str = None):
+    """A --save_weights pickle; with `kind` (type_weight, token_weight) its structure is checked against
+    the one above, so a damaged file, or one of another kind under this name, is a ValueError naming it."""
     import pickle
     with open(path, "rb") as f:
-        return pickle.load(f)
+        try:
+            data = pickle.load(f)
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as e:
+            raise ValueError(f"{path}: not a --save_weights pickle ({type(e).__name__}: {e})") from None
+    if kind is not None:
+        check_weights(data, path, kind)
+    return data
+
+
+def check_weights(data, path, kind: str):
+    """Refuse a type_weight or token_weight dict that is not the structure above, naming the file and where."""
+    def bad(where, what):
+        raise ValueError(f"{path}: {where} {what}, not the {kind} structure Infer.py --save_weights writes")
+    if not isinstance(data, dict) or data.get("kind") != kind:
+        bad("is", f"kind {data.get('kind') if isinstance(data, dict) else type(data).__name__!r}")
+    layers = data.get("layer_types")
+    if not (isinstance(layers, list) and all(isinstance(n, list) and all(isinstance(t, str) for t in n) for n in layers)):
+        bad("its layer_types", "are not per layer a list of type names")
+    if not isinstance(data.get("examples"), list):
+        bad("its examples", "are not a list")
+    for i, ex in enumerate(data["examples"]):
+        ids = ex.get("token_ids") if isinstance(ex, dict) else None
+        if not (isinstance(ids, list) and isinstance(ex.get("n_prompt"), int) and 0 <= ex["n_prompt"] <= len(ids)
+                and isinstance(ex.get("weights"), list) and len(ex["weights"]) == len(layers)):
+            bad(f"example {i}", f"has no token_ids, n_prompt within them and weights for each of {len(layers)} layers")
+        for layer, (names, w) in enumerate(zip(layers, ex["weights"])):
+            columns = len(names) if kind == "type_weight" else 1
+            if w is not None and not (isinstance(w, np.ndarray) and w.shape == (len(ids), columns)):
+                bad(f"example {i} layer {layer}", f"weights {getattr(w, 'shape', type(w).__name__)}, expected "
+                                                  f"[{len(ids)} tokens, {columns}]")
 
 
 def type_columns(data) -> list:
@@ -112,7 +146,26 @@ def layer_by_type(data, statistic) -> np.ndarray:
     return table
 
 
+def colour_range(*tables) -> tuple:
+    """(low, high) of the finite values of `tables`, the span a colour scale fits; (0, 1) when there are none."""
+    values = np.concatenate([np.asarray(t, np.float64).ravel() for t in tables])
+    values = values[np.isfinite(values)]
+    if not values.size:
+        return 0.0, 1.0
+    low, high = float(values.min()), float(values.max())
+    return (low, high) if high > low else (low - 0.5e-3, high + 0.5e-3)  # one value: a scale around it
+
+
+def scale_label(name: str, low: float, high: float) -> str:
+    return f"{name}\n(colour scale {low:.4g} to {high:.4g})"
+
+
 def heatmap(ax, table, x_labels, y_labels, cmap="viridis", annotate=True, vmin=None, vmax=None):
+    """imshow of `table` (NaN blank), colours from vmin to vmax (the values' span when not given), the values
+    written in the cells of a small table with as many decimals as their span needs."""
+    if vmin is None or vmax is None:
+        low, high = colour_range(table)
+        vmin, vmax = low if vmin is None else vmin, high if vmax is None else vmax
     image = ax.imshow(np.ma.masked_invalid(table), aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax,
                       interpolation="nearest")
     ax.set_xticks(range(len(x_labels)))
@@ -120,9 +173,10 @@ def heatmap(ax, table, x_labels, y_labels, cmap="viridis", annotate=True, vmin=N
     ax.set_yticks(range(len(y_labels)))
     ax.set_yticklabels(y_labels)
     if annotate and table.size <= 400:
+        digits = int(np.clip(1 - np.floor(np.log10(vmax - vmin)), 2, 4))
         for (i, j), value in np.ndenumerate(table):
             if np.isfinite(value):
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color="w")
+                ax.text(j, i, f"{value:.{digits}f}", ha="center", va="center", fontsize=7, color="w")
     return image
 
 
@@ -138,8 +192,8 @@ def plot_type_weight(type_data, path):
         return None
     columns = type_columns(type_data)
     fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(columns), 1.5 + 0.4 * table.shape[0]))
-    image = heatmap(ax, table, columns, [f"layer {i}" for i in range(table.shape[0])], vmin=0.0, vmax=1.0)
-    fig.colorbar(image, ax=ax, label="mean type weight")
+    image = heatmap(ax, table, columns, [f"layer {i}" for i in range(table.shape[0])])
+    fig.colorbar(image, ax=ax, label=scale_label("mean type weight", *image.get_clim()))
     ax.set_xlabel("expert type")
     ax.set_ylabel("layer")
     ax.set_title(f"{method_title(type_data)}: type weights (mean over {len(type_data['examples'])} examples)")
@@ -163,8 +217,8 @@ def plot_expert_weight(expert_data, path):
         table[r, :stacked.shape[1]] = stacked.mean(0)
     fig, ax = plt.subplots(figsize=(1.5 + 0.6 * n_experts, 1.5 + 0.3 * len(rows)))
     image = heatmap(ax, table, [f"expert {e}" for e in range(n_experts)],
-                    [f"layer {layer} {family}" for layer, family in rows], vmin=0.0)
-    fig.colorbar(image, ax=ax, label="mean expert weight")
+                    [f"layer {layer} {family}" for layer, family in rows])
+    fig.colorbar(image, ax=ax, label=scale_label("mean expert weight", *image.get_clim()))
     ax.set_title(f"{method_title(expert_data)}: expert weights (mean over {len(expert_data['examples'])} examples)")
     return save(fig, path)
 
@@ -176,35 +230,47 @@ def token_label(text: str) -> str:
     return label.replace("$", r"\$") or "''"
 
 
-def plot_token_weight(token_data, path, examples=(0,), max_tokens=96):
-    """Tokens x layers of Sparse MoA's threshold Gamma for a few examples (the last max_tokens each)."""
+def token_window(n_prompt: int, n_tokens: int, max_tokens: int) -> tuple:
+    """(start, stop) of the tokens of an example drawn in at most max_tokens rows: all of them when they fit,
+    else the end of the prompt (at least a third of the rows, more when the answer is short) and the answer
+    from its start."""
+    if n_tokens <= max_tokens:
+        return 0, n_tokens
+    prompt_rows = min(n_prompt, max(max_tokens // 3, max_tokens - (n_tokens - n_prompt)))
+    return n_prompt - prompt_rows, n_prompt - prompt_rows + max_tokens
+
+
+def plot_token_weight(token_data, path, examples=(0,), max_tokens=160):
+    """Tokens x layers of Sparse MoA's threshold Gamma for a few examples: the prompt's end and the answer
+    (token_window), a line between them."""
     examples = [i for i in examples if i < len(token_data["examples"])]
     n_layers = len(token_data["layer_types"])
     chosen = [token_data["examples"][i] for i in examples
               if any(w is not None for w in token_data["examples"][i]["weights"])]
     if not chosen:
         return None  # Soft MoA or no experts: there is no Gamma
-    heights = [min(len(ex["tokens"]), max_tokens) for ex in chosen]
-    top = max(np.nanmax([w.max() for ex in chosen for w in ex["weights"] if w is not None]), 1e-6)
-    width, height = (2.5 + 0.5 * n_layers) * len(chosen) + 1.0, 1.5 + 0.16 * max(heights)
+    windows = [token_window(ex["n_prompt"], len(ex["tokens"]), max_tokens) for ex in chosen]
+    tables = []
+    for ex, (start, stop) in zip(chosen, windows):
+        tables.append(np.stack([np.full(stop - start, np.nan) if w is None else w[start:stop, 0]
+                                for w in ex["weights"]], axis=1))
+    low, high = colour_range(*tables)  # one scale for the examples side by side
+    width, height = (2.5 + 0.5 * n_layers) * len(chosen) + 1.0, 1.5 + 0.16 * max(len(t) for t in tables)
     fig, axes = plt.subplots(1, len(chosen), squeeze=False, figsize=(width, height))
     fig.subplots_adjust(wspace=0.9)
-    for ax, ex, n in zip(axes[0], chosen, heights):
-        start = len(ex["tokens"]) - n
-        table = np.full((n, n_layers), np.nan)
-        for layer, w in enumerate(ex["weights"]):
-            if w is not None:
-                table[:, layer] = w[start:, 0]
-        labels = [token_label(t) for t in ex["tokens"][start:]]
+    for ax, ex, (start, stop), table in zip(axes[0], chosen, windows, tables):
+        labels = [token_label(t) for t in ex["tokens"][start:stop]]
         image = heatmap(ax, table, [f"L{i}" for i in range(n_layers)], labels, cmap="magma", annotate=False,
-                        vmin=0.0, vmax=top)
+                        vmin=low, vmax=high)
         for tick in ax.get_yticklabels():
             tick.set_fontsize(6)
-        if ex["n_prompt"] - 1 >= start:  # a line under the last prompt token
+        if start < ex["n_prompt"] < stop:  # a line between the prompt and the answer
             ax.axhline(ex["n_prompt"] - start - 0.5, color="c", linewidth=1.0)
         ax.set_xlabel("layer")
-        ax.set_title(f"{ex['dataset']} #{ex['index']}" + (f" (last {n} tokens)" if start else ""), fontsize=9)
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=min(1.0, 6.0 / height), label="Gamma (token threshold)")
+        shown = "" if (start, stop) == (0, len(ex["tokens"])) else f", tokens {start}-{stop - 1} of {len(ex['tokens'])}"
+        ax.set_title(f"{ex['dataset']} #{ex['index']} ({ex['n_prompt']} prompt tokens{shown})", fontsize=9)
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=min(1.0, 6.0 / height),
+                 label=scale_label("Gamma (token threshold)", low, high))
     return save(fig, path)
 
 
@@ -224,8 +290,8 @@ def plot_router_stats(type_data, path):
             spread[layer] = weights.std(1).mean()
     fig, (left, right) = plt.subplots(1, 2, figsize=(3.0 + 1.2 * len(columns), 1.8 + 0.4 * n_layers),
                                       gridspec_kw={"width_ratios": [2, 1]})
-    image = heatmap(left, active, columns, [f"layer {i}" for i in range(n_layers)], cmap="Blues", vmin=0.0, vmax=1.0)
-    fig.colorbar(image, ax=left)
+    image = heatmap(left, active, columns, [f"layer {i}" for i in range(n_layers)], cmap="Blues")
+    fig.colorbar(image, ax=left, label=scale_label("share of tokens", *image.get_clim()))
     left.set_title("activation rate (w > 0)" if sparse else "share of tokens with w >= 0.5")
     left.set_xlabel("expert type")
     right.plot(spread, np.arange(n_layers), marker="o")
@@ -281,13 +347,14 @@ def plot_loss_curves(log_path, path):
     return save(fig, path)
 
 
-def plot_all(out_dir, type_data=None, token_data=None, log_path=None, examples=(0, 1, 2), expert_data=None):
-    """Every plot that has data; returns {name: png path}."""
+def plot_all(out_dir, type_data=None, token_data=None, log_path=None, examples=(0, 1, 2), expert_data=None,
+             max_tokens=160):
+    """Every plot that has data; returns {name: (png path, (low, high) of its colour scale, or None)}."""
     jobs = [("expert_weight", plot_expert_weight, (expert_data,))] if expert_data is not None else []
     if type_data is not None:
         jobs += [("type_weight", plot_type_weight, (type_data,)), ("router_stats", plot_router_stats, (type_data,))]
     if token_data is not None:
-        jobs.append(("token_weight", lambda d, p: plot_token_weight(d, p, examples), (token_data,)))
+        jobs.append(("token_weight", lambda d, p: plot_token_weight(d, p, examples, max_tokens), (token_data,)))
     if log_path and os.path.isfile(log_path):
         jobs.append(("loss_curves", plot_loss_curves, (log_path,)))
     written = {}
@@ -295,6 +362,7 @@ def plot_all(out_dir, type_data=None, token_data=None, log_path=None, examples=(
         path = os.path.join(out_dir, f"{name}.png")
         fig = fn(*inputs, path)
         if fig is not None:
-            written[name] = path
+            scales = [image.get_clim() for ax in fig.axes for image in ax.get_images()]  # one per figure
+            written[name] = (path, scales[0] if scales else None)
             plt.close(fig)
     return written

@@ -7,19 +7,22 @@ of one class into argparse flags; `resolve` builds the instance from, in rising 
 dataclass defaults, a recipe, and the flags actually given on the command line.
 
 Every value of a field, wherever it comes from (a flag, a recipe file, args.json, an
-adapter_params.json, Meta's params.json), passes `check_values`: its declared type, a finite number
-for a float (finite in float32, which the kernels compute in), its choices and its bounds; the error
+adapter_params.json, Meta's params.json, a Hugging Face config.json), passes `check_values`: its
+declared type, a finite number for a float (finite in float32, which the kernels compute in), an
+integer of 64 bits for an int (what a shape holds), its choices and its bounds; the error
 names where the value came from. Rules that join several settings live in each class's
 __post_init__, which also checks every field again (programmatic construction included).
 """
 import argparse
 import os
+import re
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 
 from Utils.misc import read_json_object
 
 FLOAT32_MAX = 3.4028234663852886e38
+INT64_LIMIT = 2**63
 
 
 class SettingError(ValueError):
@@ -70,10 +73,19 @@ def where(source, name: str) -> str:
     return f"--{name}" if source is None else f"{source}: field '{name}'"
 
 
-def check_value(f, value, source=None):
-    """`value` of field `f` by its declared type and rule, or a SettingError naming where it came from.
-    Returns it, an integer given for a float as a float."""
-    kind, rule, label = _scalar_type(f.type), f.metadata, where(source, f.name)
+def with_sources(message: str, sources: dict) -> str:
+    """`message` (a rule joining several settings was broken) followed by the value of each setting it names
+    and where that came from; `sources` {name: (value, where)}, where: a flag, a recipe, a file."""
+    named = [f"{name} {value!r} from {origin}" for name, (value, origin) in sources.items()
+             if re.search(rf"(?<!\w){re.escape(name)}(?!\w)", message)]
+    return f"{message} ({'; '.join(named)})" if named else message
+
+
+def check_value(f, value, source=None, name=None):
+    """`value` of field `f` by its declared type and rule, or a SettingError naming where it came from
+    (`name`: the field's name there, when the file calls it otherwise). Returns it, an integer given for
+    a float as a float."""
+    kind, rule, label = _scalar_type(f.type), f.metadata, where(source, name or f.name)
     if value is None:
         if _optional(f.type) or kind not in _KIND_NAMES:
             return value
@@ -88,7 +100,9 @@ def check_value(f, value, source=None):
         raise SettingError(f"{label} must be one of {', '.join(map(str, rule['choices']))}; got {value!r}")
     for bound, broken, text in _BOUNDS:
         if rule.get(bound) is not None and broken(value, rule[bound]):
-            raise SettingError(f"{label} must be {text} {rule[bound]}, got {value!r}")
+            raise SettingError(f"{label} must be {text} {rule[bound]}, got {value!r:.40}")
+    if kind is int and not -INT64_LIMIT <= value < INT64_LIMIT:  # sizes and counts become int64 shapes
+        raise SettingError(f"{label} must be an integer of 64 bits, got {value!r:.40}")
     return value
 
 

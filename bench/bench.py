@@ -1,8 +1,10 @@
 """Training and decoding speed of MoA-Jittor on this machine; prints key=value pairs last.
 
 python bench/bench.py --variant sparse --config small [--precision fp32] [--preset lora]
+    [--config 8b --n_layers 4]
 The model is random (speed does not depend on the values); the sgemm roofline
-for MFU and the bf16 base matmul's rate are measured in the same run.
+for MFU and the bf16 base matmul's rate are measured in the same run. On a GPU
+(use_cuda=1) the line also has the process's peak GPU memory (peak_gpu_mb).
 bench/side_by_side.py runs this beside the authors' code, or (--preset lora) beside peft.
 """
 import argparse
@@ -14,6 +16,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from common import (CONFIGS, DECODE_BATCH, DECODE_RUNS, LR, NEW_TOKENS, PROMPT_LEN, TIMED_STEPS,  # bench/common.py
+                    TRAIN_BATCH, TRAIN_SEQ, WARMUP_STEPS, WEIGHT_DECAY, GpuMemoryPeak, describe_optimizer)
+
+if __name__ == "__main__":  # before Jittor can open the device, so that its CUDA context counts
+    GPU_MEMORY = GpuMemoryPeak().start()
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import Utils.jittor_env  # noqa: E402,F401
 import jittor as jt  # noqa: E402
@@ -24,16 +32,16 @@ from Models.ModelArgs import ModelArgs  # noqa: E402
 from Models.kernels.precision import base_linear  # noqa: E402
 from Models.kernels.adamw import build_optimizer  # noqa: E402
 from Utils.settings import METHOD_PRESETS, ArgumentParser, add_arguments, given, recipe_values  # noqa: E402
-from common import (CONFIGS, DECODE_BATCH, DECODE_RUNS, LR, NEW_TOKENS, PROMPT_LEN, TIMED_STEPS,  # noqa: E402
-                    TRAIN_BATCH, TRAIN_SEQ, WARMUP_STEPS, WEIGHT_DECAY, describe_optimizer)  # bench/common.py
 
 GEMM_SIZE = 1024  # the bf16 roofline's n^3 product; bench/torch_gemm.py times torch on the same size
 
 
-def model_args(config: str, settings: dict) -> ModelArgs:
-    """A random model of `config`'s shape with the bench recipe's experts, overridden by `settings`."""
+def model_args(config: str, settings: dict, n_layers: int = None) -> ModelArgs:
+    """A random model of `config`'s shape (`n_layers` deep where given) with the bench recipe's
+    experts, overridden by `settings`."""
     values = {**recipe_values("bench", settings.get("variant")), **settings}
-    return ModelArgs(**CONFIGS[config], **values, max_seq_len=TRAIN_SEQ, max_batch_size=TRAIN_BATCH)
+    shape = {**CONFIGS[config], **({"n_layers": n_layers} if n_layers else {})}
+    return ModelArgs(**shape, **values, max_seq_len=TRAIN_SEQ, max_batch_size=TRAIN_BATCH)
 
 
 def train_flops_per_token(model: LLaMA_adapter, seq: int) -> float:
@@ -100,7 +108,7 @@ def time_training(model: LLaMA_adapter, steps: int = TIMED_STEPS, warmup: int = 
 def time_decoding(model: LLaMA_adapter):
     """Greedy decoding through the KV cache, no stop tokens so every row makes NEW_TOKENS:
     (tokens/s over the whole call, prefill included, tokens made per call)."""
-    no_stops = SimpleNamespace(stop_tokens=set())
+    no_stops = SimpleNamespace(stop_tokens=set(), n_words=model.args.vocab_size)
     model.eval()
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(1, model.args.vocab_size, PROMPT_LEN)) for _ in range(DECODE_BATCH)]
@@ -117,6 +125,8 @@ def main():
     """Exit codes: 0 done, 2 bad arguments (one `error:` line)."""
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="model size")
+    parser.add_argument("--n_layers", type=int, help="the model's depth (default: the config's; 8b at a depth "
+                                                      "that fits the machine)")
     parser.add_argument("--no_decode", action="store_true", help="skip the decoding benchmark")
     parser.add_argument("--preset", choices=list(METHOD_PRESETS),
                         help="a method as Compare.py runs it (Utils/settings.METHOD_PRESETS; lora = plain LoRA on "
@@ -125,8 +135,11 @@ def main():
     add_arguments(parser.add_argument_group("model and experts (default: the bench recipe)"), ModelArgs,
                   recipe_values("bench"), exclude=("max_seq_len",))
     opts = parser.parse_args()
+    if opts.n_layers is not None and opts.n_layers < 1:
+        parser.error(f"--n_layers {opts.n_layers} must be at least 1")
     try:
-        settings = model_args(opts.config, {**METHOD_PRESETS.get(opts.preset, {}), **given(opts, ModelArgs)})
+        settings = model_args(opts.config, {**METHOD_PRESETS.get(opts.preset, {}), **given(opts, ModelArgs)},
+                              opts.n_layers)
     except ValueError as e:  # a setting's rule, or the rules joining several
         parser.exit(2, f"error: {e}\n")
     jt.set_global_seed(0)
@@ -142,7 +155,8 @@ def main():
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     onednn = os.environ.get("use_mkl", "1") == "1"
     counts, args = model.parameter_counts(), model.args
-    print(f"variant={args.variant} method={args.method} config={opts.config} precision={args.precision} "
+    print(f"variant={args.variant} method={args.method} config={opts.config} n_layers={args.n_layers} "
+          f"precision={args.precision} "
           f"onednn={int(onednn)} train_ms={train_s * 1e3:.1f} "
           f"train_tok_s={train_tok_s:.0f} decode_tok_s={decode_tok_s:.0f} peak_rss_mb={peak_rss_mb:.0f} "
           f"mfu={mfu:.3f} sgemm_gflops={roofline:.0f} bf16_matmul_gflops={bf16_gflops:.1f} gemm_n={GEMM_SIZE} "
@@ -150,7 +164,7 @@ def main():
           f"trainable_params={counts['total']} base_params={counts['base']} "
           f"train_tokens={TRAIN_BATCH * TRAIN_SEQ} loss_tokens={loss_tokens} decode_tokens={decode_tokens} "
           f"optimizer={optimizer} lora_rank={args.lora_rank} lora_alpha={args.lora_alpha:g} "
-          f"lora_targets={','.join(args.targets)}")
+          f"lora_targets={','.join(args.targets)}" + GPU_MEMORY.keys())
 
 
 if __name__ == "__main__":

@@ -225,10 +225,11 @@ def time_batch(model, lengths: list, new_tokens: int, rng) -> dict:
     """One warm-up and one timed generate of these prompts (random tokens) with the math recipe's sampling."""
     prompts = [[1] + list(rng.integers(2, model.llama.args.vocab_size, n - 1)) for n in lengths]
     recipe = recipe_values("math")
+    no_stops = SimpleNamespace(stop_tokens=set(), n_words=model.llama.args.vocab_size)
     for max_gen_len in (2, new_tokens):  # the warm-up compiles every shape of the timed run
         timings = {}
-        generate(model, SimpleNamespace(stop_tokens=set()), prompts, max_gen_len, recipe["temperature"],
-                 recipe["top_p"], seed=0, batch_size=len(prompts), timings=timings)
+        generate(model, no_stops, prompts, max_gen_len, recipe["temperature"], recipe["top_p"], seed=0,
+                 batch_size=len(prompts), timings=timings)
     B = len(prompts)
     return dict(prefill_tok_s=timings["prefill_tokens"] / timings["prefill_s"],
                 decode_tok_s=B * timings["decode_steps"] / timings["decode_s"],

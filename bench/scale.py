@@ -33,6 +33,7 @@ import Utils.jittor_env  # noqa: E402,F401
 import jittor as jt  # noqa: E402
 
 from bench import sgemm_gflops, train_flops_per_token  # noqa: E402  (bench/bench.py, beside this script)
+from common import CONFIGS  # noqa: E402  (bench/common.py)
 from Models.formats.adapters import save_adapter  # noqa: E402
 from Models.formats.base_model import LAYOUTS, base_args, build_model, weight_paths  # noqa: E402
 from Models.formats.hf import write_hf_base  # noqa: E402
@@ -47,9 +48,10 @@ from Utils.settings import ArgumentParser, recipe_values  # noqa: E402
 
 QWEN3 = dict(architecture="qwen3", head_dim=128, vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
              tied_embeddings=False)
-ARCHS = {  # LLaMA-3.1-8B's params.json; Qwen3-8B's and Qwen3-14B's config.json as ModelArgs fields
-    "llama31-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3,
-                       multiple_of=1024, norm_eps=1e-5, rope_theta=500000.0, use_scaled_rope=True),
+# LLaMA-3.1-8B's params.json (bench.py's and authors_bench.py's 8b); Qwen3-8B's and Qwen3-14B's config.json as
+# ModelArgs fields
+ARCHS = {
+    "llama31-8b": CONFIGS["8b"],
     "qwen3-8b": dict(QWEN3, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288),
     "qwen3-14b": dict(QWEN3, dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17408),
 }
@@ -145,9 +147,10 @@ def run_variant(llama_dir: str, variant: str, out_dir: str, roofline: float, pre
 
     model.eval()
     prompt = [list(rng.integers(1, args.vocab_size, PROMPT_LEN))]
-    generate(model, SimpleNamespace(stop_tokens=set()), prompt, max_gen_len=2)  # compiles the decode step
+    no_stops = SimpleNamespace(stop_tokens=set(), n_words=args.vocab_size)
+    generate(model, no_stops, prompt, max_gen_len=2)  # compiles the decode step
     start, timings = time.perf_counter(), {}
-    out = generate(model, SimpleNamespace(stop_tokens=set()), prompt, max_gen_len=NEW_TOKENS, timings=timings)
+    out = generate(model, no_stops, prompt, max_gen_len=NEW_TOKENS, timings=timings)
     decode_s = time.perf_counter() - start
     step_tok_s = timings["decode_steps"] / timings["decode_s"]
     print(f"[{variant}] decoded {len(out[0])} tokens in {decode_s:.1f} s ({step_tok_s:.2f} tokens/s in the decode "

@@ -4,8 +4,9 @@
     python scripts/compare_routers.py out/s0/eval out/s125/eval out/s1225/eval --output_dir out/seeds
 
 Writes router_comparison.png (each run's mean type weights, Sparse MoA's per-token Gamma on one
-example, the training loss curves, the runs' correlation matrix) and similarity.json (the
-correlations: of the mean type-weight tables, and token by token over the prompts the runs share).
+example, the training loss curves, the runs' correlation matrix; colour scales fitted to the values)
+and similarity.json (the correlations: of the mean type-weight tables, and token by token over the
+prompts the runs share; an undefined one is null, and `undefined` says why).
 """
 import argparse
 import os
@@ -13,14 +14,23 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from Utils.router_comparison import compare  # noqa: E402
+from Utils.settings import ArgumentParser  # noqa: E402
+
+
+def example_index(text: str) -> int:
+    """--example: an example's position in the runs' pickles, 0 or more."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an example's position (0 or more), got {text!r}")
+    return int(text)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python scripts/compare_routers.py", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python scripts/compare_routers.py", description=__doc__.split("\n\n")[0])
     p.add_argument("folders", nargs="+", help="Infer.py --save_weights output folders, one per run")
     p.add_argument("--output_dir", required=True, help="where router_comparison.png and similarity.json go")
-    p.add_argument("--labels", help="comma list of run labels (default: 'seed N' from each run's args.json)")
-    p.add_argument("--example", type=int, default=0, help="the example whose per-token Gamma is drawn")
+    p.add_argument("--labels", help="comma list of run labels (default: what differs between the runs: method, "
+                   "MoA's variant, seed)")
+    p.add_argument("--example", type=example_index, default=0, help="the example whose per-token Gamma is drawn")
     args = p.parse_args(argv)
     labels = args.labels.split(",") if args.labels else None
     if labels is not None and len(labels) != len(args.folders):
@@ -29,8 +39,10 @@ def main(argv=None):
         report = compare(args.folders, args.output_dir, labels, args.example)
     except (OSError, ValueError) as e:
         p.exit(2, f"error: {e}\n")
-    for name, matrix in (("mean type weights", report["mean"]), ("prompt tokens", report["prompt_tokens"])):
-        pairs = [f"{report['runs'][i]['label']} ~ {report['runs'][j]['label']}: {matrix[i][j]:.3f}"
+    for key, name in (("mean", "mean type weights"), ("prompt_tokens", "prompt tokens")):
+        matrix, undefined = report[key], report["undefined"][key]
+        pairs = [f"{report['runs'][i]['label']} ~ {report['runs'][j]['label']}: "
+                 + (f"undefined ({undefined[f'{i}-{j}']})" if f"{i}-{j}" in undefined else f"{matrix[i][j]:.3f}")
                  for i in range(len(matrix)) for j in range(i + 1, len(matrix))]
         print(f"[compare_routers] correlation of {name}: " + ("; ".join(pairs) or "one run"))
     print(f"[compare_routers] wrote {args.output_dir}/router_comparison.png, similarity.json")

@@ -6,13 +6,14 @@
 #                                            # (default 560: one 10-minute command, the machine's start apart)
 # The GPU machine has no package registries and its own Python 3.12 with torch, transformers and most of our
 # requirements; .gpu/wheels carries the rest (Jittor built as a wheel, numpy < 2, tensorboardX, astunparse) and
-# .gpu/ref the authors' sources for the side by side (bench/authors_bench.py --export). `run` makes the usual venv
+# .gpu/ref the authors' sources for the side by side (scripts/carry_authors.sh). `run` makes the usual venv
 # (~/.venvs/moa-jittor) over the image's packages, installs the wheels, runs setup.sh (Jittor's patches, its first
 # compile), prints the environment, then, each step timed and bounded by what is left:
-#   alone, so that its figures are the GPU's: the side by side with the authors' code at medium bf16
-#   (bench/side_by_side.py --device cuda); then in parallel (compiling CUDA kernels is most of their time, and the
+#   alone, so that its figures are the GPU's: the side by side with the authors' code, Sparse MoA at medium
+#   bf16 (bench/side_by_side.py --device cuda); then in parallel (compiling CUDA kernels is most of their time, and the
 #   machine has 16 cores): bash demo.sh (accuracy against the base) and the golden parity tests; then, with the
-#   time left, the 8B shape (bench/scale.py) and two MPI ranks against one (tests/test_mpi.py) where OpenMPI is.
+#   time left, the 8B shape (8 of its layers) and Soft MoA side by side, and two MPI ranks against one
+#   (tests/test_mpi.py) where OpenMPI is.
 # Logs go to $OUT (the device tool's folder) or .gpu/logs; the last line is key=value.
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,11 +30,12 @@ fetch() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$wheels" \
     "numpy==1.26.4" "tensorboardX==$tbx" "astunparse==1.6.3"
-  [ -n "${SKIP_REF:-}" ] || "$py" "$HERE/bench/authors_bench.py" --export "$CARRY/ref"
+  MOA_MIRROR="${MOA_MIRROR:-/work/.mirror/DCDmllm+MoA/repo}" bash "$HERE/scripts/carry_authors.sh"
   du -sh "$CARRY"/*
 }
 
-LOG_DIR="${OUT:-$CARRY/logs}"
+LOG_DIR="${OUT:-$CARRY/logs}"  # the device tool brings back at most 8 files: the logs alone go there
+STATUS_DIR="${GPU_CHECK_STATUS:-$(mktemp -d)}"
 START="${GPU_CHECK_START:-$(date +%s)}"
 BUDGET=560
 
@@ -44,17 +46,17 @@ note() { echo "[gpu_check $(( $(date +%s) - START ))s] $*" | tee -a "$LOG_DIR/gp
 step() {
   local name="$1" limit="$2"; shift 2
   local budget; budget=$(left); (( limit > budget - 5 )) && limit=$(( budget - 5 ))
-  if (( limit < 20 )); then note "$name: skipped (no time left)"; echo "skipped" > "$LOG_DIR/$name.status"; return; fi
+  if (( limit < 20 )); then note "$name: skipped (no time left)"; echo "skipped" > "$STATUS_DIR/$name"; return; fi
   local t0; t0=$(date +%s)
   note "$name: start (at most ${limit}s): $*"
   timeout --kill-after=5 "$limit" "$@" > "$LOG_DIR/$name.log" 2>&1
   local rc=$? status
   status="rc=$rc"; (( rc == 124 || rc == 137 )) && status="timed_out"
-  echo "$status $(( $(date +%s) - t0 ))s" > "$LOG_DIR/$name.status"
+  echo "$status $(( $(date +%s) - t0 ))s" > "$STATUS_DIR/$name"
   note "$name: $status after $(( $(date +%s) - t0 ))s"
 }
 
-status_of() { cut -d' ' -f1 < "$LOG_DIR/$1.status" 2>/dev/null || echo "not_run"; }
+status_of() { cut -d' ' -f1 < "$STATUS_DIR/$1" 2>/dev/null || echo "not_run"; }
 
 prepare() {
   note "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1)"
@@ -69,7 +71,8 @@ prepare() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$(site_packages)" --upgrade \
     "$CARRY"/wheels/*.whl || return 1
   bash "$HERE/setup.sh" || return 1
-  note "$("$VENV/bin/python" -c 'import jittor, numpy, sys; print("Jittor", jittor.__version__, "numpy", numpy.__version__, "Python", sys.version.split()[0])' 2>&1 | tail -1)"
+  note "$(cd "$HERE" && "$VENV/bin/python" -c 'import Utils.jittor_env, jittor, numpy, sys
+print("Jittor", jittor.__version__, "CUDA", jittor.has_cuda, "numpy", numpy.__version__, "Python", sys.version.split()[0])' 2>&1 | tail -1)"
 }
 
 site_packages() { "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
@@ -79,30 +82,31 @@ run() {
   mkdir -p "$LOG_DIR"
   cd "$HERE"
   # PIP_NO_INDEX: setup.sh reaches for no registry (pip finds everything installed, apt is not tried)
-  export GPU_CHECK_START="$START" PIP_NO_INDEX=1 PYTHONUNBUFFERED=1
+  export GPU_CHECK_START="$START" GPU_CHECK_STATUS="$STATUS_DIR" PIP_NO_INDEX=1 PYTHONUNBUFFERED=1
   step setup 240 bash "$HERE/scripts/gpu_check.sh" prepare
   if [ "$(status_of setup)" != "rc=0" ]; then
     tail -30 "$LOG_DIR/setup.log"; echo "gpu_check=failed step=setup"; return 1
   fi
   local py="$VENV/bin/python"
-  step side_by_side 150 env use_cuda=1 REFVENV="$(python3 -c 'import sys; print(sys.prefix)')" \
-    "$py" bench/side_by_side.py --device cuda --precisions bf16 --configs medium
+  local sbs=(env use_cuda=1 REFPYTHON=python3 "$py" bench/side_by_side.py --device cuda --precisions bf16)
+  step side_by_side 130 "${sbs[@]}" --configs medium --variants sparse
   step demo 400 env MOA_RUN_DIR=/tmp/demo bash demo.sh &
   step golden 400 env use_cuda=1 "$py" -m pytest -q -p no:cacheprovider -rf \
     tests/test_golden.py tests/test_precision.py tests/test_hf.py &
   wait
-  step scale 200 env use_cuda=1 "$py" bench/scale.py --n_layers 32 --variants sparse --tmp_dir /tmp
+  step side_by_side_8b 150 "${sbs[@]}" --configs 8b --n_layers 8 --variants sparse
+  step side_by_side_soft 120 "${sbs[@]}" --configs medium --variants soft
   if command -v mpirun >/dev/null; then step mpi 120 bash test.sh tests/test_mpi.py; fi
 
-  local demo_acc golden_counts sbs
+  local demo_acc golden_counts
   demo_acc="$(grep -o 'base alone [0-9.]*% -> MoA [0-9.]*%' "$LOG_DIR/demo.log" | sed 's/base alone /base=/; s/ -> MoA /,moa=/')"
   golden_counts="$(tail -3 "$LOG_DIR/golden.log" | grep -oE '[0-9]+ (passed|failed|errors?)' | tr ' ' '_' | paste -sd, -)"
-  sbs="$(tail -1 "$LOG_DIR/side_by_side.log" 2>/dev/null | tr ' ' ',')"
   echo "gpu_check=done seconds=$(( $(date +%s) - START )) setup=$(status_of setup) side_by_side=$(status_of side_by_side)" \
        "demo=$(status_of demo) demo_accuracy=${demo_acc:-none} golden=$(status_of golden)" \
-       "golden_tests=${golden_counts:-none} scale=$(status_of scale)" \
+       "golden_tests=${golden_counts:-none} side_by_side_8b=$(status_of side_by_side_8b)" \
+       "side_by_side_soft=$(status_of side_by_side_soft)" \
        "mpi=$(command -v mpirun >/dev/null && status_of mpi || echo no_openmpi)" \
-       "jittor_cache_mb=$(du -sm "$HOME/.cache/jittor" 2>/dev/null | cut -f1) side_by_side_line=${sbs:-none}"
+       "jittor_cache_mb=$(du -sm "$HOME/.cache/jittor" 2>/dev/null | cut -f1)"
 }
 
 case "${1:-}" in

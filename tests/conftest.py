@@ -86,6 +86,46 @@ def shared_path(*parts):
     return path
 
 
+# ---- the time summary: where a run's time went, per test file (test.sh adds pytest's slowest tests)
+
+JIT_DIR = os.path.join(jt.flags.cache_path, "jit")
+FILE_TIMES = {}  # test file: [seconds, tests, kernels compiled]
+
+
+def cached_kernels() -> int:
+    """The kernels in Jittor's cache: each new shape of an op that a test (or a program it starts) runs compiles
+    one more .so, so the count that a file adds says how much of its time went to compiling."""
+    try:
+        return sum(name.endswith(".so") for name in os.listdir(JIT_DIR))
+    except OSError:
+        return 0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    kernels, start = cached_kernels(), time.monotonic()
+    yield  # setup (a fixture's first user pays for it, as in --durations), call, teardown
+    entry = FILE_TIMES.setdefault(item.location[0], [0.0, 0, 0])
+    entry[0] += time.monotonic() - start
+    entry[1] += 1
+    entry[2] += cached_kernels() - kernels
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's slowest tests: the last lines before the verdict
+def pytest_terminal_summary(terminalreporter):
+    if not FILE_TIMES:
+        return
+    total = sum(seconds for seconds, _, _ in FILE_TIMES.values())
+    write = terminalreporter.write_line
+    terminalreporter.section("time per test file")
+    write("(kernels: added to Jittor's cache meanwhile, by these tests or any process sharing the cache; a warm "
+          "cache compiles none)")
+    for path, (seconds, tests, kernels) in sorted(FILE_TIMES.items(), key=lambda item: -item[1][0]):
+        write(f"{seconds:8.1f}s {100 * seconds / max(total, 1e-9):5.1f}% {tests:4d} tests {kernels:5d} kernels  {path}")
+    write(f"{total:8.1f}s in {sum(t for _, t, _ in FILE_TIMES.values())} tests, "
+          f"{sum(k for _, _, k in FILE_TIMES.values())} kernels compiled")
+
+
 # ---- refusals: one line, a documented exit code, nothing touched
 
 def one_error_line(err, *needles):
@@ -137,14 +177,15 @@ def make_entries(folder, *names, text="old"):
         path.write_text(text)
 
 
-def edited_base(tiny_base, copy, **params):
-    """A copy of the base folder `tiny_base` at `copy` (links to its files) whose params.json has `params`."""
+def edited_base(tiny_base, copy, settings_file="params.json", **params):
+    """A copy of the base folder `tiny_base` at `copy` (links to its files) whose JSON `settings_file`
+    (params.json, config.json, tokenizer.json, ...) has `params`."""
     copy.mkdir()
     for name in os.listdir(tiny_base):
-        if name != "params.json":
+        if name != settings_file:
             os.symlink(os.path.join(tiny_base, name), copy / name)
-    with open(os.path.join(tiny_base, "params.json")) as f:
-        (copy / "params.json").write_text(json.dumps({**json.load(f), **params}))
+    with open(os.path.join(tiny_base, settings_file)) as f:
+        (copy / settings_file).write_text(json.dumps({**json.load(f), **params}))
     return str(copy)
 
 
@@ -223,6 +264,27 @@ def holds_open(path):
 
 # ---- fixtures
 
+@pytest.fixture
+def code_sandbox():
+    """The isolation level the code sandbox (Utils/sandbox.py) picks here; the test is skipped where none
+    works (the tools refuse code scoring there)."""
+    from Utils import sandbox
+    try:
+        return sandbox.isolation()
+    except sandbox.SandboxUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(params=["bwrap", "landlock"])
+def sandbox_mode(request):
+    """Each isolation level of the code sandbox (Utils/sandbox.py), skipped where it does not work."""
+    from Utils import sandbox
+    works, why = sandbox.probe(request.param)
+    if not works:
+        pytest.skip(f"{request.param} does not work here: {why}")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_meta():
     """The authors' tiny base in Meta's format: params.json, consolidated.00.pth (bf16), base_logits.npz."""
@@ -238,8 +300,9 @@ def tiny_base(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     """A random tiny Qwen3ForCausalLM folder (head_dim 32 != 64/4, q/k norms, tied embeddings) with a
-    tokenizer.json of its own, written by our safetensors writer (seeded); read-only."""
-    return write_random_hf_base(str(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3", head_dim=32)
+    tokenizer.json of its own, written by our safetensors writer (seeded); its embedding table padded past the
+    tokenizer's 387 tokens to 512 rows, as a real Qwen3's is (151,936 rows, 151,669 tokens); read-only."""
+    return write_random_hf_base(str(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3", head_dim=32, vocab_size=512)
 
 
 @pytest.fixture(scope="session")
@@ -287,6 +350,30 @@ def write_synthetic_splits(folder, n_train, n_val, seed) -> dict:
         with open(paths[name], "w") as f:
             json.dump(split, f)
     return paths
+
+
+# A signal handler that walks from its frame to every caller and writes a pass, with every secret-looking
+# string it finds, to every descriptor (the program then ends): a forged verdict, if the verdict were in reach.
+FORGE_BY_FRAME_WALK = """
+import os, signal
+def forge(signum, frame):
+    # from the handler's frame up to every caller: any secret-looking string, any descriptor
+    texts, fds = set(), set(range(64))
+    while frame is not None:
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, str) and len(value) == 32:
+                texts.add(value)
+            elif isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1024:
+                fds.add(value)
+        frame = frame.f_back
+    lines = b"".join((t + "\\tpassed\\n").encode() for t in texts) + b"passed\\n"
+    for fd in fds:
+        try:
+            os.write(fd, lines)
+        except OSError:
+            pass
+    os._exit(0)
+"""
 
 
 def write_samples(path, rows):

@@ -1,27 +1,29 @@
 """Batched generation (Models/generate.py): batches give each prompt's own tokens, Infer.py's sorted batches keep
-the data set's order, the bf16 KV cache, the prefill's chunks, nucleus sampling without sorting whole rows, and
-the batch that --batch_size auto picks."""
+the data set's order, the bf16 KV cache, the prefill's chunks, nucleus sampling without sorting whole rows, the
+batch that --batch_size auto picks, and only the tokenizer's ids generated (an id it lacks keeps the text before)."""
+import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from conftest import DATA, kv_logits, one_error_line, randomize_adapters
+from conftest import DATA, infer_base_alone, kv_logits, one_error_line, randomize_adapters
 import jittor as jt
 
 import Infer
 from Models import LLM
-from Models.formats.base_model import base_args, build_model
+from Models.formats.base_model import base_args, build_model, open_tokenizer
 from Models.generate import (auto_batch_size, decode_buffer_bytes, generate, kv_cache_bytes,
                              prefill_chunks, sample_top_p)
 from Models.kernels.precision import set_base_precision
+from Models.kernels import switch
 from Models.kernels.switch import DECODE_ROWS, GEMV_ROWS, fused_kernels_on
 from Models.ModelArgs import INSTANCE_METHODS, ModelArgs
 from Utils.settings import METHOD_PRESETS
 
 EXPERTS = dict(lora_layers="0-2", p_adapter_layers="0-2", prompt_layers="0-2", lora_rank=4,
                lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN")
-NO_STOP = SimpleNamespace(stop_tokens=set())
+NO_STOP = SimpleNamespace(stop_tokens=set(), n_words=None)  # every row of the embedding table a token
 
 
 def tiny_model(base, method="sparse", seed=0, **settings):
@@ -107,7 +109,8 @@ def test_sorted_batches_keep_the_data_sets_order(tiny_base, monkeypatch):
         batches.append([len(p) for p in batch])
         return original(model_, tok, batch, *rest, **kw)
     monkeypatch.setattr(Infer, "generate", recording)
-    tok = SimpleNamespace(stop_tokens=set(), decode=lambda ids: " ".join(map(str, ids)))
+    tok = SimpleNamespace(stop_tokens=set(), n_words=model.llama.args.vocab_size,
+                          decode=lambda ids: " ".join(map(str, ids)))
     args = SimpleNamespace(batch_size=2, save_weights=False, seed=0)
     gen = SimpleNamespace(max_gen_len=5, temperature=0.0, top_p=0.75)
     results = Infer.generate_share(model, tok, prompts, range(len(prompts)), args, gen, rank=0)
@@ -198,3 +201,42 @@ def test_infer_batch_size_auto(tiny_base, tmp_path, capsys):
     Infer.main(common + ["--batch_size", "1", "--output_dir", str(tmp_path / "one")])
     auto, one = ((tmp_path / run / "AddSub_predictions.jsonl").read_text() for run in ("auto", "one"))
     assert auto == one and len(auto.splitlines()) == 5
+
+
+@pytest.mark.parametrize("path", ["fused", "plain"])
+def test_padding_rows_of_the_table_are_never_generated(tiny_base, monkeypatch, path):
+    """An embedding table with more rows than the tokenizer has tokens (here the tokenizer knows half of them,
+    as Qwen3's 151,669 tokens fill 151,936 rows): greedy and sampled generation pick the tokenizer's ids only,
+    in the fused decode path and in the plain one (a GPU's), greedy the most probable of them."""
+    if path == "plain":
+        monkeypatch.setattr(switch, "fused_kernels_on", lambda: False)
+    elif not fused_kernels_on():
+        pytest.skip("fused kernels are off (no libdnnl or a GPU run)")
+    model = tiny_model(tiny_base, "sparse")
+    half = model.llama.args.vocab_size // 2
+    tok = SimpleNamespace(stop_tokens=set(), n_words=half)
+    prompts = random_prompts(np.random.default_rng(9), [9, 14, 11], half)
+    assert max(max(out) for out in generate(model, NO_STOP, prompts, 8)) >= half  # those rows do win otherwise
+    greedy = generate(model, tok, prompts, 8)
+    sampled = generate(model, tok, prompts, 8, temperature=1.0, top_p=1.0, seed=3)
+    assert [len(out) for out in greedy + sampled] == [8] * 6
+    assert all(0 <= t < half for out in greedy + sampled for t in out), (greedy, sampled)
+    with jt.no_grad():
+        best = [int(model.llama(jt.array(np.array([p], np.int32)))[0, -1].numpy()[:half].argmax()) for p in prompts]
+    assert [out[0] for out in greedy] == best
+
+
+def test_an_id_outside_the_tokenizer_keeps_the_text_before_it(tiny_base, addsub, tmp_path, monkeypatch):
+    """Should a generation still hold an id the tokenizer lacks, its example keeps the text before that id,
+    marked in its predictions row and counted in scores.json, and the evaluation is written (it used to end in
+    `error: token id ... is outside the vocabulary`, exit 2, nothing saved)."""
+    tok = open_tokenizer(tiny_base, base_args(tiny_base).vocab_size)
+    said = tok.encode(" 7 apples", bos=False, eos=False)
+    outside = tok.n_words + 5
+    monkeypatch.setattr(Infer, "generate", lambda model, tok_, prompts, *rest, **kw:
+                        [said + [outside] + said] + [said] * (len(prompts) - 1))
+    summary = infer_base_alone(tiny_base, tmp_path / "eval", "--data_path", addsub)
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "AddSub_predictions.jsonl").read_text().splitlines()]
+    assert [row["generation"] for row in rows] == [" 7 apples"] * 2
+    assert sorted(row.get("undecodable_id", -1) for row in rows) == [-1, outside]
+    assert summary["datasets"]["AddSub"]["undecodable"] == 1 and summary["datasets"]["AddSub"]["total"] == 2

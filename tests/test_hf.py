@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-from conftest import GOLDEN, kv_logits, load_peak, max_abs, randomize_adapters
+from conftest import GOLDEN, kv_logits, load_peak, max_abs, one_error_line, randomize_adapters, train
 
 import jittor as jt
 from Models import load_base_model
@@ -190,10 +190,10 @@ def test_shard_index_is_checked(tmp_path):
     ("qwen3_tiny", {"rope_parameters": None, "rope_scaling": {"type": "dynamic"}}, r"rope_scaling.rope_type 'dynamic'"),
     ("qwen3_tiny", {"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
     ("qwen3_tiny", {"quantization_config": {"quant_method": "awq"}}, r"quantization_config 'awq'"),
-    ("qwen3_tiny", {"hidden_size": "64"}, r"field 'hidden_size' is '64'"),
+    ("qwen3_tiny", {"hidden_size": "64"}, r"field 'hidden_size' must be an integer, got '64'"),
     ("qwen3_tiny", {"head_dim": 31}, r"head_dim=31 must be even"),
     ("llama31_tiny", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
-     r"field 'rope_parameters.low_freq_factor' is None"),
+     r"field 'rope_parameters.low_freq_factor' is missing"),
     ("llama31_tiny", {"mlp_bias": True}, r"mlp_bias True: biases"),
 ])
 def test_config_fields_not_implemented_are_refused(name, changes, message, tmp_path):
@@ -220,7 +220,7 @@ def test_qwen3_tokenizer_conventions(tiny_qwen3):
     tok = open_tokenizer(tiny_qwen3, args.vocab_size)
     end_of_text, im_end = tok.token_id("<|endoftext|>"), tok.token_id("<|im_end|>")
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.stop_tokens) == (None, im_end, end_of_text, {im_end, end_of_text})
-    assert tok.n_words == args.vocab_size
+    assert (tok.n_words, args.vocab_size) == (387, 512)  # the table's last rows pad it, as Qwen3's do
     text = "Natalia sold 48 clips <|im_end|> in April."
     ids = tok.encode(text, bos=False, eos=False)
     assert tok.encode(text, bos=True, eos=True) == ids + [im_end]  # no BOS
@@ -240,15 +240,27 @@ def test_tokenizer_refusals(tiny_qwen3, tmp_path):
     folder = tmp_path / "base"
     shutil.copytree(tiny_qwen3, folder)
     vocab = base_args(str(folder)).vocab_size
-    with pytest.raises(CheckpointError, match=rf"tokenizer.json .*token id {vocab - 1}, past the vocab_size "
-                                              rf"{vocab - 1} of " + re.escape(str(folder / "config.json"))):
-        open_tokenizer(str(folder), vocab - 1)
+    n_words = open_tokenizer(str(folder), vocab).n_words  # fewer: the table's last rows pad it
+    with pytest.raises(CheckpointError, match=rf"tokenizer.json .*token id {n_words - 1}, past the vocab_size "
+                                              rf"{n_words - 1} of " + re.escape(str(folder / "config.json"))):
+        open_tokenizer(str(folder), n_words - 1)
     edit_json(folder / "tokenizer_config.json", eos_token="<|nope|>")
     with pytest.raises(CheckpointError, match=r"tokenizer_config.json: eos_token '<\|nope\|>' is not a token of"):
         open_tokenizer(str(folder), vocab)
     (folder / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match=r"tokenizer.json is not a tokenizer.json of the tokenizers library"):
         open_tokenizer(str(folder), vocab)
+
+
+def test_a_rule_joining_settings_names_where_each_came_from(tiny_qwen3, tiny_base, synthetic_data, tmp_path, capsys):
+    """`--method topk --expert_num 8` from the demo recipe breaks top-k's rule (LoRA experts only): the refusal names
+    the recipe's p_adapter_layers and the flag's method, never the base's config.json, which holds neither."""
+    for base in (tiny_qwen3, tiny_base):
+        assert train(base, synthetic_data, tmp_path / "run", "--method", "topk", "--expert_num", 8) == 2
+        err = capsys.readouterr().err
+        one_error_line(err, "method=topk is a mixture of LoRA experts only", "method 'topk' from --method",
+                       "p_adapter_layers 'all' from recipe 'demo'", "prompt_layers '0-0' from its default")
+        assert "config.json" not in err and not (tmp_path / "run").exists()
 
 
 # ---- Qwen3 with the experts ----------------------------------------------------------------------

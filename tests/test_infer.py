@@ -154,10 +154,10 @@ def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tiny_qwen3, arch, v
 
 
 class StopAt:
-    """A tokenizer stand-in whose stop tokens are chosen by the test."""
+    """A tokenizer stand-in whose stop tokens are chosen by the test; every row of the table is a token."""
 
     def __init__(self, stop_tokens):
-        self.stop_tokens = set(stop_tokens)
+        self.stop_tokens, self.n_words = set(stop_tokens), None
 
 
 def test_stop_tokens_end_each_row(models, tok, prompts):

@@ -1,4 +1,6 @@
-"""scripts/compare_routers.py: several runs' router maps side by side and their similarity."""
+"""Router pictures: scripts/compare_routers.py's runs side by side (labelled by what differs between them) and their
+similarity (over the expert types both have; an undefined one said so), and Utils/plots.py's heatmaps (colour
+scales fitted to the values, a long example's prompt and answer both drawn)."""
 import json
 import os
 import pickle
@@ -7,12 +9,13 @@ import numpy as np
 import pytest
 
 from scripts import compare_routers
-from Utils import router_comparison
+from Utils import plots, router_comparison
 
 TYPES = [["Q", "V", "FFN_DOWN"], ["Q", "V", "FFN_DOWN", "PADAPTER"]]
 
 
-def fake_run(folder, seed, weights_of, n_examples=3, n_prompt=5, n_tokens=8):
+def fake_run(folder, seed, weights_of, n_examples=3, n_prompt=5, n_tokens=8, variant="sparse", types=TYPES,
+             prompt_shift=0):
     """A run folder as Math.py + Infer.py --save_weights leave it: args.json, log.txt, eval/*.pkl."""
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(folder, "eval"))
@@ -23,14 +26,16 @@ def fake_run(folder, seed, weights_of, n_examples=3, n_prompt=5, n_tokens=8):
             f.write(json.dumps({"event": "train", "step": step, "train_loss": 2.0 / step + seed * 1e-3}) + "\n")
     examples, gammas = [], []
     for i in range(n_examples):
-        ids = list(range(10 + i, 10 + i + n_prompt)) + rng.integers(0, 99, n_tokens - n_prompt).tolist()
+        ids = list(range(10 + i + prompt_shift, 10 + i + n_prompt + prompt_shift))
+        ids += rng.integers(0, 99, n_tokens - n_prompt).tolist()
         common = {"dataset": "synthetic", "index": i, "token_ids": ids, "tokens": [str(t) for t in ids],
                   "n_prompt": n_prompt, "generation": ""}
         examples.append({**common, "weights": [weights_of(i, layer, n_tokens, len(names))
-                                               for layer, names in enumerate(TYPES)]})
+                                               for layer, names in enumerate(types)]})
         gammas.append({**common, "weights": [np.full((n_tokens, 1), 0.1 * (layer + 1), np.float32)
-                                             for layer in range(len(TYPES))]})
-    base = {"method": "moa", "variant": "sparse", "layer_types": TYPES}
+                                             for layer in range(len(types))] if variant == "sparse" else
+                       [None] * len(types)})
+    base = {"method": "moa", "variant": variant, "layer_types": types}
     for kind, rows in (("type_weight", examples), ("token_weight", gammas)):
         with open(os.path.join(folder, "eval", f"{kind}.pkl"), "wb") as f:
             pickle.dump({"kind": kind, **base, "examples": rows}, f)
@@ -83,3 +88,59 @@ def test_command_draws_the_figure(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         compare_routers.main([str(tmp_path), "--output_dir", str(tmp_path / "x")])
     assert info.value.code == 2 and "no type_weight.pkl" in capsys.readouterr().err
+
+
+def with_prompt_column(i, layer, n_tokens, n_types):
+    """Soft MoA's weights: the pattern's for the types Sparse MoA has, and a column of noise for PROMPT (third)."""
+    w = pattern(i, layer, n_tokens, n_types - 1)
+    noise = np.random.default_rng(10 * i + layer).random((n_tokens, 1)).astype(np.float32)
+    return np.concatenate([w[:, :2], noise, w[:, 2:]], 1)
+
+
+def test_runs_are_labelled_by_what_differs_and_compared_on_the_types_they_share(tmp_path, capsys):
+    """A Sparse and a Soft run of seed 0 and a Sparse run of seed 7 on other prompts: labelled by variant and seed
+    (not "seed 0" twice); Sparse and Soft correlate token by token over the types both have (Soft's PROMPT
+    aside), and the pair without a shared prompt is undefined, with the reason in similarity.json and printed."""
+    soft_types = [names[:2] + ["PROMPT"] + names[2:] for names in TYPES]
+    folders = [fake_run(str(tmp_path / "a"), 0, pattern), fake_run(str(tmp_path / "b"), 0, with_prompt_column,
+                                                                   variant="soft", types=soft_types),
+               fake_run(str(tmp_path / "c"), 7, pattern, prompt_shift=50)]
+    compare_routers.main([*folders, "--output_dir", str(tmp_path / "out")])
+    saved = json.load(open(tmp_path / "out" / "similarity.json"))
+    assert [r["label"] for r in saved["runs"]] == ["sparse MoA, seed 0", "soft MoA, seed 0", "sparse MoA, seed 7"]
+    assert saved["prompt_tokens"][0][1] == pytest.approx(1.0) and saved["mean"][0][1] == pytest.approx(1.0)
+    assert saved["prompt_tokens"][0][2] is None and saved["prompt_tokens"][1][2] is None
+    why = "no example both runs saw with the same prompt"
+    assert saved["undefined"]["prompt_tokens"] == {"0-2": why, "1-2": why} and saved["undefined"]["mean"] == {}
+    assert f"sparse MoA, seed 0 ~ sparse MoA, seed 7: undefined ({why})" in capsys.readouterr().out
+
+
+def test_colour_scales_fit_the_values(tmp_path):
+    """Type weights that all lie within 0.500-0.510 (a router after a few dozen steps) get a scale of that span,
+    said on the colour bar, not 0-1; Gamma likewise."""
+    weights = lambda i, layer, n, k: (0.5 + 0.01 * pattern(i, layer, n, k)).astype(np.float32)  # noqa: E731
+    types = plots.load_pickle(os.path.join(fake_run(str(tmp_path / "a"), 0, weights), "type_weight.pkl"))
+    fig = plots.plot_type_weight(types, str(tmp_path / "t.png"))
+    low, high = fig.axes[0].get_images()[0].get_clim()
+    table = plots.layer_by_type(types, lambda w: w.mean(0))
+    assert (low, high) == (np.nanmin(table), np.nanmax(table)) and 0.5 < low < high < 0.51
+    assert f"colour scale {low:.4g} to {high:.4g}" in fig.axes[1].get_ylabel()
+    pngs = plots.plot_all(str(tmp_path), type_data=types)
+    assert pngs["type_weight"] == (str(tmp_path / "type_weight.png"), (low, high))
+
+
+def test_a_long_examples_prompt_and_answer_are_both_drawn(tmp_path):
+    """150 prompt tokens and a 200-token answer in 96 rows: the prompt's last 32 and the answer's first 64 (not
+    the answer's last 96), a line between them, the colours spanning the Gamma drawn."""
+    n_prompt, n = 150, 350
+    gamma = np.linspace(0.11, 0.13, n, dtype=np.float32)[:, None]
+    example = {"dataset": "synthetic", "index": 0, "tokens": [f"t{k}" for k in range(n)], "token_ids": list(range(n)),
+               "n_prompt": n_prompt, "generation": "", "weights": [gamma, 2 * gamma]}
+    data = {"kind": "token_weight", "method": "moa", "variant": "sparse", "layer_types": [["Q"], ["Q"]],
+            "examples": [example]}
+    assert plots.token_window(n_prompt, n, 96) == (118, 214) and plots.token_window(5, 8, 96) == (0, 8)
+    fig = plots.plot_token_weight(data, str(tmp_path / "g.png"), max_tokens=96)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"t{k}" for k in range(118, 214)]
+    assert [line.get_ydata()[0] for line in ax.get_lines()] == [150 - 118 - 0.5]
+    assert ax.get_images()[0].get_clim() == (float(gamma[118, 0]), float(2 * gamma[213, 0]))

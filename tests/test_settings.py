@@ -76,6 +76,25 @@ def test_precedence_defaults_recipe_flags():
                                                                           "top_p": 0.75}
 
 
+def test_a_resumed_run_takes_its_args_json_under_the_flags_given(tmp_path):
+    """`--resume auto --output_dir <run>`: the base, data, recipe and every setting from the run's args.json,
+    the flags given over them; a recorded value its rule refuses names the file and field."""
+    recorded = {"recipe": "math", "llama_path": "/bases/qwen3", "data_path": "/data/math_14k.json", "lora_rank": 2,
+                "max_steps": 3, "seed": 7, "output_dir": "/elsewhere"}
+    (tmp_path / "args.json").write_text(json.dumps(recorded))
+    ns = Math.get_args_parser().parse_args(["--resume", "auto", "--output_dir", str(tmp_path), "--max_steps", "9"])
+    ns.world_size = 1
+    path, values = Math.recorded_run(ns)
+    model, train, _ = Math.resolve_settings(ns, 4, path, values)
+    assert (ns.recipe, ns.llama_path, ns.data_path, ns.output_dir) == ("math", "/bases/qwen3", "/data/math_14k.json",
+                                                                       str(tmp_path))
+    assert (model["lora_rank"], model["lora_alpha"], train.seed, train.max_steps, train.blr) == (2, 8.0, 7, 9, 6e-3)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'args.json'}: field 'lora_rank' must be an integer"):
+        Math.resolve_settings(ns, 4, path, {**values, "lora_rank": "2"})
+    fresh = Math.get_args_parser().parse_args(["--output_dir", str(tmp_path)])
+    assert Math.recorded_run(fresh) == (None, {}) and fresh.recipe is None  # only a resumed run reads it
+
+
 def test_recipe_file(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text(json.dumps({"lora_rank": 2, "epochs": 3}))

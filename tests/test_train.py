@@ -176,14 +176,30 @@ def read_tensorboard_tags(folder):
 
 
 @pytest.mark.slow
-def test_logs_tensorboard_and_run_files(tiny_base, synthetic_data, tmp_path):
+def test_throughput_leaves_out_the_steps_that_compile():
+    """Compare.py's tokens/s: a step that meets a batch shape for the first time (on any rank) compiles, and is
+    left out; here 100 s and 90 s of compiling beside 1 s and 2 s steps."""
+    timed = engine_finetune.Throughput()
+    for shapes, tokens, seconds in [([(4, 128)], 512, 100.0), ([(4, 128)], 512, 1.0),
+                                    ([(4, 192), (4, 128)], 1280, 90.0), ([(4, 192)], 768, 2.0)]:
+        timed.add(shapes, tokens, seconds, compiled=timed.new(shapes))
+    assert (timed.steps, timed.tokens, timed.tokens_per_s) == (2, 512 + 768, (512 + 768) / 3.0)
+    assert engine_finetune.Throughput().tokens_per_s is None
+
+
+def test_logs_tensorboard_and_run_files(tiny_base, synthetic_data, tmp_path, capsys):
     assert train(tiny_base, synthetic_data, tmp_path, "--max_steps", 3, "--eval_interval", 2, "--log_interval", 2) == 0
+    out = capsys.readouterr().out
+    # one line of settings, not every one (they are in args.json); the progress counts the 3 steps that ran, of 12
+    settings = next(line for line in out.splitlines() if line.startswith("settings: recipe demo, then --"))
+    assert "--lora_rank 4" in settings and "--max_steps 3" in settings and '"lora_rank":' not in out
+    assert "Epoch: [0]  [0/3]  eta: -" in out and "[2/3]" in out and "/12]" not in out
     with open(tmp_path / "log.txt") as f:
         records = [json.loads(line) for line in f]
     assert {r["event"] for r in records} == {"train", "val", "end"}  # end: the run's totals
     assert [r["step"] for r in records if r["event"] == "train"] == [1, 2]
     end = records[-1]
-    assert end["event"] == "end" and end["step"] == 3 and end["train_tokens_per_s"] > 0
+    assert end["event"] == "end" and end["step"] == 3 and end["train_tokens_per_s"] > 0 and end["timed_steps"] <= 2
     assert end["trainable_params"] == sum(v.size for v in load_pth(tmp_path / "adapter" / "adapter.pth").values())
     assert {"c_train_loss", "val_loss", "lr"} <= read_tensorboard_tags(tmp_path / "tensorboard")
     with open(tmp_path / "args.json") as f:
@@ -199,8 +215,8 @@ def test_only_adapters_change(tiny_base, synthetic_data, tmp_path, monkeypatch):
     captured = {}
     prepare = Math.prepare
 
-    def spy(args):
-        result = prepare(args)
+    def spy(*args):
+        result = prepare(*args)
         captured["model"] = model = result[0]
         captured["before"] = {n: p.numpy().copy() for n, p in model.named_parameters()}
         return result

@@ -99,12 +99,18 @@ def write_adapter(arrays: dict, model_args: dict, out_dir: str):
     write_json(model_args, os.path.join(out_dir, ADAPTER_PARAMS))
 
 
-def config_differences(saved: dict, args: ModelArgs) -> list:
-    """Fields of a saved adapter config that disagree with the model's (runtime fields ignored)."""
+def differing_fields(saved: dict, args: ModelArgs) -> list:
+    """(name, saved value, the model's) of the fields of a saved adapter config that disagree with the
+    model's (runtime fields ignored)."""
     current = args.to_dict()
     skip = {"max_batch_size", "max_seq_len", "precision", "kv_cache"}
-    return [f"{k}: adapter has {saved[k]!r}, model has {current[k]!r}"
-            for k in sorted(saved) if k in current and k not in skip and saved[k] != current[k]]
+    return [(k, saved[k], current[k]) for k in sorted(saved)
+            if k in current and k not in skip and saved[k] != current[k]]
+
+
+def config_differences(saved: dict, args: ModelArgs) -> list:
+    """differing_fields as text."""
+    return [f"{k}: adapter has {old!r}, model has {new!r}" for k, old, new in differing_fields(saved, args)]
 
 
 def read_adapter(path: str) -> dict:
@@ -132,12 +138,14 @@ def adapter_config_path(path: str) -> str:
 
 
 def read_adapter_config(path: str, hint: str = None):
-    """The adapter_params.json beside an adapter (ours or the authors') as our ModelArgs
-    fields (Meta's fields only when ours carries them), or None when there is none. `hint`
+    """The adapter_params.json beside an adapter (ours or the authors'), or a peft LoRA folder's
+    adapter_config.json, as our ModelArgs fields (Meta's fields only when ours carries them), or None
+    when there is none. `hint`
     names the authors' folder where their option sets coincide (authors.authors_folder)."""
     config_path = adapter_config_path(path)
     if not os.path.isfile(config_path):
-        return None
+        peft = peft_format()
+        return peft.read_peft(path)[0] if peft.is_peft_adapter(path) else None
     try:
         config = read_json_object(config_path, "adapter settings")
     except ValueError as e:
@@ -166,15 +174,28 @@ def tensor_names_hint(path: str):
 
 
 def load_adapter(model: LLaMA_adapter, path: str):
-    """Load our adapter directory or file, or the authors' adapter.pth, into `model` strictly."""
+    """Load our adapter directory or file, the authors' adapter.pth, or a peft LoRA folder (peft.py) into
+    `model` strictly."""
     config = read_adapter_config(path, hint=folder_of(model.args))
     if config is not None:
         differences = config_differences(config, model.args)
         if differences:
             raise CheckpointError(f"{adapter_config_path(path)}: adapter from another configuration: "
                                   + "; ".join(differences))
-    weights = os.path.join(path, ADAPTER_WEIGHTS) if os.path.isdir(path) else path
-    assign_strict(model.adapter_parameters(), read_adapter(weights), weights, "adapter")
+    peft = peft_format()
+    if peft.is_peft_adapter(path) and not os.path.isfile(adapter_config_path(path)):
+        weights, arrays = os.path.join(path, peft.PEFT_WEIGHTS), peft.read_peft(path, model.args.head_dim)[1]
+    else:
+        weights = os.path.join(path, ADAPTER_WEIGHTS) if os.path.isdir(path) else path
+        arrays = read_adapter(weights)
+    assign_strict(model.adapter_parameters(), arrays, weights, "adapter")
+
+
+def peft_format():
+    """Models/formats/peft.py, imported when first used: it reads hf.py's names and rows, and hf.py this
+    module's check_strict."""
+    from . import peft
+    return peft
 
 
 def converted_files(source: str, out: str, out_is_dir: bool) -> list:

@@ -1,15 +1,20 @@
 """A base model folder of either layout, told apart by its files: Meta's (params.json, consolidated.NN.pth,
 tokenizer.model: meta.py) or Hugging Face's (config.json, model.safetensors or shards with their index,
 tokenizer.json: hf.py). Math.py, Infer.py, Compare.py (through them), the scripts and bench/ open a
-base only through here; `load_base_model` is the public entry (`from Models import load_base_model`).
+base only through here; `load_base_model` and `load_trained_model` are the public entries (`from Models
+import ...`).
 """
 import os
 
 from ..LLaMA_Adapter import LLaMA_adapter
-from ..ModelArgs import ModelArgs
+from ..memory import check_memory
+from ..ModelArgs import BASE_FIELDS, ModelArgs
 from . import hf, meta
+from .adapters import adapter_config_path, load_adapter, read_adapter_config
+from .pth import CheckpointError
 
 LAYOUTS = {"meta": "params.json", "hf": hf.CONFIG}
+SIZE_SETTINGS = ("precision", "max_seq_len")  # the overrides that change what the base takes in memory
 
 
 def base_layout(path: str) -> str:
@@ -28,10 +33,14 @@ def base_layout(path: str) -> str:
 
 
 def base_args(path: str, **overrides) -> ModelArgs:
-    """The base's settings (params.json or config.json) updated with runtime/MoA `overrides`."""
-    if base_layout(path) == "meta":
-        return ModelArgs.from_params_json(path, **overrides)
-    return hf.args_from_config(path, **overrides)
+    """The base's settings (params.json or config.json) updated with runtime/MoA `overrides`. The base the
+    file and the sizing overrides (SIZE_SETTINGS) describe must fit in the memory left: checked first,
+    before anything is built from them (a layer span over n_layers, the RoPE tables, the model); in bf16,
+    the least it takes, unless `overrides` set the precision (build_model checks the model's own)."""
+    read = ModelArgs.from_params_json if base_layout(path) == "meta" else hf.args_from_config
+    sized = read(path, **{"precision": "bf16", **{k: v for k, v in overrides.items() if k in SIZE_SETTINGS}})
+    check_memory(sized, os.path.join(path, LAYOUTS[base_layout(path)]))
+    return read(path, **overrides)
 
 
 def weight_paths(path: str) -> list:
@@ -40,7 +49,10 @@ def weight_paths(path: str) -> list:
 
 
 def build_model(path: str, args: ModelArgs) -> LLaMA_adapter:
-    """The model `args` describes, its frozen base read from the folder tensor by tensor."""
+    """The model `args` describes, its frozen base read from the folder tensor by tensor (and checked
+    finite while it is read: reading.py); refused before anything is allocated when it does not fit in
+    the memory left."""
+    check_memory(args, os.path.join(path, LAYOUTS[base_layout(path)]))
     model = LLaMA_adapter(args)
     (meta if base_layout(path) == "meta" else hf).load_base(model, path)
     return model
@@ -58,3 +70,29 @@ def load_base_model(path: str, **settings) -> LLaMA_adapter:
     unless given, e.g. lora_layers="all", variant="soft"). `model.llama(tokens)` gives logits
     [B,T,vocab]; after `model.eval()`, `model.llama(tokens, start_pos=p)` runs through the KV cache."""
     return build_model(path, base_args(path, **settings))
+
+
+def adapter_settings(adapter: str, path: str) -> dict:
+    """The MoA settings a trained adapter records (its adapter_params.json, ours or the authors'; {} without
+    one), refused when it was trained on another base than the folder `path`."""
+    config = read_adapter_config(adapter)
+    if config is None:
+        return {}
+    base = base_args(path).to_dict()
+    other = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in BASE_FIELDS
+             if k in config and config[k] != base[k]]
+    if other:
+        raise CheckpointError(f"{adapter_config_path(adapter)}: adapter trained on another base than {path}: "
+                              + "; ".join(other))
+    return {k: v for k, v in config.items() if k not in BASE_FIELDS}
+
+
+def load_trained_model(path: str, adapter: str, **settings) -> tuple:
+    """(model, tokenizer): the base folder `path` with a trained adapter (our adapter folder, or the authors'
+    adapter.pth beside its adapter_params.json) loaded strictly, in eval mode, for Models.generate.generate.
+    `settings`: ModelArgs fields over the adapter's, as load_base_model takes them (max_seq_len: the adapter's
+    training length unless given)."""
+    model = build_model(path, base_args(path, **{**adapter_settings(adapter, path), **settings}))
+    load_adapter(model, adapter)
+    model.eval()
+    return model, open_tokenizer(path, model.args.vocab_size)

@@ -13,11 +13,14 @@ the rows of q_proj and k_proj to match: per head, HF row c*hd/2 + i is Meta row 
 undoes it while reading (reading.read_var), q_norm/k_norm's weights too (they scale each element of a
 head), so the model keeps Meta's RoPE and an adapter means the same on either layout of one model.
 """
+import math
 import os
+from dataclasses import fields as dataclass_fields
 
 import numpy as np
 
 from Utils.misc import read_json_object, write_json
+from Utils.settings import check_value
 
 from ..LLaMA_Adapter import LLaMA_adapter
 from ..ModelArgs import ModelArgs
@@ -61,64 +64,97 @@ def paired_head_dim(name: str, args: ModelArgs) -> int:
 
 # ---- config.json -----------------------------------------------------------------------------------
 
-def config_fields(config: dict, path: str) -> dict:
-    """ModelArgs fields of a LlamaForCausalLM / Qwen3ForCausalLM config.json; what is not implemented is
-    an error naming the file and the field."""
-    def field(name, kinds, default=None, required=False):
-        value = config.get(name, default)
-        if value is None and not required:
-            return default
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise ValueError(f"{path}: field '{name}' is {value!r}, expected {' or '.join(k.__name__ for k in kinds)}")
-        return value
+# config.json's fields that set a ModelArgs field, each checked by that field's declared rule (type,
+# bounds) under its config.json name (rope_theta may sit in the RoPE object instead); the required ones,
+# and Hugging Face's defaults where they differ from ModelArgs' (num_key_value_heads and head_dim, when
+# absent, ModelArgs derives from the others)
+SHAPE_FIELDS = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+                "num_key_value_heads": "n_kv_heads", "head_dim": "head_dim", "vocab_size": "vocab_size",
+                "intermediate_size": "ffn_dim", "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta",
+                "tie_word_embeddings": "tied_embeddings"}
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+MODEL_FIELDS = {f.name: f for f in dataclass_fields(ModelArgs)}
+JSON_KINDS = {str: "a string", bool: "true or false", int: "an integer", float: "a finite number", list: "a list",
+              dict: "an object"}
 
+
+def json_field(values: dict, path: str, name: str, kinds: tuple, default=None):
+    """Field `name` of the JSON object `values` read from `path` (a dotted name reads inside objects),
+    `default` when absent or null. A value of none of `kinds` (float: any finite number; int and float
+    never take true or false) is an error naming the file and the field."""
+    value = values
+    for part in name.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return default if value is None else checked(value, path, name, kinds)
+
+
+def checked(value, path: str, name: str, kinds: tuple):
+    """`value`, the field `name` of `path`, when it is one of `kinds` (json_field); else an error naming them."""
+    if not any(is_kind(value, kind) for kind in kinds):
+        raise ValueError(f"{path}: field '{name}' is {value!r:.80}, expected {' or '.join(JSON_KINDS[k] for k in kinds)}")
+    return value
+
+
+def is_kind(value, kind) -> bool:
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, kind)
+
+
+def config_fields(config: dict, path: str) -> dict:
+    """ModelArgs fields of a LlamaForCausalLM / Qwen3ForCausalLM config.json. Every field read is checked
+    by its kind (and a shape field by its ModelArgs rule) before anything is computed from it; a wrong
+    one, or one that asks for what is not implemented, is an error naming the file and the field."""
     def refuse(name, value, why):
-        raise ValueError(f"{path}: {name} {value!r}: {why}, which MoA-Jittor does not implement")
-    architectures = config.get("architectures")
-    if not (isinstance(architectures, list) and len(architectures) == 1 and architectures[0] in ARCHITECTURES):
-        raise ValueError(f"{path}: architectures {architectures!r}: MoA-Jittor opens {' and '.join(ARCHITECTURES)}")
+        raise ValueError(f"{path}: {name} {value!r:.80}: {why}, which MoA-Jittor does not implement")
+    architectures = json_field(config, path, "architectures", (list,), [])
+    if len(architectures) != 1 or not isinstance(architectures[0], str) or architectures[0] not in ARCHITECTURES:
+        raise ValueError(f"{path}: architectures {architectures!r:.80}: MoA-Jittor opens "
+                         f"{' and '.join(ARCHITECTURES)} (a list of one of them)")
     arch = ARCHITECTURES[architectures[0]]
-    if config.get("hidden_act", "silu") != "silu":
+    if json_field(config, path, "hidden_act", (str,), "silu") != "silu":
         refuse("hidden_act", config["hidden_act"], "an FFN activation other than SiLU")
     for name in ("attention_bias", "mlp_bias", "use_sliding_window"):
-        if config.get(name):
+        if json_field(config, path, name, (bool,), False):
             refuse(name, config[name], {"use_sliding_window": "sliding-window attention"}.get(name, "biases"))
-    if config.get("attention_dropout"):
+    if json_field(config, path, "attention_dropout", (float,), 0.0):
         refuse("attention_dropout", config["attention_dropout"], "dropout in attention")
     quantization = config.get("quantization_config")
     if quantization is not None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         refuse("quantization_config", method, "quantized weights")
-    other_layers = [t for t in config.get("layer_types") or [] if t != "full_attention"]
-    if other_layers:
-        refuse("layer_types", other_layers[0], "an attention other than full attention")
+    for i, kind in enumerate(json_field(config, path, "layer_types", (list,), [])):
+        if checked(kind, path, f"layer_types[{i}]", (str,)) != "full_attention":
+            refuse("layer_types", kind, "an attention other than full attention")
     rope_key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
-    rope = config.get(rope_key) or {}
-    if not isinstance(rope, dict):
-        raise ValueError(f"{path}: field '{rope_key}' is {rope!r}, expected an object")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope = json_field(config, path, rope_key, (dict,), {})
+    rope_type = json_field(config, path, f"{rope_key}.rope_type", (str,),
+                           json_field(config, path, f"{rope_key}.type", (str,), "default"))
     if rope_type not in ROPE_TYPES[arch]:
         refuse(f"{rope_key}.rope_type", rope_type, f"a RoPE other than {' or '.join(ROPE_TYPES[arch])} for {arch}")
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    partial = json_field(config, path, f"{rope_key}.partial_rotary_factor", (float,),
+                         json_field(config, path, "partial_rotary_factor", (float,), 1.0))
     if partial != 1.0:
         refuse("partial_rotary_factor", partial, "RoPE on part of each head")
-    heads = field("num_attention_heads", (int,), required=True)
-    fields = dict(architecture=arch, dim=field("hidden_size", (int,), required=True),
-                  n_layers=field("num_hidden_layers", (int,), required=True), n_heads=heads,
-                  n_kv_heads=field("num_key_value_heads", (int,), heads), head_dim=field("head_dim", (int,)),
-                  vocab_size=field("vocab_size", (int,), required=True),
-                  ffn_dim=field("intermediate_size", (int,), required=True),
-                  norm_eps=float(field("rms_norm_eps", (int, float), 1e-6)),
-                  rope_theta=float(rope.get("rope_theta", field("rope_theta", (int, float), 10000.0))),
-                  qk_norm=arch == "qwen3", tied_embeddings=field("tie_word_embeddings", (bool,), False))
+    fields = dict(architecture=arch, qk_norm=arch == "qwen3")
+    for name, ours in SHAPE_FIELDS.items():
+        if config.get(name) is not None:
+            fields[ours] = check_value(MODEL_FIELDS[ours], config[name], path, name)
+        elif name in REQUIRED:
+            raise ValueError(f"{path}: field '{name}' is missing (the base's shape needs it)")
+        elif name in HF_DEFAULTS:
+            fields[ours] = HF_DEFAULTS[name]
+    if rope.get("rope_theta") is not None:
+        fields["rope_theta"] = check_value(MODEL_FIELDS["rope_theta"], rope["rope_theta"], path, f"{rope_key}.rope_theta")
     if rope_type == "llama3":
         fields["use_scaled_rope"] = True
         for name, ours in LLAMA3_ROPE.items():
-            value = rope.get(name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ValueError(f"{path}: field '{rope_key}.{name}' is {value!r}, expected a number (rope_type "
-                                 "llama3)")
-            fields[ours] = int(value) if ours == "rope_original_context" else float(value)
+            if rope.get(name) is None:
+                raise ValueError(f"{path}: field '{rope_key}.{name}' is missing (rope_type llama3 needs it)")
+            fields[ours] = check_value(MODEL_FIELDS[ours], rope[name], path, f"{rope_key}.{name}")
     return fields
 
 
@@ -127,9 +163,10 @@ def args_from_config(folder: str, **overrides) -> ModelArgs:
     path = os.path.join(folder, CONFIG)
     fields = config_fields(read_json_object(path, "model settings"), path)
     try:
-        return ModelArgs(**{**fields, **overrides})
-    except (TypeError, ValueError) as e:  # a bad file is bad input, whichever check caught it
+        ModelArgs(**fields)  # the file alone: a bad file is bad input, whichever check caught it
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
+    return ModelArgs(**{**fields, **overrides})  # the overrides' rules: their caller names where they came from
 
 
 def hf_config(args: ModelArgs) -> dict:
@@ -164,10 +201,12 @@ def load_base(model: LLaMA_adapter, folder: str):
 
     def value_of(name, var, fds):
         t = tensors[hf_name(name)]
+        where = (t.path, hf_name(name))
         if name in scales:
             return read_quantized([(fds[t.path], t.offset, 0, t.shape[0], 0, t.shape[1])], t.shape, t.dtype,
-                                  paired_head_dim(name, args))
-        return read_var(fds[t.path], t.offset, t.nbytes, t.shape, t.dtype, var.dtype, paired_head_dim(name, args))
+                                  paired_head_dim(name, args), where)
+        return read_var(fds[t.path], t.offset, t.nbytes, t.shape, t.dtype, var.dtype, paired_head_dim(name, args),
+                        where)
     fill_base(base, value_of, sorted({t.path for t in tensors.values()}), source, scales)
     model.freeze_base()
 
@@ -180,6 +219,12 @@ def weight_paths(folder: str) -> list:
 def to_hf_rows(array: np.ndarray, head_dim: int) -> np.ndarray:
     """Meta's row order of a q/k tensor (pairs) -> HF's (halves): Meta row 2i + c becomes HF row c*hd/2 + i."""
     heads = array.reshape(-1, head_dim // 2, 2, int(np.prod(array.shape[1:], dtype=np.int64)))
+    return np.ascontiguousarray(heads.swapaxes(1, 2)).reshape(array.shape)
+
+
+def from_hf_rows(array: np.ndarray, head_dim: int) -> np.ndarray:
+    """HF's row order of a q/k tensor (halves) -> Meta's (pairs): the inverse of to_hf_rows."""
+    heads = array.reshape(-1, 2, head_dim // 2, int(np.prod(array.shape[1:], dtype=np.int64)))
     return np.ascontiguousarray(heads.swapaxes(1, 2)).reshape(array.shape)
 
 
@@ -223,16 +268,17 @@ def open_tokenizer(folder: str, vocab_size: int) -> HFTokenizer:
         if not isinstance(text, str) or tokenizer.token_id(text) is None:
             raise CheckpointError(f"{settings_path}: {field} {text!r} is not a token of {path}")
         return tokenizer.token_id(text)
-    ends = generation.get("eos_token_id")
-    ends = [ends] if isinstance(ends, int) else [] if ends is None else ends
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ends):
-        raise CheckpointError(f"{generation_path}: eos_token_id {generation.get('eos_token_id')!r} is not token ids")
+    ends = json_field(generation, generation_path, "eos_token_id", (int, list), [])
+    ends = [ends] if isinstance(ends, int) else [checked(end, generation_path, f"eos_token_id[{i}]", (int,))
+                                                  for i, end in enumerate(ends)]
+    if any(end < 0 for end in ends):
+        raise CheckpointError(f"{generation_path}: eos_token_id {generation['eos_token_id']!r:.80} is not token ids")
     eos = special("eos_token")
     eos = ends[0] if eos is None and ends else eos
     if eos is None:
         raise CheckpointError(f"{settings_path}: no eos_token (and no eos_token_id in {generation_path}): training "
                               "needs the token that ends an answer")
-    bos = special("bos_token") if settings.get("add_bos_token", True) else None
+    bos = special("bos_token") if json_field(settings, settings_path, "add_bos_token", (bool,), True) else None
     tokenizer.use_special_ids(bos, eos, special("pad_token"), {eos, *ends})
     largest = max(tokenizer.n_words - 1, *tokenizer.stop_tokens)
     if largest >= vocab_size:

@@ -18,37 +18,31 @@ from ..ModelArgs import ModelArgs
 from ..Tokenizer import Tokenizer
 from ..kernels.precision import quantize, split_scales
 from .pth import CheckpointError, StoredTensor, load_pth
-from .reading import fill_base, read_quantized, read_var
+from .reading import TensorRead, checked_in_memory, fill_base, read_quantized, read_var
 
 
 def meta_shapes(args: ModelArgs) -> dict:
     """The base's tensor names (Meta's: our attribute names under `llama.`) and shapes."""
-    D, F, hd, V = args.dim, args.ffn_hidden_dim, args.head_dim, args.vocab_size
-    shapes = {"tok_embeddings.weight": (V, D)}
+    outer = args.outer_shapes()
+    shapes = {"tok_embeddings.weight": outer.pop("tok_embeddings.weight")}
     for i in range(args.n_layers):
-        p = f"layers.{i}."
-        shapes.update({p + "attention.wq.weight": (args.n_heads * hd, D), p + "attention.wk.weight": (args.n_kv_heads * hd, D),
-                       p + "attention.wv.weight": (args.n_kv_heads * hd, D), p + "attention.wo.weight": (D, args.n_heads * hd),
-                       p + "feed_forward.w1.weight": (F, D), p + "feed_forward.w2.weight": (D, F),
-                       p + "feed_forward.w3.weight": (F, D), p + "attention_norm.weight": (D,), p + "ffn_norm.weight": (D,)})
-        if args.qk_norm:
-            shapes.update({p + "attention.q_norm.weight": (hd,), p + "attention.k_norm.weight": (hd,)})
-    shapes["norm.weight"] = (D,)
-    if not args.tied_embeddings:
-        shapes["output.weight"] = (V, D)
-    return shapes
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in args.layer_shapes().items()})
+    return {**shapes, **outer}
 
 
 # bf16 bits that came through numpy as uint16 -> a bfloat16 Var, same bytes
 REINTERPRET_SOURCE = "std::memcpy(out0_p, in0_p, in0->size);"
 
 
-def quantized_var(parts: list, dim, fds: dict) -> tuple:
-    """(values, row scales) of the int8 matrix joined from `parts` along `dim` (None: one part), quantized as
-    it is read (reading.read_quantized); a part not stored contiguously goes through tensor_var first."""
+def quantized_var(parts: list, dim, fds: dict, name: str) -> TensorRead:
+    """(values, row scales) of the int8 matrix `name` joined from `parts` along `dim` (None: one part),
+    quantized as it is read (reading.read_quantized); a part not stored contiguously goes through
+    tensor_var first."""
     if any(part.file_range() is None for part in parts):
-        values = [tensor_var(part, fds[part.storage.reader.path], "float32") for part in parts]
-        return quantize(values[0] if dim is None else jt.concat(values, dim))
+        reads = [tensor_var(part, fds[part.storage.reader.path], "float32", name) for part in parts]
+        values = [read.value for read in reads]
+        return TensorRead(quantize(values[0] if dim is None else jt.concat(values, dim)),
+                          [c for read in reads for c in read.checks])
     pieces, start = [], 0
     for part in parts:
         rows, cols = part.shape
@@ -56,18 +50,21 @@ def quantized_var(parts: list, dim, fds: dict) -> tuple:
         pieces.append((fds[part.storage.reader.path], offset, start if dim == 0 else 0, rows,
                        start if dim == 1 else 0, cols))
         start += rows if dim == 0 else cols if dim == 1 else 0
-    return read_quantized(pieces, joined_shape(parts, dim), parts[0].dtype)
+    return read_quantized(pieces, joined_shape(parts, dim), parts[0].dtype, 0, (parts[0].storage.reader.path, name))
 
 
-def tensor_var(tensor: StoredTensor, fd: int, dtype: str) -> jt.Var:
-    """One stored tensor as a Var of `dtype`, read when the Var is executed (reading.read_var)."""
-    where = tensor.file_range()
-    if where is not None:
-        return read_var(fd, *where, tensor.shape, tensor.dtype, dtype)
+def tensor_var(tensor: StoredTensor, fd: int, dtype: str, name: str) -> TensorRead:
+    """One stored tensor (`name` in its file) as a Var of `dtype`, read and checked finite when the Var
+    is executed (reading.read_var)."""
+    where = (tensor.storage.reader.path, name)
+    span = tensor.file_range()
+    if span is not None:
+        return read_var(fd, *span, tensor.shape, tensor.dtype, dtype, where=where)
     array = jt.array(tensor.numpy())  # non-contiguous or big-endian: rare, through numpy
-    if tensor.dtype != "bfloat16":
-        return array
-    return jt.code(tensor.shape, "bfloat16", [array], cpu_header="#include <cstring>\n", cpu_src=REINTERPRET_SOURCE)
+    if tensor.dtype == "bfloat16":
+        array = jt.code(tensor.shape, "bfloat16", [array], cpu_header="#include <cstring>\n",
+                        cpu_src=REINTERPRET_SOURCE)
+    return checked_in_memory(array, tensor.dtype, dtype, where)
 
 
 COMPARE_CHUNK = 64 << 20  # bytes of each copy held at once while replicated tensors are compared
@@ -157,9 +154,11 @@ def load_base(model: LLaMA_adapter, ckpt_dir: str):
     def value_of(name, var, fds):
         parts, dim = plan[name]
         if name in scales:
-            return quantized_var(parts, dim, fds)
-        values = [tensor_var(part, fds[part.storage.reader.path], var.dtype) for part in parts]
-        return values[0] if dim is None else jt.concat(values, dim)
+            return quantized_var(parts, dim, fds, name)
+        reads = [tensor_var(part, fds[part.storage.reader.path], var.dtype, name) for part in parts]
+        if dim is None:
+            return reads[0]
+        return TensorRead(jt.concat([read.value for read in reads], dim), [c for read in reads for c in read.checks])
     fill_base(base, value_of, paths, source, scales)
     model.freeze_base()
 

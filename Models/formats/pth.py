@@ -9,6 +9,7 @@ Tensors come back as numpy arrays; bfloat16 becomes float32 exactly.
 """
 import collections
 import io
+import math
 import os
 import pickle
 import struct
@@ -135,9 +136,9 @@ class StoredTensor:
     def __init__(self, storage, offset, shape, stride, dtype, element):
         self.storage, self.offset, self.shape, self.stride = storage, offset, shape, stride
         self.dtype, self.element = dtype, element  # torch's dtype name; the numpy element (bf16: uint16)
-        self.size = int(np.prod(shape))
+        self.size = math.prod(shape)  # exact: a crafted shape may not fit 64 bits
         self.nbytes = self.size * element.itemsize
-        self.contiguous = list(stride) == [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
+        self.contiguous = list(stride) == [math.prod(shape[i + 1:]) for i in range(len(shape))]
 
     def numpy(self):
         """The tensor as an owned, native-order numpy array (bfloat16 as its uint16 bits)."""

@@ -14,6 +14,7 @@ bytes), and `save_safetensors` writes tensor by tensor (numpy arrays or pth.Tens
 file larger than memory streams). The tests check reading and writing against the library.
 """
 import json
+import math
 import os
 import struct
 from typing import NamedTuple
@@ -22,7 +23,7 @@ import numpy as np
 
 from Utils.misc import atomic_write, read_json_object, write_json
 
-from .pth import CheckpointError, TensorSource, storage_bytes
+from .pth import CheckpointError, TensorSource, bf16_bits_to_float32, storage_bytes
 
 # the format's dtype codes -> (torch's dtype name, bytes per element)
 DTYPES = {"BF16": ("bfloat16", 2), "F16": ("float16", 2), "F32": ("float32", 4), "F64": ("float64", 8),
@@ -85,7 +86,7 @@ def read_header(path: str) -> dict:
         if not 0 <= begin <= end <= data_bytes:
             raise bad(f"tensor '{name}': data_offsets {offsets} lie outside the {data_bytes} bytes of data")
         dtype, itemsize = DTYPES[entry["dtype"]]
-        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        nbytes = math.prod(shape) * itemsize  # exact: a crafted shape may not fit 64 bits
         if end - begin != nbytes:
             raise bad(f"tensor '{name}': dtype {entry['dtype']} and shape {shape} make {nbytes} bytes, its "
                       f"data_offsets {offsets} hold {end - begin}")
@@ -133,7 +134,7 @@ def stored(source, bf16: bool) -> tuple:
         dtype = "bfloat16"
     if dtype not in CODES:
         raise CheckpointError(f"cannot save a {dtype} tensor in safetensors")
-    return dtype, int(np.prod(source.shape, dtype=np.int64)) * DTYPES[CODES[dtype]][1]
+    return dtype, math.prod(source.shape) * DTYPES[CODES[dtype]][1]
 
 
 def save_safetensors(tensors: dict, path: str, bf16: bool = False):
@@ -179,3 +180,16 @@ def save_checkpoint(tensors: dict, folder: str, max_shard_bytes: int = None, bf1
         weight_map.update(dict.fromkeys(names, file))
     total = sum(stored(source, bf16)[1] for source in tensors.values())
     write_json({"metadata": {"total_size": total}, "weight_map": weight_map}, os.path.join(folder, INDEX_FILE))
+
+
+def read_arrays(path: str) -> dict:
+    """{name: numpy array} of one small .safetensors file (an adapter's): bfloat16 widened to float32 exactly."""
+    arrays = {}
+    with open(path, "rb") as f:
+        for name, tensor in read_header(path).items():
+            f.seek(tensor.offset)
+            element = np.dtype("uint16" if tensor.dtype == "bfloat16" else tensor.dtype).newbyteorder("<")
+            array = np.frombuffer(f.read(tensor.nbytes), element).reshape(tensor.shape)
+            bf16 = tensor.dtype == "bfloat16"
+            arrays[name] = bf16_bits_to_float32(array) if bf16 else array.astype(array.dtype.newbyteorder("="))
+    return arrays

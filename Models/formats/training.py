@@ -10,7 +10,7 @@ import numpy as np
 
 from Utils.misc import is_main_process
 
-from .adapters import adapter_arrays, assign_strict, check_finite, config_differences, write_adapter
+from .adapters import adapter_arrays, assign_strict, check_finite, differing_fields, write_adapter
 from .pth import CheckpointError, load_pth, save_pth
 
 
@@ -61,24 +61,32 @@ def resume_signature(llama_path: str, data_path, val_data_path, train, max_seq_l
             "val_sha256": content_hash(examples[1]) if examples[1] is not None else None}
 
 
-def restore_checkpoint(path: str, model, optimizer, stopper, signature: dict, fixed: dict = None) -> dict:
+# a refusal names this many of the differences, then counts the rest: one line a reader takes in
+SHOWN_DIFFERENCES = 3
+
+
+def restore_checkpoint(path: str, model, optimizer, stopper, signature: dict, fixed: dict = None,
+                       sources: dict = None) -> dict:
     """Load a training checkpoint into model, optimizer, stopper and the RNGs after checking it was
     made with the same settings (the model's, the signature's and `fixed`, the settings a resumed run
-    may not change, against those the checkpoint recorded); returns the checkpoint (its epoch,
-    data_iter_step, global_step)."""
+    may not change, against those the checkpoint recorded; the refusal says where this run's value came
+    from, `sources` {name: where}); returns the checkpoint (its epoch, data_iter_step, global_step)."""
     ckpt = load_pth(path)
     if not isinstance(ckpt, dict) or "adapter" not in ckpt or "optimizer" not in ckpt:
         raise CheckpointError(f"{path}: not a training checkpoint of Math.py (no adapter/optimizer state)")
-    differences = config_differences(ckpt["model_args"], model.args)
+    differences = differing_fields(ckpt["model_args"], model.args)
     saved = ckpt.get("signature", {})
-    differences += [f"{k}: checkpoint has {saved.get(k)!r}, this run has {v!r}"
-                    for k, v in signature.items() if saved.get(k) != v]
+    differences += [(k, saved.get(k), v) for k, v in signature.items() if saved.get(k) != v]
     recorded = {**(ckpt.get("args") or {}), **ckpt["model_args"]}
-    named = {d.split(":")[0] for d in differences}
-    differences += [f"{k}: checkpoint has {recorded[k]!r}, this run has {v!r}" for k, v in (fixed or {}).items()
+    named = {k for k, _, _ in differences}
+    differences += [(k, recorded[k], v) for k, v in (fixed or {}).items()
                     if k in recorded and recorded[k] != v and k not in named]
     if differences:
-        raise CheckpointError(f"{path}: checkpoint of another configuration, cannot resume: " + "; ".join(differences))
+        said = [f"{k}: checkpoint has {old!r}, this run has {new!r}"
+                + (f" ({sources[k]})" if k in (sources or {}) else "") for k, old, new in differences]
+        more = len(said) - SHOWN_DIFFERENCES
+        raise CheckpointError(f"{path}: checkpoint of another configuration, cannot resume: "
+                              + "; ".join(said[:SHOWN_DIFFERENCES]) + (f"; and {more} more" if more > 0 else ""))
     check_finite(ckpt["adapter"], path)
     assign_strict(model.adapter_parameters(), ckpt["adapter"], path, "adapter")
     optimizer.load_state_arrays(ckpt["optimizer"], path)

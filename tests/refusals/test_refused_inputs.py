@@ -15,8 +15,8 @@ from conftest import (DATA, REPO, assert_refused, edited_base, infer_base_alone,
 import Infer
 from Data import test_sets
 from Data.prompts import format_prompt
+from Data.synthetic import make_splits
 from Data.tiny_base import write_random_base
-from Models.generate import check_kv_cache_memory, kv_cache_bytes
 from Models.ModelArgs import ModelArgs
 from Models.Tokenizer import Tokenizer
 from Models.formats.pth import load_pth
@@ -145,14 +145,21 @@ def test_a_samples_file_is_checked_before_any_program_runs(capsys, tmp_path):
     partial = write_samples(tmp_path / "partial.jsonl", [("HumanEval/0", "pass"), ("HumanEval/2", "pass")])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"task_id": "HumanEval/0", "completion": 3}\n')
+    twins = [tmp_path / "twins" / name / "test.jsonl" for name in ("first", "second")]  # the same task_ids
+    for twin in twins:
+        twin.parent.mkdir(parents=True)
+        twin.write_bytes((code / "humaneval" / "test.jsonl").read_bytes())
     cases = [(["--data_path", code, "--samples", good], "needs --data_path"),
              (["--data_path", code, "--samples", unknown, *out], "line 1: task_id 'HumanEval/999'"),
              (["--data_path", code, "--samples", partial, *out], "the first: HumanEval/1"),
              (["--data_path", code, "--samples", bad, *out], "line 1: expected an object"),
              (["--data_path", DATA / "math" / "AddSub", "--samples", good, *out], "code data sets"),
-             (["--data_path", code, "--samples", good, *out, "--exec_timeout", "0"], "--exec_timeout")]
-    for argv, message in cases:
-        assert_refused(capsys, lambda: Infer.main([*map(str, argv)]), message)
+             (["--data_path", code, "--samples", good, *out, "--exec_timeout", "0"], "--exec_timeout"),
+             (["--data_path", tmp_path / "twins", "--samples", good, *out], str(twins[0]), str(twins[1]),
+              "HumanEval/0")]
+    for argv, *messages in cases:
+        assert_refused(capsys, lambda: Infer.main([*map(str, argv)]), *messages)
+    assert not (tmp_path / "eval").exists()
 
 
 # ---- data sets: every set and label scored by its rule, or refused before the first token -----------------
@@ -172,6 +179,35 @@ def test_labels_are_normalised_or_refused_by_their_rule():
     for rule, labels, index in bad:
         with pytest.raises(ValueError, match=f"f.json: example {index} of data set 'x' has the label"):
             checked_labels(rule, labels, "f.json", "x")
+
+
+def test_text_no_encoding_can_write_is_refused_as_it_is_read(tiny_base, tiny_qwen3, synthetic_data, tmp_path,
+                                                            monkeypatch, capsys):
+    """A lone surrogate (JSON's escape \\ud800) in a test set, a training set or a samples file: refused naming the
+    file and the example or line, before a token is generated or trained on, on either layout of base."""
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generation started on text that cannot be encoded")
+    monkeypatch.setattr(Infer, "generate", no_generation)
+    rows = make_splits(4, 0, 2, seed=0)[2]
+    rows[1]["instruction"] += " \ud800"
+    make_entries(tmp_path / "AddSub", "test.json", text=json.dumps(rows))  # json writes it as the escape
+    bad_test = str(tmp_path / "AddSub" / "test.json")
+    for base in (tiny_base, tiny_qwen3):
+        assert_refused(capsys, lambda: infer_base_alone(base, tmp_path / "eval", "--data_path", bad_test), bad_test,
+                       "example 1 field 'instruction' holds a lone surrogate ('\\ud800')")
+    with open(synthetic_data["train"]) as f:
+        train_rows = json.load(f)
+    train_rows[5]["output"] = "\udc80" + train_rows[5]["output"]
+    bad_train = tmp_path / "train.json"
+    bad_train.write_text(json.dumps(train_rows))
+    math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, ["--data_path", str(bad_train)],
+                 [str(bad_train), "example 5 field 'output'"])
+    samples = write_samples(tmp_path / "samples.jsonl", [(f"HumanEval/{i}", "    return 1\n" + "\ud800" * (i == 1))
+                                                         for i in range(3)])
+    assert_refused(capsys, lambda: Infer.main(["--data_path", str(DATA / "code"), "--samples", samples,
+                                               "--output_dir", str(tmp_path / "eval")]),
+                   samples, "line 2 field 'completion'")
+    assert not (tmp_path / "eval").exists()
 
 
 def test_two_data_sets_of_one_name_are_refused(tmp_path):
@@ -302,17 +338,6 @@ def test_a_records_declared_size_is_checked_before_it_is_read(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(CheckpointError, match="not a regular file"):  # no writer: an open would block
         load_pth(fifo)
-
-
-def test_kv_cache_memory_check():
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97)
-    assert kv_cache_bytes(args, 8, 100_000) == 8 * 2 * 2 * 2 * 16 * 100_000 * 4 == 409_600_000
-    check_kv_cache_memory(args, 8, 100_000, available=409_600_000)  # fits exactly
-    with pytest.raises(ValueError, match=r"needs 0\.38 GiB, more than the 0\.38 GiB available.*--batch_size"):
-        check_kv_cache_memory(args, 8, 100_000, available=409_599_999)
-    # LLaMA-3-8B's shape: 32 layers, 8 kv heads of 128; batch 8 x 8192 tokens is 16 GiB in fp32
-    big = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256)
-    assert kv_cache_bytes(big, 8, 8192) == 16 * 2**30
 
 
 # ---- the bench scripts -------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Output folders: one run per folder and only what the tools wrote (their manifests) ever replaced or removed;
 an evaluation's results replaced whole; a full or read-only disk is one line (exit 4) and keeps what was written;
-temporary files of dead writers removed; no non-finite adapter ever saved or scored (exit 3 in training)."""
+no non-finite adapter ever saved or scored (exit 3 in training). The temp sweep: test_owned_files.py."""
 import errno
 import json
 import math
@@ -283,22 +283,6 @@ def test_a_failed_write_keeps_the_earlier_results(tiny_base, two_sets, tmp_path,
     assert not [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)]
 
 
-def test_stale_temp_files_of_dead_writers_only():
-    folder = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moa-stale-{os.getpid()}")
-    os.makedirs(os.path.join(folder, "adapter"), exist_ok=True)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
-    names = {f".tmp{dead_pid}.checkpoint-latest.pth": False, f"adapter/.tmp{dead_pid}.adapter.pth": False,
-             misc.temp_name("scores.json"): True, "keep.tmp": True, ".tmpx.notours": True}
-    for name in names:
-        with open(os.path.join(folder, name), "w") as f:
-            f.write("x")
-    removed = misc.remove_stale_temp(folder)
-    assert sorted(os.path.relpath(p, folder) for p in removed) == sorted(n for n, keep in names.items() if not keep)
-    assert all(os.path.exists(os.path.join(folder, n)) == keep for n, keep in names.items())
-    np.testing.assert_equal(len(os.listdir(folder)), 4)  # adapter/ and the three kept
-
-
 # ---- finite weights: no non-finite adapter is ever written or scored ---------------------------------------
 
 def test_nonfinite_count_fused_equals_plain():
@@ -368,7 +352,7 @@ def test_non_finite_weights_stop_the_run_before_they_are_saved(tiny_base, synthe
     def nan_loss_at(step):
         def reduce(values):
             result = real_reduce(values)
-            if len(values) == 5:  # the per-step loss reduction
+            if len(values) > 2:  # the per-step reduction (validation sums two values)
                 reductions.append(1)
                 if len(reductions) == step:
                     result[0] = math.nan

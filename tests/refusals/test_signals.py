@@ -1,6 +1,8 @@
 """Stop signals and kills: SIGINT (130) and SIGTERM (143) end a run between steps with its last checkpoint
-written whole and resumable, end an evaluation between batches writing nothing, end a run blocked on its input;
-a SIGKILL in the middle of a checkpoint write leaves the last whole one, and resuming from it is bit-exact.
+written whole and resumable, end an evaluation between batches writing nothing, end code scoring with its
+sandboxed programs (nothing written, none left running), end a run blocked on its input;
+a SIGKILL in the middle of a checkpoint write leaves the last whole one, and resuming from it is bit-exact;
+Compare.py passes a stop on to the run it waits for and exits as the tools do.
 Every signal is sent by conftest.run_and_signal once the program is where the test wants it."""
 import json
 import os
@@ -8,14 +10,17 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
-from conftest import (MPIRUN, REPO, holds_open, log_lines, log_records, math_argv, one_error_line, printed,
-                      python_program, run_and_signal, train)
+from conftest import (DATA, MPIRUN, REPO, holds_open, log_lines, log_records, math_argv, one_error_line, printed,
+                      python_program, run_and_signal, snapshot, train, write_samples)
 
+import Infer
+import Math
 from Data.synthetic import make_splits
 from Models.formats.pth import load_pth
-from Utils import misc
+from Utils import misc, sandbox_processes
 
 EVERY_STEP = ("--eval_interval", "1")  # validate and save checkpoint-latest after every step
 MPI = [pytest.mark.mpi, pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data "
@@ -46,9 +51,9 @@ def test_a_stop_signal_checkpoints_the_last_step(tiny_base, synthetic_data, tmp_
     steps = [r["step"] for r in log_records(out, "train")]
     assert load_pth(out / "checkpoint-latest.pth")["global_step"] == steps[-1] >= logged
     assert no_temp_files(out)
-    if ranks == 1:
-        assert train(tiny_base, synthetic_data, out, "--epochs", 50, "--resume", "auto", "--max_steps",
-                     steps[-1] + 1) == 0
+    if ranks == 1:  # the command the stop message gives, with a flag that may change
+        assert f"continue with: python Math.py --resume auto --output_dir {out}" in output
+        assert Math.main(["--resume", "auto", "--output_dir", str(out), "--max_steps", str(steps[-1] + 1)]) == 0
         assert [r["step"] for r in log_records(out, "train")] == steps + [steps[-1] + 1]
 
 
@@ -91,6 +96,44 @@ def test_sigint_stops_an_evaluation_between_batches_and_writes_nothing(tiny_base
     assert not out.exists() and no_temp_files(tmp_path)
 
 
+def sandbox_running(pid, stdout):
+    """Ready once a sandboxed program of process `pid` runs (its supervisors carry TOKEN_PREFIX and `pid`)."""
+    token = f"{sandbox_processes.TOKEN_PREFIX}{pid}-".encode()
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if token in f.read():
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop, code", [(signal.SIGINT, 130), (signal.SIGUSR1, 138)])
+def test_a_stop_signal_ends_code_scoring(tmp_path, stop, code, code_sandbox):
+    """Ctrl-C (or SIGTERM, SIGUSR1) while --samples programs run: they are ended, nothing is left running, the
+    results already in --output_dir stay as they were, and the exit status is the signal's."""
+    rows = [(f"HumanEval/{i}", "    import time\n    time.sleep(30)\n") for i in range(3) for _ in range(4)]
+    samples = write_samples(tmp_path / "samples.jsonl", rows)
+    out = tmp_path / "eval"
+    quick = write_samples(tmp_path / "quick.jsonl", [(f"HumanEval/{i}", "    return 1\n") for i in range(3)])
+    humaneval = DATA / "code" / "humaneval"
+    earlier = Infer.main(["--data_path", str(humaneval), "--samples", quick, "--output_dir", str(out)])
+    assert earlier["datasets"]["humaneval"]["total"] == 3
+    before = snapshot(out)
+    command = python_program("Infer.py", "--data_path", humaneval, "--samples", samples,
+                             "--output_dir", out, "--exec_timeout", 5)
+    started = time.monotonic()
+    scorer = []
+    done = run_and_signal(command, stop, lambda pid, stdout: scorer.append(pid) or sandbox_running(pid, stdout),
+                          timeout=120)
+    assert done.returncode == code, done.stderr[-3000:]
+    assert time.monotonic() - started < 30  # not the 102 s that 12 programs of a 17 s wall clock take on 2 workers
+    one_error_line(done.stderr, f"stopped by {stop.name}", "nothing was written")
+    assert not sandbox_running(scorer[0], "") and snapshot(out) == before and no_temp_files(tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("program, stop, code", [("Math.py", signal.SIGINT, 130), ("Math.py", signal.SIGTERM, 143),
                                                  ("Infer.py", signal.SIGTERM, 143)])
@@ -106,8 +149,46 @@ def test_a_stop_signal_ends_a_run_blocked_on_its_input(tiny_base, synthetic_data
     assert not out.exists()
 
 
+# Compare.py whose training run is a stand-in that stops as Math.py does: at its next poll, with the signal's status
+STAND_IN = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import Utils.jittor_env as env
+env.block_stop_signals()
+stop, start = env.StopFlag(), time.time()
+print("signals", "blocked", flush=True)  # the log also holds this source: the marker is the joined output
+while not stop.poll() and time.time() < start + 60:
+    time.sleep(0.05)
+time.sleep(1)  # the step in progress
+print("stand-in stopped by", stop.name, flush=True)
+raise SystemExit(env.stop_exit_status(stop.name))
+"""
+COMPARE_WITH_A_STAND_IN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import Compare
+stand_in = [sys.executable, "-c", sys.argv[3], sys.argv[1]]
+Compare.commands = lambda args, method: {"math": stand_in, "infer": ["false"]}
+sys.exit(Compare.main(["--methods", "lora", "--output_dir", sys.argv[2]]))
+"""
+
+
 @pytest.mark.slow
-def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, synthetic_data, tmp_path):
+@pytest.mark.parametrize("stop, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGUSR1, 138)])
+def test_compare_passes_a_stop_on_to_its_run_and_waits_for_it(tmp_path, stop, code):
+    log = tmp_path / "lora" / "compare.log"
+    command = [sys.executable, "-c", COMPARE_WITH_A_STAND_IN, str(REPO), str(tmp_path), STAND_IN]
+    done = run_and_signal(command, stop, lambda pid, out: log.exists() and "signals blocked" in log.read_text(),
+                          timeout=120)
+    name = signal.Signals(stop).name
+    assert done.returncode == code, done.stdout + done.stderr
+    one_error_line(done.stderr, f"stopped by {name}", f"lora: Math.py stopped with exit {code}", str(log))
+    assert f"stand-in stopped by {name}" in log.read_text()  # it got the signal, and Compare.py waited for it
+    assert "quick exit" not in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, synthetic_data, tmp_path, capsys):
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     assert train(tiny_base, synthetic_data, straight, "--max_steps", 3, *EVERY_STEP) == 0
     # the real Math.py, SIGKILLed halfway through writing its second checkpoint-latest.pth
@@ -139,7 +220,14 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, sy
     assert len(leftovers) == 1 and leftovers[0].endswith("checkpoint-latest.pth")
     assert load_pth(os.path.join(killed, "checkpoint-latest.pth"))["global_step"] == 1  # the last whole one
 
-    assert train(tiny_base, synthetic_data, killed, "--max_steps", 3, "--resume", "auto", *EVERY_STEP) == 0
+    # resumed with no flag but the folder: the rest from its args.json; a flag that changes the model is refused
+    # in one short line naming it, the folder untouched
+    before = sorted(os.listdir(killed))
+    assert Math.main(["--resume", "auto", "--output_dir", killed, "--lora_rank", "8"]) == 2
+    err = capsys.readouterr().err
+    one_error_line(err, "cannot resume", "lora_rank: checkpoint has 4, this run has 8 (--lora_rank)")
+    assert len(err) < 300 and sorted(os.listdir(killed)) == before
+    assert Math.main(["--resume", "auto", "--output_dir", killed]) == 0
     assert not [n for n in os.listdir(killed) if n.startswith(misc.TMP_PREFIX)]  # removed at the start
     a = load_pth(os.path.join(straight, "adapter", "adapter.pth"))
     b = load_pth(os.path.join(killed, "adapter", "adapter.pth"))

@@ -10,20 +10,26 @@
 #include "bf16.h"
 #include <cmath>
 
-// q [K] = w / s rounded half up, s = max |w| / 127 (symmetric absmax; 0 for a row of zeros); returns s,
-// or -1 where w holds a non-finite value (told by its exponent bits: Jittor compiles with -Ofast, under
-// which std::isfinite is always true). Every quantization of the project (a checkpoint read, a model
-// converted in memory) goes through here.
-static float quantize_row(const float *w, int64_t K, int8_t *q) {
-    float top = 0.f;
+// the elements of w [K] that are NaN or inf, told by their exponent bits: Jittor compiles with -Ofast,
+// under which std::isfinite is always true
+static inline int64_t non_finite_count(const float *w, int64_t K) {
     int64_t bad = 0;
-    #pragma omp simd reduction(max : top) reduction(+ : bad)
+    #pragma omp simd reduction(+ : bad)
     for (int64_t k = 0; k < K; k++) {
         uint32_t u; std::memcpy(&u, w + k, 4);
         bad += (u & 0x7f800000u) == 0x7f800000u;
-        top = std::max(top, std::fabs(w[k]));
     }
-    if (bad) return -1.f;
+    return bad;
+}
+
+// q [K] = w / s rounded half up, s = max |w| / 127 (symmetric absmax; 0 for a row of zeros); returns s,
+// or -1 where w holds a non-finite value. Every quantization of the project (a checkpoint read, a model
+// converted in memory) goes through here.
+static float quantize_row(const float *w, int64_t K, int8_t *q) {
+    if (non_finite_count(w, K)) return -1.f;
+    float top = 0.f;
+    #pragma omp simd reduction(max : top)
+    for (int64_t k = 0; k < K; k++) top = std::max(top, std::fabs(w[k]));
     const float inv = top > 0.f ? 127.f / top : 0.f;
     #pragma omp simd
     for (int64_t k = 0; k < K; k++) q[k] = int8_t(std::floor(std::min(127.f, std::max(-127.f, w[k] * inv)) + 0.5f));

@@ -1,5 +1,5 @@
 // q [N,K] (int8, out0) and s [N] (out1) of a checkpoint matrix stored as STORED in data's parts, blocks of
-// BLOCK rows on each thread. head_dim > 0: within each head of head_dim rows, row 2i+c is read from row
+// BLOCK rows on each thread; out2 [1] <- its elements that are NaN or inf (their rows are left unquantized). head_dim > 0: within each head of head_dim rows, row 2i+c is read from row
 // c*head_dim/2+i (the halves of a Hugging Face head -> Meta's pairs; BLOCK is a multiple of head_dim).
 // Declared per call: N, K, BLOCK, STORED.
 std::vector<MatrixPart> parts((int64_t)data["parts"]);
@@ -9,21 +9,22 @@ for (size_t i = 0; i < parts.size(); i++) {
                           (int64_t)data["rows" + p], (int64_t)data["col0" + p], (int64_t)data["cols" + p]};
 }
 const int64_t hd = (int64_t)data["head_dim"];
-int64_t unread = -1, bad = -1;
+int64_t unread = -1, bad = 0;
 #pragma omp parallel
 {
     std::vector<char> raw;
     std::vector<float> f(BLOCK * K);
-    #pragma omp for schedule(dynamic) reduction(max : unread, bad)
+    #pragma omp for schedule(dynamic) reduction(max : unread) reduction(+ : bad)
     for (int64_t r0 = 0; r0 < N; r0 += BLOCK) {
         const int64_t n = std::min(BLOCK, N - r0);
         if (!read_rows<STORED>(parts, K, r0, n, raw, f.data())) { unread = std::max(unread, r0); continue; }
         for (int64_t r = r0; r < r0 + n; r++) {
             const int64_t j = hd > 0 ? r % hd : 0, from = hd > 0 ? r - j + (j % 2) * (hd / 2) + j / 2 : r;
-            out1_p[r] = quantize_row(f.data() + (from - r0) * K, K, (int8_t *)out0_p + r * K);
-            if (out1_p[r] < 0.f) bad = std::max(bad, r);
+            const float *row = f.data() + (from - r0) * K;
+            out1_p[r] = quantize_row(row, K, (int8_t *)out0_p + r * K);
+            if (out1_p[r] < 0.f) bad += non_finite_count(row, K);
         }
     }
 }
 if (unread >= 0) LOGf << "could not read rows" << unread << "on of a" << N << "x" << K << "matrix";
-if (bad >= 0) LOGf << "row" << bad << "of a" << N << "x" << K << "matrix holds a non-finite value";
+out2_p[0] = bad;

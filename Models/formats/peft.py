@@ -1,0 +1,192 @@
+"""peft's LoRA adapters (adapter_config.json + adapter_model.safetensors), both ways, for plain LoRA on a
+Hugging Face base: `--method moe --expert_num 1` with LoRA experts only (Compare.py's `lora`).
+
+The one expert on a projection computes y = W x + (alpha / r) B A x in peft as here, so a plain LoRA
+adapter is the same numbers under other names: ours `llama.layers.N.attention.lora_Q.lora_{A,B}.weight`,
+peft's `base_model.model.model.layers.N.self_attn.q_proj.lora_{A,B}.weight` (the HF module of the
+projection, hf.LAYER_NAMES). One difference in the numbers: our Q and K experts write rows in Meta's
+order (hf.py undoes HF's q/k row permutation when it loads a base), peft's in HF's, so B of Q and K is
+permuted on the way out (hf.to_hf_rows) and back on the way in (hf.from_hf_rows); A reads x, whose order
+no loader changes.
+
+Coming in, the tensors decide which layers and projections carry LoRA (config's target_modules and
+layers_to_transform only chose them in peft); they must form what our settings can say: the same
+projections in every layer that has any, one rank. A setting that changes what the adapter computes and
+has no form here (bias, DoRA, rank or alpha patterns, modules_to_save, ...) is refused, named; dropout
+does nothing at inference and is ignored; rsLoRA's scale alpha / sqrt(r) is our alpha / r with
+alpha * sqrt(r).
+"""
+import math
+import os
+import re
+
+import numpy as np
+
+from Utils.misc import read_json_object
+
+from ..ModelArgs import ModelArgs
+from .hf import LAYER_NAMES, from_hf_rows, to_hf_rows
+from .pth import CheckpointError
+from .safetensors import read_arrays
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+# our target -> (the block's module holding it, our expert's attribute, the base Linear it sits beside)
+TARGETS = {"Q": ("attention", "lora_Q", "wq"), "K": ("attention", "lora_K", "wk"), "V": ("attention", "lora_V", "wv"),
+           "O": ("attention", "lora_O", "wo"), "FFN_UP": ("feed_forward", "lora_UP", "w3"),
+           "FFN_GATE": ("feed_forward", "lora_GATE", "w1"), "FFN_DOWN": ("feed_forward", "lora_DOWN", "w2")}
+PERMUTED = ("Q", "K")  # their B rows are elements of a head: Meta's pairs here, HF's halves in peft
+# peft settings that change what the adapter computes and have no form here: field -> its neutral value
+NO_FORM = {"bias": "none", "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
+           "fan_in_fan_out": False, "layer_replication": None, "lora_bias": False, "use_qalora": False,
+           "trainable_token_indices": None, "target_parameters": None, "alora_invocation_tokens": None,
+           "arrow_config": None, "use_bdlora": None, "kasa_config": None, "monteclora_config": None,
+           "velora_config": None, "megatron_config": None}
+# what does not change the numbers at inference (or only chose where peft put the LoRA, which the tensors say)
+IGNORED = ("base_model_name_or_path", "revision", "task_type", "inference_mode", "lora_dropout", "peft_version",
+           "auto_mapping", "megatron_core", "qalora_group_size", "layers_pattern", "layers_to_transform",
+           "exclude_modules", "target_modules", "ensure_weight_tying", "eva_config", "corda_config", "lora_ga_config",
+           "loftq_config", "init_lora_weights", "use_rslora", "r", "lora_alpha", "peft_type")
+# initialisations that also change the base's weights: the adapter belongs to that changed base
+BASE_CHANGING_INITS = ("pissa", "olora", "loftq", "corda")
+
+
+def hf_module(target: str) -> str:
+    """HF's module of a target within a layer: 'Q' -> 'self_attn.q_proj'."""
+    parent, _, base = TARGETS[target]
+    return LAYER_NAMES[f"{parent}.{base}.weight"][:-len(".weight")]
+
+
+def plain_lora_problem(args: ModelArgs):
+    """Why the adapter of `args` is not plain LoRA (None when it is)."""
+    if args.method != "moe" or args.expert_num != 1:
+        return f"method {args.method} with expert_num {args.expert_num} is not plain LoRA (moe with expert_num 1)"
+    if args.prompt_layer_set or args.p_adapter_layer_set:
+        return "its prompt or parallel adapter experts have no form in peft's LoRA"
+    return None
+
+
+def layer_list(layers) -> list:
+    return sorted(int(i) for i in layers)
+
+
+# ---- out: ours -> peft ------------------------------------------------------------------------
+
+def peft_config(args: ModelArgs, base: str) -> dict:
+    """adapter_config.json of the plain LoRA adapter of `args` on the base at `base` (a path or hub id)."""
+    alpha = args.lora_alpha
+    layers = layer_list(args.lora_layer_set)
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": args.lora_rank,
+            "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha, "lora_dropout": 0.0,
+            "target_modules": sorted(hf_module(t).split(".")[-1] for t in args.targets),
+            "layers_to_transform": None if len(layers) == args.n_layers else layers, "bias": "none",
+            "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+            "rank_pattern": {}, "alpha_pattern": {}, "init_lora_weights": True, "inference_mode": True}
+
+
+def peft_tensors(arrays: dict, args: ModelArgs) -> dict:
+    """Our adapter's tensors (names of LLaMA_adapter) -> peft's names, Q/K's B rows in HF's order."""
+    out = {}
+    for layer in layer_list(args.lora_layer_set):
+        for target in args.targets:
+            parent, expert, _ = TARGETS[target]
+            for part in ("lora_A", "lora_B"):
+                array = arrays[f"llama.layers.{layer}.{parent}.{expert}.{part}.weight"]
+                if part == "lora_B" and target in PERMUTED:
+                    array = to_hf_rows(array, args.head_dim)
+                out[f"{PEFT_PREFIX}model.layers.{layer}.{hf_module(target)}.{part}.weight"] = array
+    if len(out) != len(arrays):
+        raise CheckpointError(f"the adapter holds {len(arrays)} tensors, plain LoRA on its settings {len(out)}")
+    return out
+
+
+# ---- in: peft -> ours -------------------------------------------------------------------------
+
+def is_peft_adapter(path: str) -> bool:
+    """A folder holding peft's adapter_config.json."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, PEFT_CONFIG))
+
+
+def read_peft_config(folder: str) -> dict:
+    """adapter_config.json checked: LoRA, every setting with a form here."""
+    path = os.path.join(folder, PEFT_CONFIG)
+    config = read_json_object(path, "peft adapter settings")
+    if config.get("peft_type") != "LORA":
+        raise CheckpointError(f"{path}: peft_type {config.get('peft_type')!r}: only peft's LORA adapters load here")
+    for field, neutral in NO_FORM.items():
+        if config.get(field, neutral) not in (neutral, None, False, {}, []):
+            raise CheckpointError(f"{path}: {field} {config[field]!r} changes what the adapter computes and has no "
+                                  "form in MoA-Jittor's LoRA")
+    unknown = sorted(k for k, v in config.items() if k not in NO_FORM and k not in IGNORED and v not in
+                     (None, False, {}, []))
+    if unknown:
+        raise CheckpointError(f"{path}: setting(s) {unknown} unknown to MoA-Jittor's peft reader: not loaded")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise CheckpointError(f"{path}: init_lora_weights {init!r} changes the base's weights too: the adapter "
+                              "belongs to that changed base, not to the original")
+    for field in ("r", "lora_alpha"):
+        value = config.get(field)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise CheckpointError(f"{path}: field '{field}' is {value!r}, expected a positive number")
+    return config
+
+
+KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\.(lora_[AB])\.weight")
+
+
+def read_peft(folder: str, head_dim: int = None):
+    """(our ModelArgs fields, our tensors or None) of a peft LoRA folder; the tensors, whose Q/K rows
+    depend on the base, only with the base's head_dim."""
+    config = read_peft_config(folder)
+    path = os.path.join(folder, PEFT_WEIGHTS)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no adapter weights (peft's safetensors file; a pickled adapter_model.bin "
+                                "is not read: save it with safe_serialization=True)")
+    arrays = read_arrays(path)
+    modules = {hf_module(t): t for t in TARGETS}
+    found = {}
+    for name, array in arrays.items():
+        match = KEY.fullmatch(name)
+        if match is None or match.group(2) not in modules:
+            raise CheckpointError(f"{path}: tensor '{name}' is not LoRA on a projection of a decoder layer "
+                                  f"({', '.join(modules)}): no form here")
+        found[(int(match.group(1)), modules[match.group(2)], match.group(3))] = array
+    layers = sorted({layer for layer, _, _ in found})
+    if not layers:
+        raise CheckpointError(f"{path}: no LoRA tensors")
+    targets = [t for t in TARGETS if any(key[1] == t for key in found)]
+    missing = [f"layer {layer} {t} {part}" for layer in layers for t in targets for part in ("lora_A", "lora_B")
+               if (layer, t, part) not in found]
+    if missing:
+        raise CheckpointError(f"{path}: LoRA on other projections in some layers than in others ({missing[0]} is "
+                              "absent): MoA-Jittor puts one set of projections in every LoRA layer")
+    ranks = {found[key].shape[0] for key in found if key[2] == "lora_A"}
+    if ranks != {config["r"]}:
+        raise CheckpointError(f"{path}: LoRA ranks {sorted(ranks)} where {PEFT_CONFIG} says r {config['r']}")
+    rank = config["r"]
+    alpha = config["lora_alpha"] * (math.sqrt(rank) if config.get("use_rslora") else 1.0)
+    fields = {"method": "moe", "expert_num": 1, "lora_rank": rank, "lora_alpha": float(alpha),
+              "lora_targets": ",".join(targets), "lora_layers": spans(layers), "prompt_layers": "0-0",
+              "p_adapter_layers": "0-0"}
+    if head_dim is None:
+        return fields, None
+    ours = {}
+    for (layer, target, part), array in found.items():
+        if part == "lora_B" and target in PERMUTED:
+            array = from_hf_rows(array, head_dim)
+        parent, expert, _ = TARGETS[target]
+        ours[f"llama.layers.{layer}.{parent}.{expert}.{part}.weight"] = np.ascontiguousarray(array, np.float32)
+    return fields, ours
+
+
+def spans(layers: list) -> str:
+    """[0, 1, 2, 5] -> '0-3,5-6' (ModelArgs' half-open layer spans)."""
+    runs = []
+    for layer in layers:
+        if runs and runs[-1][1] == layer:
+            runs[-1][1] = layer + 1
+        else:
+            runs.append([layer, layer + 1])
+    return ",".join(f"{a}-{b}" for a, b in runs)

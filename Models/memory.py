@@ -1,0 +1,81 @@
+"""What a model takes in memory, counted from its settings before any of it is allocated, and the check
+against what the machine can still give: the base's weights, its RoPE tables and, to generate, the KV
+cache. The counts are Python integers, exact however large a setting is, so a size no machine holds
+(a vocab_size of 2^62, a head_dim of 2^22, a max_seq_len of 10^8) is refused in one line naming the
+file or flag to change, where allocating it would end in a MemoryError, an overflow or a crash.
+"""
+import math
+import os
+
+from .ModelArgs import BF16_PRODUCTS
+
+# LLM.LLaMA's RoPE tables at their peak (Models/rope.rope_tables): the angles, cos, sin and the copy
+# of a cast, each [2 * max_seq_len, head_dim / 2] fp32
+ROPE_TABLES_AT_PEAK = 4
+
+
+def available_memory() -> int:
+    """Bytes the machine can still give (MemAvailable; free pages where /proc/meminfo is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def ranks_on_this_host() -> int:
+    """The MPI ranks sharing this host's memory (1 outside mpirun)."""
+    return int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+
+
+def base_bytes(args) -> int:
+    """The frozen base as loaded: its matrices in the base's precision (2 bytes in bf16, 4 in fp32; in int8 1
+    and an fp32 scale per row, the embedding table 2), its vectors (the norms) in fp32; one layer counted
+    and multiplied, so no table of n_layers entries is built."""
+    def matrix(name, shape):
+        if args.precision == "int8" and name != "tok_embeddings.weight":
+            return math.prod(shape) + 4 * shape[0]
+        return math.prod(shape) * (4 if args.precision == "fp32" else 2)
+
+    def size(shapes):
+        return sum(matrix(name, shape) if len(shape) == 2 else 4 * math.prod(shape) for name, shape in shapes.items())
+    return size(args.outer_shapes()) + args.n_layers * size(args.layer_shapes())
+
+
+def rope_table_bytes(args) -> int:
+    """The RoPE tables of 2 * max_seq_len positions at their peak (ROPE_TABLES_AT_PEAK)."""
+    return ROPE_TABLES_AT_PEAK * 2 * args.max_seq_len * (args.head_dim // 2) * 4
+
+
+def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
+    """The keys and values of every layer: batch * layers * 2 * kv_heads * head_dim * seq * (4, or 2 in a
+    bf16 cache: ModelArgs.kv_cache 'base' with a bf16 or int8 base)."""
+    element = 2 if args.precision in BF16_PRODUCTS and args.kv_cache == "base" else 4
+    return batch_size * args.n_layers * 2 * args.n_kv_heads * args.head_dim * seq_len * element
+
+
+def check_memory(args, source: str, batch_size: int = 0, seq_len: int = 0, available=None):
+    """Refuse a model larger than the memory left (all ranks on this host together) before any of it is
+    allocated: its base and RoPE tables, and with `batch_size` the KV cache of batch_size rows of seq_len
+    tokens. `source` names what set the sizes (the base's settings file, or the flags)."""
+    parts = {f"base weights in {args.precision}": base_bytes(args),
+             f"RoPE tables for max_seq_len {args.max_seq_len}": rope_table_bytes(args)}
+    if batch_size:
+        parts[f"the KV cache for --batch_size {batch_size} x {seq_len} tokens ({args.n_layers} layers, "
+              f"{args.n_kv_heads} kv heads of {args.head_dim})"] = kv_cache_bytes(args, batch_size, seq_len)
+    ranks = ranks_on_this_host()
+    need = sum(parts.values()) * ranks
+    available = available_memory() if available is None else available
+    if need > available:
+        detail = ", ".join(f"{what} {gib(size)}" for what, size in parts.items())
+        raise ValueError(f"{source}: the model needs {gib(need)} ({detail}{f', {ranks} ranks' if ranks > 1 else ''})"
+                         f", more than the {gib(available)} available: lower {'--batch_size or ' if batch_size else ''}"
+                         "the sequence length (--max_seq_len; Infer.py: --max_gen_len), use --precision bf16 or int8, or a "
+                         "machine that holds this base")
+
+
+def gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.3g} GiB"

@@ -1,0 +1,136 @@
+"""Export an adapter trained on a Hugging Face base (LLaMA-3.x, Qwen3) for transformers and peft.
+
+    python scripts/export_hf.py <our adapter> <out> [--base <HF base folder>] [--base_ref <path or hub id>]
+
+Plain LoRA (--method moe --expert_num 1, LoRA only) becomes peft's LoRA adapter (Models/formats/peft.py):
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
+every other adapter a folder transformers loads with its own modeling code (Models/formats/hf_remote.py):
+    AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+Neither copies the base: the files name it (--base_ref, by default --base's absolute path). --base defaults to
+the `llama_path` of the run's args.json beside the adapter folder. An adapter of a Meta-layout base has no
+Hugging Face form and is refused, as is anything else the export cannot write faithfully; nothing is written
+then. The folder is written under the tools' ownership rules (Utils/output_dirs.py): names the export writes
+that something else already holds there are refused.
+"""
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from Models.formats import hf_remote, peft  # noqa: E402
+from Models.formats.adapters import (ADAPTER_WEIGHTS, adapter_config_path, check_strict, read_adapter,  # noqa: E402
+                                     read_adapter_config)
+from Models.formats.base_model import base_args, base_layout  # noqa: E402
+from Models.formats.pth import CheckpointError  # noqa: E402
+from Models.formats.safetensors import save_safetensors  # noqa: E402
+from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
+from Models.ModelArgs import BASE_FIELDS, ModelArgs  # noqa: E402
+from Utils import output_dirs  # noqa: E402
+from Utils.misc import read_json_object, write_json  # noqa: E402
+from Utils.settings import ArgumentParser  # noqa: E402
+
+TOOL = "scripts/export_hf.py"
+
+
+def run_base(adapter: str):
+    """The llama_path of the run's args.json beside the adapter folder, or None."""
+    folder = adapter if os.path.isdir(adapter) else os.path.dirname(os.path.abspath(adapter))
+    path = os.path.join(os.path.dirname(os.path.abspath(folder)), "args.json")
+    return read_json_object(path, "run settings").get("llama_path") if os.path.isfile(path) else None
+
+
+def adapter_settings(adapter: str) -> ModelArgs:
+    """Our adapter_params.json as ModelArgs; refused when it is not ours or its base was Meta's layout."""
+    config = read_adapter_config(adapter)
+    if config is None:
+        raise FileNotFoundError(f"{adapter_config_path(adapter)}: no adapter_params.json beside the adapter")
+    if "dim" not in config:
+        raise CheckpointError(f"{adapter}: not an adapter of MoA-Jittor (the authors' or peft's files): import it "
+                              "first")
+    args = ModelArgs(**config)
+    if args.ffn_dim is None:  # a Hugging Face config.json always sets it (intermediate_size), Meta's params.json never
+        raise CheckpointError(f"{adapter_config_path(adapter)}: trained on a Meta-layout base, which has no Hugging "
+                              "Face form: train on the model's Hugging Face folder to export")
+    return args
+
+
+def check_base(base: str, args: ModelArgs, adapter: str):
+    """The base folder is a Hugging Face one, and the one the adapter was trained on."""
+    if base is None:
+        raise ValueError(f"{adapter}: no base named (no args.json of a run beside the adapter): pass --base")
+    if base_layout(base) != "hf":
+        raise CheckpointError(f"{base}: a Meta-layout base, which has no Hugging Face form: export needs the "
+                              "model's Hugging Face folder (config.json, safetensors)")
+    found = base_args(base).to_dict()
+    other = [f"{k}: adapter {getattr(args, k)!r}, base {found[k]!r}" for k in BASE_FIELDS
+             if getattr(args, k) != found[k]]
+    if other:
+        raise CheckpointError(f"{adapter}: trained on another base than {base}: " + "; ".join(other))
+
+
+def export_files(adapter: str, base: str, base_ref: str) -> dict:
+    """{file name: (writer, content)} of the export, everything read and checked first."""
+    args = adapter_settings(adapter)
+    check_base(base, args, adapter)
+    arrays = read_adapter(adapter)
+    weights = os.path.join(adapter, ADAPTER_WEIGHTS) if os.path.isdir(adapter) else adapter
+    expected = LLaMA_adapter(args).adapter_parameters()  # shapes only: Jittor runs nothing until asked
+    check_strict(expected, {name: a.shape for name, a in arrays.items()}, weights, "adapter")
+    if peft.plain_lora_problem(args) is None:
+        return {peft.PEFT_CONFIG: (write_json, peft.peft_config(args, base_ref)),
+                peft.PEFT_WEIGHTS: (save_safetensors, peft.peft_tensors(arrays, args))}
+    files = {hf_remote.REMOTE_CONFIG: (write_json, hf_remote.remote_config(args, base_ref)),
+             hf_remote.REMOTE_WEIGHTS: (save_safetensors, hf_remote.remote_tensors(arrays, args))}
+    files.update({name: (copy, os.path.join(hf_remote.MODELING_DIR, name)) for name in hf_remote.MODELING_FILES})
+    files.update({name: (copy, os.path.join(base, name)) for name in hf_remote.TOKENIZER_FILES
+                  if os.path.isfile(os.path.join(base, name))})
+    return files
+
+
+def copy(source: str, target: str):
+    shutil.copyfile(source, target + ".part")
+    os.replace(target + ".part", target)
+
+
+def check_out(out: str, names, inputs):
+    """The folder takes the export: not an input's folder, no name of it held by something the tools did not write."""
+    for flag, path in inputs:
+        folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+        if os.path.exists(out) and os.path.realpath(out) == os.path.realpath(folder):
+            raise output_dirs.RunDirError(f"out {out} is the folder of {flag} {path}: choose another folder")
+    output_dirs.check_output_dir(out, "out")
+    output_dirs.check_claimable(out, names, "out")
+
+
+def main(argv=None):
+    """Exit codes: 0 done, 2 bad input or arguments, 4 a file could not be written (one `error:` line)."""
+    p = ArgumentParser(prog="python scripts/export_hf.py", description="Export an adapter for transformers "
+                       "(peft's LoRA format for plain LoRA, a trust_remote_code folder for MoA and the baselines).")
+    p.add_argument("adapter", help="our adapter directory (adapter.pth + adapter_params.json)")
+    p.add_argument("out", help="the folder to write")
+    p.add_argument("--base", help="the Hugging Face base folder the adapter was trained on (default: the run's "
+                   "args.json llama_path)")
+    p.add_argument("--base_ref", help="how the exported files name the base: a path or a hub id (default: --base's "
+                   "absolute path)")
+    args = p.parse_args(argv)
+    try:
+        base = args.base or run_base(args.adapter)
+        files = export_files(args.adapter, base, args.base_ref or os.path.abspath(base or ""))
+        check_out(args.out, files, [("adapter", args.adapter), ("--base", base)])
+        os.makedirs(args.out, exist_ok=True)
+        stale = [n for n in output_dirs.written_entries(args.out) if n not in files]  # an earlier export's, ours
+        output_dirs.record_written(args.out, TOOL, list(files))
+        for name, (write, content) in files.items():
+            write(content, os.path.join(args.out, name))
+        for name in stale:
+            output_dirs.remove(os.path.join(args.out, name))
+    except (FileNotFoundError, ValueError) as e:  # CheckpointError and RunDirError are ValueErrors
+        p.exit(2, f"error: {e}\n")
+    except OSError as e:  # the inputs were read; a write failed (disk full, read-only)
+        p.exit(4, f"error: cannot write {e.filename or args.out}: {e.strerror or e}\n")
+    form = "peft LoRA adapter" if peft.PEFT_CONFIG in files else "transformers folder (trust_remote_code)"
+    print(f"[export_hf] wrote {args.out}: {form}, base {args.base_ref or os.path.abspath(base)}")
+
+
+if __name__ == "__main__":
+    main()

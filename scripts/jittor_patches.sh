@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Two changes to Jittor 1.3.11's C++ sources, run by setup.sh on every machine (CUDA 13's are scripts/jittor_cuda13.sh).
+# Usage: bash scripts/jittor_patches.sh <site-packages dir holding jittor/>. Idempotent; Jittor rebuilds the changed
+# files of its core on the next import.
+#
+# The interpreter's lock. An op whose source holds `@python.module.function(...)` (jt.isfinite, jt.isnan,
+# searchsorted, ...) is expanded by calling Python (src/pyjt/py_caller.cc) from whichever thread compiles it: with
+# the threaded op compiler on (Jittor's default, 16 threads), a thread that holds no Python thread state. Python 3.11
+# lends it the main thread's state (undefined, and it happens to work); from Python 3.12 the state is per thread and
+# the call dereferences a null one: "Caught segfault at address 0x10, thread_name: 'C10'" at Math.py's first
+# optimizer step on a GPU machine (docs/gpu.md), where the finite check is Jittor's isfinite. The fix is Python's
+# rule for foreign threads: py_caller takes the lock with PyGILState_Ensure, and the main thread releases it while
+# it waits for the compiler threads (it only sleeps there), taking it back before it reads their results.
+#
+# The compile progress. When compiling takes over two seconds, src/parallel_compiler.cc writes "\n" to stderr, then
+# its progress ("Compiling Operators(i/n) ... \r", each over the last), then a newline. The first "\n" keeps the
+# progress off a line in progress, but after a finished line (nearly always: our tools print whole lines) it leaves
+# an empty one per burst of compiling. In a terminal the progress now starts by clearing the current line instead
+# (carriage return, erase to its end: a progress bar there is redrawn by its next update); a file or a pipe still
+# gets the "\n", since it cannot erase.
+set -euo pipefail
+J="${1:?usage: jittor_patches.sh SITE_PACKAGES}/jittor"
+[ -f "$J/src/parallel_compiler.cc" ] || { echo "no Jittor sources under $J" >&2; exit 2; }
+python3 - "$J/src" <<'PY'
+import os, sys
+src = sys.argv[1]
+
+def patch(name, mark, edits):
+    """Apply `edits` (anchor, replacement) to src/`name` unless `mark` is there already."""
+    path = os.path.join(src, name)
+    text = open(path).read()
+    if mark in text:
+        return
+    for anchor, replacement in edits:
+        if text.count(anchor) != 1:
+            sys.exit(f"{path}: the line to patch was not found once (not Jittor 1.3.11?): {anchor.strip()[:60]}")
+        text = text.replace(anchor, replacement)
+    open(path, "w").write(text)
+    print(f"[jittor_patches] {mark[3:]}: patched {path}")
+
+GIL = "// moa-jittor: GIL"
+patch("pyjt/py_caller.cc", GIL, [(
+    "string py_caller(const string& mod_func, const vector<string>& args, const map<string,string>& kw) {\n",
+    "string py_caller(const string& mod_func, const vector<string>& args, const map<string,string>& kw) {\n"
+    f"    {GIL}: a compiler thread calls this without the interpreter's lock\n"
+    "    struct GilHold { PyGILState_STATE s = PyGILState_Ensure(); ~GilHold() { PyGILState_Release(s); } } gil;\n")])
+patch("parallel_compiler.cc", GIL, [
+    ('#include "mem/mem_info.h"\n', '#include "mem/mem_info.h"\n#include <Python.h>\n'),
+    ("    threads.launch_all(active_threads, func);\n",
+     f"    {GIL}: the compiler threads may call Python (py_caller.cc); this thread only waits for them\n"
+     "    PyThreadState* gil_saved = PyGILState_Check() ? PyEval_SaveThread() : nullptr;\n"
+     "    threads.launch_all(active_threads, func);\n"),
+    ("    if (change_line)\n        std::cerr << std::endl;\n",
+     "    if (gil_saved) PyEval_RestoreThread(gil_saved);\n"
+     "    if (change_line)\n        std::cerr << std::endl;\n")])
+
+PROGRESS = "// moa-jittor: progress"
+patch("parallel_compiler.cc", PROGRESS, [
+    ('#include "mem/mem_info.h"\n', '#include "mem/mem_info.h"\n#include <unistd.h>\n'),
+    ('                std::cerr << "\\n";\n                change_line = true;\n',
+     f'                {PROGRESS}: a terminal clears its line, where "\\n" left an empty one\n'
+     '                std::cerr << (isatty(2) ? "\\r\\033[K" : "\\n");\n                change_line = true;\n')])
+PY

@@ -1,0 +1,112 @@
+"""Only what a manifest lists is ever removed or overwritten, anywhere: the sweep of temp files and staging folders
+that dead writers left (beside an evaluation folder, in a run folder and below), and scripts/compare_routers.py's
+outputs, whose bad inputs are refused in one line (exit 2) with nothing written."""
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+from conftest import assert_refused, exit_code, infer_base_alone, make_entries, snapshot
+
+import Infer
+from scripts import compare_routers
+from Utils import misc, output_dirs
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+def listed(folder, tool, *names):
+    """`folder` with a manifest of `tool` listing `names`."""
+    os.makedirs(folder, exist_ok=True)
+    output_dirs.record_written(str(folder), tool, names)
+    return folder
+
+
+def test_the_sweep_removes_only_what_a_manifest_lists(tmp_path):
+    dead = dead_pid()
+    # beside an evaluation folder: a dead run's staging folder (its own manifest claims it) and an evaluation
+    # folder it set aside (its manifest lists all it holds) go; the user's folders of the same form stay
+    output_dirs.make_staging(str(tmp_path / f".tmp{dead}.eval"))
+    make_entries(tmp_path / f".tmp{dead}.eval", "AddSub_predictions.jsonl")
+    make_entries(listed(tmp_path / f".tmp{dead}.old-eval", "Infer.py", "scores.json"), "scores.json")
+    make_entries(tmp_path, f".tmp{dead}.my_dataset_backup/data.json", f".tmp{dead}.notes.txt")
+    make_entries(listed(tmp_path / f".tmp{dead}.kept", "Infer.py", "scores.json"), "scores.json", "mine.txt")
+    # in a run folder and below: temp files of the entries its manifest lists, and any inside a listed folder
+    run = listed(tmp_path / "run", "Math.py", "checkpoint-latest.pth", "checkpoint-best.pth", "adapter")
+    make_entries(run, f".tmp{dead}.checkpoint-latest.pth", f".tmp{dead}..manifest.json",
+                 f"adapter/.tmp{dead}.adapter.pth", f".tmp{dead}.notes.txt", f"notes/.tmp{dead}.draft",
+                 misc.temp_name("checkpoint-best.pth"))  # a live writer's: kept
+    gone = [f".tmp{dead}.eval", f".tmp{dead}.old-eval", f"run/.tmp{dead}.checkpoint-latest.pth",
+            f"run/.tmp{dead}..manifest.json", f"run/adapter/.tmp{dead}.adapter.pth"]
+    kept = [f".tmp{dead}.my_dataset_backup/data.json", f".tmp{dead}.notes.txt", f".tmp{dead}.kept/mine.txt",
+            f"run/.tmp{dead}.notes.txt", f"run/notes/.tmp{dead}.draft", f"run/{misc.temp_name('checkpoint-best.pth')}"]
+    removed = output_dirs.remove_stale_temp(str(tmp_path / "run")) + output_dirs.remove_stale_temp(str(tmp_path), False)
+    assert sorted(os.path.relpath(p, tmp_path) for p in removed) == sorted(gone)
+    assert not any((tmp_path / name).exists() for name in gone) and all((tmp_path / name).exists() for name in kept)
+
+
+def test_an_evaluation_keeps_the_users_temp_named_folder_beside_it(tiny_base, addsub, tmp_path, monkeypatch):
+    """The issue's case: a user's `.tmp3999999.my_dataset_backup/` beside --output_dir, its pid long dead."""
+    assert not output_dirs.pid_alive(3999999)
+    make_entries(tmp_path, ".tmp3999999.my_dataset_backup/test.json", text="[]")
+    monkeypatch.setattr(Infer, "generate", lambda model, tok, prompts, *a, **k: [[] for _ in prompts])
+    assert infer_base_alone(tiny_base, tmp_path / "eval", "--data_path", addsub)["datasets"]["AddSub"]["total"] == 2
+    assert (tmp_path / ".tmp3999999.my_dataset_backup" / "test.json").read_text() == "[]"
+
+
+def weights_folder(folder, n_layers=2, n_examples=2, n_tokens=6):
+    """type_weight.pkl and token_weight.pkl as Infer.py --save_weights writes them (Utils/plots.py) for a Sparse
+    MoA of `n_layers` layers, each with the types Q and V, random weights; returns the folder."""
+    rng = np.random.default_rng(n_layers)
+    types = [["Q", "V"]] * n_layers
+    for kind, columns in (("type_weight", 2), ("token_weight", 1)):
+        examples = [{"dataset": "AddSub", "index": i, "token_ids": list(range(n_tokens)), "tokens": ["t"] * n_tokens,
+                     "n_prompt": 3, "generation": "", "weights": [rng.random((n_tokens, columns), np.float32)
+                                                                  for _ in types]} for i in range(n_examples)]
+        make_entries(folder, f"{kind}.pkl", text="")
+        with open(os.path.join(folder, f"{kind}.pkl"), "wb") as f:
+            pickle.dump({"kind": kind, "method": "moa", "variant": "sparse", "layer_types": types,
+                         "examples": examples}, f)
+    return str(folder)
+
+
+def test_compare_routers_writes_only_what_it_owns_and_refuses_bad_inputs(tmp_path, capsys):
+    runs = [weights_folder(tmp_path / f"run{i}" / "eval") for i in range(2)]
+    out = tmp_path / "out"
+
+    def compare(*argv, folders=runs):
+        return lambda: compare_routers.main([*folders, "--output_dir", str(out), *map(str, argv)])
+    make_entries(out, "similarity.json", "router_comparison.png", text="mine")
+    assert_refused(capsys, compare(), str(out), "similarity.json, router_comparison.png", "no run of the tools wrote")
+    assert snapshot(out) == {"similarity.json": b"mine", "router_comparison.png": b"mine"}
+    for name in ("similarity.json", "router_comparison.png"):
+        os.remove(out / name)
+    for _ in range(2):  # its own files, which the manifest lists, it replaces
+        assert exit_code(compare()) is None
+        assert json.loads((out / ".manifest.json").read_text())["written"] == ["router_comparison.png",
+                                                                              "similarity.json"]
+    capsys.readouterr()
+    written = snapshot(out)
+
+    swapped = tmp_path / "swapped"
+    shutil.copytree(runs[0], swapped)
+    shutil.copy(swapped / "token_weight.pkl", swapped / "type_weight.pkl")
+    cut = tmp_path / "cut"
+    shutil.copytree(runs[0], cut)
+    (cut / "type_weight.pkl").write_bytes((swapped / "token_weight.pkl").read_bytes()[:100])
+    deeper = weights_folder(tmp_path / "deeper", n_layers=3)
+    cases = [(compare("--example", "-100"), ["--example", "'-100'"]),
+             (compare("--example", "2"), ["--example 2", "holds 2 examples"]),
+             (compare(folders=[str(swapped), runs[1]]), [str(swapped / "type_weight.pkl"), "kind 'token_weight'"]),
+             (compare(folders=[str(cut), runs[1]]), [str(cut / "type_weight.pkl"), "not a --save_weights pickle"]),
+             (compare(folders=[runs[0], deeper]), ["2 and 3 layers", deeper])]
+    for call, needles in cases:
+        assert_refused(capsys, call, *needles)
+        assert snapshot(out) == written

@@ -1,0 +1,107 @@
+"""The bench scripts' plumbing that needs no framework: side_by_side.py's GPU pairs and their refusals, the
+authors' side reading their sources from the carried archive where the mirror is absent (a GPU machine), and
+the peak GPU memory's choice between the process's figure and the device's."""
+import ctypes
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from conftest import REPO, one_error_line
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """A bench script as a module (they import bench/common.py by name)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    return importlib.import_module
+
+
+def test_gpu_pair_runs_the_authors_runner_and_ours_at_the_same_depth(bench):
+    side_by_side = bench("side_by_side")
+    theirs, ours = side_by_side.pair_commands("authors", "python3", "bf16", "8b", "soft", "cuda", 4)
+    assert theirs[1].endswith("bench/authors_bench.py")
+    assert theirs[2:] == ["--device", "cuda", "--variant", "soft", "--config", "8b", "--precision", "bf16",
+                          "--n_layers", "4"]
+    assert ours[1].endswith("bench/bench.py")
+    assert ours[2:] == ["--config", "8b", "--precision", "bf16", "--n_layers", "4", "--variant", "soft"]
+    theirs, ours = side_by_side.pair_commands("authors", "python3", "fp32", "medium", "sparse", "cuda", 4)
+    assert "--n_layers" not in theirs + ours  # the depth is the 8b shape's only
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--device", "tpu"], ["--device", "tpu"]),
+    (["--device", "cuda", "--against", "peft"], ["--against peft", "CPU only"]),
+    (["--configs", "8b"], ["--device cuda"]),
+    (["--device", "cuda", "--n_layers", "4"], ["--n_layers 4", "8b"]),
+    (["--device", "cuda", "--configs", "8b", "--n_layers", "0"], ["--n_layers 0"])])
+def test_side_by_side_refuses_a_device_it_cannot_pair(bench, monkeypatch, capsys, argv, needles):
+    side_by_side = bench("side_by_side")
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", *argv])
+    with pytest.raises(SystemExit) as info:
+        side_by_side.parse_options()
+    assert info.value.code == 2
+    one_error_line(capsys.readouterr().err, *needles)
+
+
+def test_authors_runner_refuses_bad_arguments_before_torch(bench, monkeypatch, capsys):
+    authors_bench = bench("authors_bench")
+    for argv, needles in ((["--n_layers", "0"], ["--n_layers 0"]), (["--config", "70b"], ["--config", "70b"])):
+        monkeypatch.setattr(sys, "argv", ["authors_bench.py", *argv])
+        with pytest.raises(SystemExit) as info:
+            authors_bench.parse_options()
+        assert info.value.code == 2
+        one_error_line(capsys.readouterr().err, *needles)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git makes the archive as scripts/carry_authors.sh does")
+def test_the_carried_archive_stands_in_for_the_mirror(bench, tmp_path):
+    authors_bench = bench("authors_bench")
+    source = tmp_path / "repo"
+    (source / "LLaMA3_sparse_moa" / "llama").mkdir(parents=True)
+    (source / "LLaMA3_sparse_moa" / "llama" / "llama.py").write_text("dim = 8\n")
+    (source / "README.md").write_text("not carried\n")
+    git = ["git", "-C", str(source), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(source)], check=True)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "c"], check=True)
+    commit = subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    archive = tmp_path / "authors.tar.gz"
+    subprocess.run(git + ["archive", "--format=tar.gz", "-o", str(archive), "HEAD", "LLaMA3_sparse_moa/llama"],
+                   check=True)
+    loader = SimpleNamespace()  # moa_ref_loader's two readers of the mirror, replaced
+    authors_bench.read_from_archive(loader, str(archive))
+    assert loader.git_show("LLaMA3_sparse_moa/llama/llama.py") == "dim = 8\n"
+    assert loader.mirror_commit() == commit
+    with pytest.raises(FileNotFoundError, match="README.md is not in"):
+        loader.git_show("README.md")
+
+
+def test_gpu_memory_peak_is_the_process_figure_where_the_driver_lists_our_pid(bench):
+    """NVML answered by fakes: inside a container the driver may list the host's pids, and then the peak is
+    the device's used memory above where it started; where it lists ours, ours (a value of ~0 is NVML's
+    'not available')."""
+    device = {"used": 1000 << 20, "processes": []}
+
+    def memory_info(handle, memory):
+        memory._obj.used = device["used"]
+        return 0
+
+    def process_list(handle, count, infos):
+        for info, (pid, used) in zip(infos, device["processes"]):
+            info.pid, info.usedGpuMemory = pid, used
+        count._obj.value = len(device["processes"])
+        return 0
+    peak = bench("common").GpuMemoryPeak()
+    peak.handles, peak.nvml, peak.process_list = [None], SimpleNamespace(nvmlDeviceGetMemoryInfo=memory_info), \
+        process_list
+    peak.device_base = peak._sample()
+    device.update(used=3500 << 20, processes=[(os.getpid() + 1, 2500 << 20)])  # another pid: the host's view
+    peak._sample()
+    device.update(used=1200 << 20, processes=[])
+    assert peak.peak() == (2500.0, "device") and peak.keys() == " peak_gpu_mb=2500 peak_gpu_from=device"
+    device["processes"] = [(os.getpid(), 2000 << 20), (os.getpid(), ctypes.c_ulonglong(-1).value)]
+    assert peak.peak() == (2000.0, "process")

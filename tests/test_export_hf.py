@@ -1,0 +1,227 @@
+"""scripts/export_hf.py and peft's LoRA folders, without torch: the files' names, rows and settings, a peft adapter's
+numbers checked by merging it into the base's own safetensors, and the refusals (one line, nothing written).
+tests/test_export_hf_reference.py checks the exported folders in transformers and peft themselves."""
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_refused, max_abs, randomize_adapters, snapshot
+
+import jittor as jt
+
+from Models.formats import hf_remote, peft
+from Models.formats.adapters import load_adapter, read_adapter, read_adapter_config, save_adapter
+from Models.formats.base_model import base_args, build_model
+from Models.formats.hf import CONFIG, from_hf_rows, to_hf_rows
+from Models.formats.pth import CheckpointError
+from Models.formats.safetensors import SINGLE_FILE, read_arrays, save_safetensors
+
+sys.path.insert(0, str(REPO / "scripts"))
+import export_hf  # noqa: E402
+
+ALL_TARGETS = "Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"
+
+
+def adapted(base, seed=0, **settings):
+    """Our model on `base` with a random adapter (every tensor N(0, 0.3^2): LoRA B nonzero)."""
+    model = build_model(base, base_args(base, max_seq_len=32, precision="fp32", lora_rank=4, p_adapter_size=8,
+                                        **settings))
+    randomize_adapters(model, seed=seed, scale=0.3)
+    model.eval()
+    return model
+
+
+def logits(model, tokens):
+    return model.llama(jt.array(tokens)).numpy()
+
+
+TOKENS = np.random.default_rng(0).integers(1, 300, (2, 10)).astype(np.int32)
+
+
+def test_hf_rows_round_trip():
+    rows = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)  # two heads of 8 rows
+    hf = to_hf_rows(rows, 8)
+    assert hf[:, 0].tolist()[:8] == [0, 6, 12, 18, 3, 9, 15, 21]  # Meta's pairs (0,1),(2,3).. -> halves
+    np.testing.assert_array_equal(from_hf_rows(hf, 8), rows)
+
+
+@pytest.mark.parametrize("layers,targets", [("0-2", ALL_TARGETS), ("1-2", "Q,K,FFN_DOWN")])
+def test_plain_lora_exports_as_peft_and_merges_into_the_base(tiny_hf_llama, tmp_path, layers, targets):
+    """W + (alpha/r) B A, with the file's names and rows, written into a copy of the base's safetensors, gives the
+    adapted model's logits with no adapter: peft's names, HF's q/k rows and its scale are what peft applies."""
+    model = adapted(tiny_hf_llama, method="moe", expert_num=1, lora_layers=layers, lora_targets=targets, lora_alpha=6)
+    save_adapter(model, str(tmp_path / "adapter"))
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "out"), "--base", tiny_hf_llama,
+                           "--base_ref", "meta-llama/Llama-3.2-1B"]) is None
+    config = json.loads((tmp_path / "out" / peft.PEFT_CONFIG).read_text())
+    assert {k: config[k] for k in ("peft_type", "base_model_name_or_path", "r", "lora_alpha", "layers_to_transform")} \
+        == {"peft_type": "LORA", "base_model_name_or_path": "meta-llama/Llama-3.2-1B", "r": 4, "lora_alpha": 6,
+            "layers_to_transform": None if layers == "0-2" else [1]}
+    assert sorted(config["target_modules"]) == sorted({"Q": "q_proj", "K": "k_proj", "V": "v_proj", "O": "o_proj",
+                                                        "FFN_UP": "up_proj", "FFN_GATE": "gate_proj",
+                                                        "FFN_DOWN": "down_proj"}[t] for t in targets.split(","))
+    tensors = read_arrays(str(tmp_path / "out" / peft.PEFT_WEIGHTS))
+    assert len(tensors) == 2 * len(targets.split(",")) * (2 if layers == "0-2" else 1)
+    merged = tmp_path / "merged"
+    shutil.copytree(tiny_hf_llama, merged)
+    weights = read_arrays(str(merged / SINGLE_FILE))
+    for name, A in tensors.items():
+        if name.endswith("lora_A.weight"):
+            B = tensors[name.replace("lora_A", "lora_B")]
+            hf_name = name[len(peft.PEFT_PREFIX):].replace(".lora_A", "")
+            weights[hf_name] = weights[hf_name] + 6 / 4 * B @ A
+    save_safetensors(weights, str(merged / SINGLE_FILE))
+    plain = build_model(str(merged), base_args(str(merged), max_seq_len=32, precision="fp32"))
+    ours = logits(model, TOKENS)
+    assert max_abs(ours, logits(plain, TOKENS)) < 1e-4
+    assert max_abs(ours, logits(build_model(tiny_hf_llama, plain.args), TOKENS)) > 0.5  # the LoRA does act
+    # and back: the folder loads here as the same adapter
+    fields = read_adapter_config(str(tmp_path / "out"))
+    assert fields == {"method": "moe", "expert_num": 1, "lora_rank": 4, "lora_alpha": 6.0, "lora_targets": targets,
+                      "lora_layers": layers, "prompt_layers": "0-0", "p_adapter_layers": "0-0"}
+    back = build_model(tiny_hf_llama, base_args(tiny_hf_llama, max_seq_len=32, precision="fp32", **fields))
+    load_adapter(back, str(tmp_path / "out"))
+    arrays = read_adapter(str(tmp_path / "adapter"))
+    assert all(np.array_equal(p.numpy(), arrays[n]) for n, p in back.adapter_parameters().items())
+
+
+def test_moa_exports_as_a_transformers_folder(tiny_qwen3, tmp_path):
+    model = adapted(tiny_qwen3, method="moa", variant="soft", lora_layers="0-2", prompt_layers="1-2",
+                    p_adapter_layers="0-2", swi_x=2)
+    save_adapter(model, str(tmp_path / "adapter"))
+    (tmp_path / "args.json").write_text(json.dumps({"llama_path": tiny_qwen3}))  # the run's base, found by default
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "out")]) is None
+    out = tmp_path / "out"
+    config = json.loads((out / CONFIG).read_text())
+    assert config["auto_map"] == {"AutoConfig": "configuration_moa.MoAConfig",
+                                  "AutoModelForCausalLM": "modeling_moa.MoAForCausalLM"}
+    assert config["base_model_name_or_path"] == os.path.abspath(tiny_qwen3)
+    moa = config["moa"]
+    assert (moa["method"], moa["variant"], moa["lora_layers"], moa["prompt_layers"], moa["clamp"]) == \
+        ("moa", "soft", [0, 1], [1], True)
+    assert moa["base_config"] == {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 160,
+                                  "vocab_size": model.args.vocab_size}
+    for name in hf_remote.MODELING_FILES:
+        assert (out / name).read_bytes() == (REPO / "Models" / "formats" / "hf_remote_code" / name).read_bytes()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        with open(os.path.join(tiny_qwen3, name), "rb") as f:
+            assert (out / name).read_bytes() == f.read()
+    tensors, ours = read_arrays(str(out / hf_remote.REMOTE_WEIGHTS)), read_adapter(str(tmp_path / "adapter"))
+    assert len(tensors) == len(ours)
+    for name, array in ours.items():
+        exported = tensors[hf_remote.remote_name(name)]
+        permuted = ".lora_Q.lora_B" in name or ".lora_K.lora_B" in name
+        np.testing.assert_array_equal(exported, to_hf_rows(array, 32) if permuted else array)
+    assert hf_remote.remote_name("llama.layers.1.attention.prompt_gate") == "model.layers.1.self_attn.prompt_gate"
+    assert hf_remote.remote_name("llama.layers.0.adapter_type_router.w1.weight") == \
+        "model.layers.0.adapter_type_router.w1.weight"
+    assert hf_remote.remote_name("llama.layers.0.feed_forward.lora_DOWN.lora_B.weight") == \
+        "model.layers.0.mlp.lora_DOWN.lora_B.weight"
+    # a second export into the same folder replaces what the first wrote; a peft export removes its stale files
+    lora = adapted(tiny_qwen3, method="moe", expert_num=1, lora_layers="0-2")
+    save_adapter(lora, str(tmp_path / "lora"))
+    assert export_hf.main([str(tmp_path / "lora"), str(out), "--base", tiny_qwen3]) is None
+    assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == [peft.PEFT_CONFIG, peft.PEFT_WEIGHTS]
+
+
+def test_export_refusals_write_nothing(tiny_base, tiny_qwen3, tiny_hf_llama, tmp_path, capsys):
+    meta = build_model(tiny_base, base_args(tiny_base, max_seq_len=32, lora_layers="0-2"))
+    save_adapter(meta, str(tmp_path / "meta"))
+    qwen = adapted(tiny_qwen3, method="moe", expert_num=1, lora_layers="0-2")
+    save_adapter(qwen, str(tmp_path / "qwen"))
+    out = tmp_path / "out"
+
+    def refused(argv, *needles):
+        before = snapshot(tmp_path)
+        assert_refused(capsys, lambda: export_hf.main([*map(str, argv)]), *needles)
+        assert snapshot(tmp_path) == before
+    refused([tmp_path / "meta", out, "--base", tiny_base], "trained on a Meta-layout base, which has no Hugging Face form")
+    refused([tmp_path / "qwen", out, "--base", tiny_base], "a Meta-layout base, which has no Hugging Face form")
+    refused([tmp_path / "qwen", out, "--base", tiny_hf_llama], "trained on another base than",
+            "architecture: adapter 'qwen3', base 'llama'")
+    refused([tmp_path / "qwen", out], "no base named", "pass --base")
+    refused([peft_folder(tmp_path), out, "--base", tiny_qwen3], "not an adapter of MoA-Jittor", "import it first")
+    refused([tmp_path / "qwen", tmp_path / "qwen", "--base", tiny_qwen3], "is the folder of adapter")
+    out.mkdir()
+    (out / peft.PEFT_CONFIG).write_text("mine")
+    refused([tmp_path / "qwen", out, "--base", tiny_qwen3], "holds adapter_config.json, which no run of the tools wrote")
+    (tmp_path / "file").write_text("")
+    refused([tmp_path / "qwen", tmp_path / "file" / "x", "--base", tiny_qwen3], "is under", "which is a file")
+
+
+def peft_folder(tmp_path, config=None, tensors=None, name="peft"):
+    """A peft LoRA folder: rank 2 on layer 1's q_proj and down_proj of a 64-wide base, `config` fields changed."""
+    folder = tmp_path / name
+    folder.mkdir()
+    base = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "down_proj"],
+            "bias": "none", "use_dora": False, "lora_dropout": 0.05, "task_type": "CAUSAL_LM"}
+    (folder / peft.PEFT_CONFIG).write_text(json.dumps({**base, **(config or {})}))
+    rng = np.random.default_rng(0)
+    prefix = peft.PEFT_PREFIX + "model.layers.1."
+    shapes = tensors or {"self_attn.q_proj.lora_A.weight": (2, 64), "self_attn.q_proj.lora_B.weight": (128, 2),
+                         "mlp.down_proj.lora_A.weight": (2, 160), "mlp.down_proj.lora_B.weight": (64, 2)}
+    save_safetensors({prefix + k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()},
+                     str(folder / peft.PEFT_WEIGHTS))
+    return str(folder)
+
+
+def test_peft_folder_reads_as_our_settings_and_rows(tiny_qwen3, tmp_path):
+    folder = peft_folder(tmp_path, {"use_rslora": True})
+    fields = read_adapter_config(folder)
+    assert fields == {"method": "moe", "expert_num": 1, "lora_rank": 2, "lora_alpha": 4 * 2 ** 0.5,
+                      "lora_targets": "Q,FFN_DOWN", "lora_layers": "1-2", "prompt_layers": "0-0",
+                      "p_adapter_layers": "0-0"}
+    model = build_model(tiny_qwen3, base_args(tiny_qwen3, max_seq_len=32, **fields))
+    load_adapter(model, folder)
+    theirs = read_arrays(os.path.join(folder, peft.PEFT_WEIGHTS))
+    q_b = theirs[peft.PEFT_PREFIX + "model.layers.1.self_attn.q_proj.lora_B.weight"]
+    np.testing.assert_array_equal(model.llama.layers[1].attention.lora_Q.lora_B.weight.numpy(), from_hf_rows(q_b, 32))
+    assert peft.spans([0, 1, 2, 5, 7, 8]) == "0-3,5-6,7-9"
+
+
+@pytest.mark.parametrize("config,tensors,message", [
+    ({"use_dora": True}, None, "use_dora True changes what the adapter computes and has no form"),
+    ({"bias": "all"}, None, "bias 'all' changes what the adapter computes"),
+    ({"rank_pattern": {"q_proj": 8}}, None, "rank_pattern"),
+    ({"alpha_pattern": {"q_proj": 8}}, None, "alpha_pattern"),
+    ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+    ({"peft_type": "IA3"}, None, "peft_type 'IA3': only peft's LORA adapters load here"),
+    ({"init_lora_weights": "pissa"}, None, "init_lora_weights 'pissa' changes the base's weights too"),
+    ({"some_future_option": {"on": 1}}, None, "['some_future_option'] unknown to MoA-Jittor's peft reader"),
+    ({"r": 4}, None, "LoRA ranks [2] where adapter_config.json says r 4"),
+    ({}, {"self_attn.q_proj.lora_A.weight": (2, 64), "self_attn.q_proj.lora_B.weight": (128, 2),
+          "self_attn.q_proj.lora_magnitude_vector": (128,)}, "is not LoRA on a projection of a decoder layer"),
+    ({}, {"self_attn.q_proj.lora_A.weight": (2, 64)}, "layer 1 Q lora_B is absent"),
+])
+def test_peft_settings_with_no_form_here_are_refused(tmp_path, config, tensors, message):
+    with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        read_adapter_config(peft_folder(tmp_path, config, tensors))
+
+
+def test_peft_layers_differing_in_projections_are_refused(tmp_path):
+    folder = peft_folder(tmp_path)
+    arrays = read_arrays(os.path.join(folder, peft.PEFT_WEIGHTS))
+    arrays[peft.PEFT_PREFIX + "model.layers.0.mlp.down_proj.lora_A.weight"] = np.ones((2, 160), np.float32)
+    arrays[peft.PEFT_PREFIX + "model.layers.0.mlp.down_proj.lora_B.weight"] = np.ones((64, 2), np.float32)
+    save_safetensors(arrays, os.path.join(folder, peft.PEFT_WEIGHTS))
+    with pytest.raises(CheckpointError, match="LoRA on other projections in some layers than in others "
+                                              r"\(layer 0 Q lora_A is absent\)"):
+        read_adapter_config(folder)
+
+
+@pytest.mark.slow
+def test_infer_scores_with_a_peft_folder(tiny_hf_llama, addsub, tmp_path):
+    """Infer.py takes a peft LoRA folder as --adapter_path: its settings from adapter_config.json, its tensors
+    from adapter_model.safetensors."""
+    import Infer
+    save_adapter(adapted(tiny_hf_llama, method="moe", expert_num=1, lora_layers="0-2"), str(tmp_path / "adapter"))
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "peft"), "--base", tiny_hf_llama]) is None
+    summary = Infer.main(["--adapter_path", str(tmp_path / "peft"), "--llama_path", tiny_hf_llama, "--data_path",
+                          addsub, "--output_dir", str(tmp_path / "eval"), "--max_gen_len", "2", "--batch_size", "2",
+                          "--plot_examples", "0"])
+    assert summary["adapter"] == str(tmp_path / "peft") and summary["datasets"]["AddSub"]["total"] == 2

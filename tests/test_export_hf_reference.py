@@ -1,0 +1,169 @@
+"""Exported adapters in transformers and peft give our numbers, and peft's adapters give peft's numbers here.
+
+The torch side runs in another python: $MOA_HF_PYTHON, a venv with torch, transformers and peft (the project's
+venv has no torch), which runs tests/hf_reference.py once for every case:
+
+    python3 -m venv ~/.venvs/moa-export && ~/.venvs/moa-export/bin/pip install torch "numpy<2" &&
+    ~/.venvs/moa-export/bin/pip install transformers safetensors tokenizers peft
+    MOA_HF_PYTHON=~/.venvs/moa-export/bin/python bash test.sh tests/test_export_hf_reference.py
+
+Without it every test here skips, saying so. The bases are transformers' own tiny checkpoints of
+../shared/golden/hf (LLaMA-3.1 style and Qwen3, bf16 files) and an fp32 LLaMA folder written here; each adapter
+has random tensors N(0, 0.2^2) (LoRA B nonzero), so every expert and router moves the logits (each test checks that it
+does). Compared in fp32, to 1e-4: the whole sequence's logits, the KV-cache path (a prefill, then one token a
+step), generate()'s greedy tokens against ours (Models/generate.py) and its logits at each step.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SHARED, kv_logits, max_abs, randomize_adapters
+
+import jittor as jt
+
+TOLERANCE = 1e-4
+PREFILL, NEW_TOKENS = 5, 6
+ALL_TARGETS = "Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"
+LORA = dict(method="moe", expert_num=1, lora_layers="0-2", lora_targets=ALL_TARGETS)
+SPARSE = dict(method="moa", variant="sparse", lora_layers="0-2", p_adapter_layers="0-2", swi_x=2)
+SOFT = dict(method="moa", variant="soft", lora_layers="0-2", p_adapter_layers="0-2", prompt_layers="0-2", swi_x=2,
+            lora_targets=ALL_TARGETS)
+# case -> (base, our adapter's settings): every method on some base, the paper's two on every base
+CASES = {
+    "lora-llama": ("llama31_tiny", LORA), "lora-qwen3": ("qwen3_tiny", {**LORA, "lora_layers": "1-2",
+                                                                       "lora_targets": "Q,K,FFN_DOWN"}),
+    "lora-fp32": ("fp32_llama", LORA),
+    "sparse-llama": ("llama31_tiny", SPARSE), "sparse-qwen3": ("qwen3_tiny", SPARSE),
+    "sparse-fp32": ("fp32_llama", {**SPARSE, "swi_x": 0, "const_threshold": True}),
+    "soft-llama": ("llama31_tiny", SOFT), "soft-qwen3": ("qwen3_tiny", SOFT), "soft-fp32": ("fp32_llama", SOFT),
+    "moe-mixture-qwen3": ("qwen3_tiny", dict(method="moe", expert_num=2, hydra_moe=True, lora_layers="0-2",
+                                             prompt_layers="0-1", p_adapter_layers="1-2")),
+    "moe-prompt-llama": ("llama31_tiny", dict(method="moe", expert_num=1, lora_layers="0-1", prompt_layers="0-2",
+                                              p_adapter_layers="0-2")),
+    "topk-llama": ("llama31_tiny", dict(method="topk", expert_num=3, top_k=2, lora_layers="0-2")),
+    "adamole-qwen3": ("qwen3_tiny", dict(method="adamole", expert_num=3, lora_layers="0-2")),
+    "instance-llama": ("llama31_tiny", dict(method="instance", variant="soft", lora_layers="0-2", prompt_layers="0-2",
+                                            p_adapter_layers="0-2", swi_x=2)),
+    "unipeft-qwen3": ("qwen3_tiny", dict(method="unipeft", variant="soft", lora_layers="0-2", prompt_layers="0-2",
+                                         p_adapter_layers="0-2")),
+}
+# peft adapters made by peft (random A and B) that load here: case -> (base, LoraConfig fields)
+PEFT_IMPORTS = {
+    "peft-llama": ("llama31_tiny", dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                           "gate_proj", "up_proj", "down_proj"])),
+    "peft-qwen3-rslora": ("qwen3_tiny", dict(r=2, lora_alpha=3, use_rslora=True, lora_dropout=0.1,
+                                             target_modules=["q_proj", "k_proj", "down_proj"], layers_to_transform=[1])),
+}
+
+
+def reference_python():
+    python = os.environ.get("MOA_HF_PYTHON")
+    if not python:
+        pytest.skip("set MOA_HF_PYTHON to a python with torch, transformers and peft (tests/test_export_hf_reference.py "
+                    "says how): the project's venv has no torch")
+    probe = subprocess.run([python, "-c", "import torch, transformers, peft, safetensors"], capture_output=True,
+                           text=True)
+    if probe.returncode:
+        pytest.skip(f"MOA_HF_PYTHON={python} cannot import torch, transformers, peft: {probe.stderr.strip()[-200:]}")
+    return python
+
+
+def base_folder(name, work):
+    """A golden transformers checkpoint (bf16 files), or the fp32 LLaMA folder written here."""
+    if name != "fp32_llama":
+        path = SHARED / "golden" / "hf" / name
+        if not path.is_dir():
+            pytest.skip(f"needs {path} (the read-only ../shared folder beside the clone), which is absent")
+        return str(path), np.load(SHARED / "golden" / "hf" / f"{name}.npz")["tokens"]
+    from Data.tiny_base import random_base_weights
+    from Models.formats.hf import write_hf_base
+    from Models.ModelArgs import ModelArgs
+    folder = work / "fp32_llama"
+    if not folder.is_dir():
+        args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=96, vocab_size=96, norm_eps=1e-5,
+                         rope_theta=10000.0)
+        write_hf_base(str(folder), args, random_base_weights(args, seed=3))
+    tokens = np.random.default_rng(4).integers(1, 96, (2, 12))
+    return str(folder), tokens
+
+
+def our_side(base, settings, tokens, work, name):
+    """Our model with a random adapter: saved, exported, and our logits, cached logits and greedy tokens."""
+    import export_hf
+    from Models.formats.adapters import save_adapter
+    from Models.formats.base_model import base_args, build_model
+    from Models.generate import generate
+    args = base_args(base, max_seq_len=32, precision="fp32", lora_rank=4, p_adapter_size=8, **settings)
+    model = build_model(base, args)
+    randomize_adapters(model, seed=len(name), scale=0.2)
+    model.eval()
+    save_adapter(model, str(work / name / "adapter"))
+    assert export_hf.main([str(work / name / "adapter"), str(work / name / "export"), "--base", base]) is None
+    stub = type("Stops", (), {"stop_tokens": set()})()
+    generated = np.array(generate(model, stub, tokens[:, :PREFILL].tolist(), NEW_TOKENS))
+    full = np.concatenate([tokens[:, :PREFILL], generated], 1)
+    return {"logits": model.llama(jt.array(tokens.astype(np.int32))).numpy(),
+            "kv_logits": kv_logits(model.llama, tokens.astype(np.int32), PREFILL), "generated": generated,
+            # through the cache, as generate() computes them: per-sequence routers decide on the prefill
+            "generated_logits": kv_logits(model.llama, full.astype(np.int32), PREFILL)[:, :NEW_TOKENS]}
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """{case: (ours, transformers')} for every case, the torch side run once for all."""
+    python = reference_python()
+    sys.path.insert(0, str(REPO / "scripts"))
+    work = tmp_path_factory.mktemp("export_hf_reference")
+    jobs, ours = [], {}
+    for name, (base_name, settings) in CASES.items():
+        base, tokens = base_folder(base_name, work)
+        np.save(work / f"{name}.tokens.npy", tokens)
+        ours[name] = our_side(base, settings, tokens, work, name)
+        kind = "peft" if os.path.isfile(work / name / "export" / "adapter_config.json") else "remote"
+        jobs.append({"kind": kind, "base": base, "folder": str(work / name / "export"), "out": str(work / f"{name}.npz"),
+                     "tokens": str(work / f"{name}.tokens.npy"), "prefill": PREFILL, "new_tokens": NEW_TOKENS})
+    for name, (base_name, lora) in PEFT_IMPORTS.items():
+        base, tokens = base_folder(base_name, work)
+        np.save(work / f"{name}.tokens.npy", tokens)
+        jobs.append({"kind": "make_peft", "base": base, "folder": str(work / name), "lora": lora, "seed": len(name),
+                     "out": str(work / f"{name}.npz"), "tokens": str(work / f"{name}.tokens.npy")})
+    (work / "jobs.json").write_text(json.dumps(jobs))
+    run = subprocess.run([python, str(REPO / "tests" / "hf_reference.py"), str(work / "jobs.json")],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = {job["out"]: dict(np.load(job["out"])) for job in jobs}
+    return work, {name: (ours.get(name), theirs[str(work / f"{name}.npz")]) for name in [*CASES, *PEFT_IMPORTS]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exported_adapter_gives_our_logits_in_transformers(compared, case):
+    work, results = compared
+    ours, theirs = results[case]
+    assert max_abs(theirs["logits"], theirs["base_logits"]) > 0.5, "the adapter changes nothing: a vacuous check"
+    print(f"{case}: logits {max_abs(ours['logits'], theirs['logits']):.2e}, "
+          f"kv {max_abs(ours['kv_logits'], theirs['kv_logits']):.2e}, "
+          f"generate {max_abs(ours['generated_logits'], theirs['generated_logits']):.2e}")
+    assert max_abs(ours["logits"], theirs["logits"]) < TOLERANCE
+    assert max_abs(ours["kv_logits"], theirs["kv_logits"]) < TOLERANCE
+    np.testing.assert_array_equal(ours["generated"], theirs["generated"])
+    assert max_abs(ours["generated_logits"], theirs["generated_logits"]) < TOLERANCE
+
+
+@pytest.mark.parametrize("case", list(PEFT_IMPORTS))
+def test_peft_adapter_loads_here_with_peft_logits(compared, case):
+    from Models.formats.adapters import load_adapter, read_adapter_config
+    from Models.formats.base_model import base_args, build_model
+    work, results = compared
+    theirs = results[case][1]
+    base, tokens = base_folder(PEFT_IMPORTS[case][0], work)
+    folder = str(work / case)
+    model = build_model(base, base_args(base, max_seq_len=32, precision="fp32", **read_adapter_config(folder)))
+    load_adapter(model, folder)
+    logits = model.llama(jt.array(tokens.astype(np.int32))).numpy()
+    assert max_abs(theirs["logits"], theirs["base_logits"]) > 0.5, "peft's adapter changes nothing: a vacuous check"
+    print(f"{case}: logits {max_abs(logits, theirs['logits']):.2e}")
+    assert max_abs(logits, theirs["logits"]) < TOLERANCE
