@@ -143,3 +143,15 @@ def test_a_non_finite_checkpoint_weight_is_refused(tmp_path):
     with pytest.raises(NonFiniteBase, match=r"tensor 'model.layers.0.mlp.down_proj.weight' holds 1 value\(s\) that are "
                                             "NaN or inf"):
         load_base_model(str(tmp_path), precision="int8", **RUNTIME)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_memory_check_counts_an_int8_base_as_loaded(tmp_path, tied):
+    """Models/memory.base_bytes, which refuses a base before it is allocated, counts an int8 base's bytes as
+    loaded: a byte a weight and an fp32 scale per row, the embedding table in bf16, the norms in fp32."""
+    from Models import memory
+    args = ModelArgs(architecture="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96,
+                     vocab_size=160, qk_norm=True, tied_embeddings=tied)
+    hf.write_hf_base(str(tmp_path), args, random_base_weights(args, 3), bf16=True)
+    model = load_base_model(str(tmp_path), precision="int8", **RUNTIME)
+    assert memory.base_bytes(model.args) == sum(p.nbytes for p in model.base_parameters().values())

@@ -35,10 +35,10 @@ def base_layout(path: str) -> str:
 def base_args(path: str, **overrides) -> ModelArgs:
     """The base's settings (params.json or config.json) updated with runtime/MoA `overrides`. The base the
     file and the sizing overrides (SIZE_SETTINGS) describe must fit in the memory left: checked first,
-    before anything is built from them (a layer span over n_layers, the RoPE tables, the model); in bf16,
+    before anything is built from them (a layer span over n_layers, the RoPE tables, the model); in int8,
     the least it takes, unless `overrides` set the precision (build_model checks the model's own)."""
     read = ModelArgs.from_params_json if base_layout(path) == "meta" else hf.args_from_config
-    sized = read(path, **{"precision": "bf16", **{k: v for k, v in overrides.items() if k in SIZE_SETTINGS}})
+    sized = read(path, **{"precision": "int8", **{k: v for k, v in overrides.items() if k in SIZE_SETTINGS}})
     check_memory(sized, os.path.join(path, LAYOUTS[base_layout(path)]))
     return read(path, **overrides)
 
