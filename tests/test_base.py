@@ -143,7 +143,9 @@ def test_streaming_load_peak_memory(tiny_meta, tmp_path, precision):
     save_pth(random_base_weights(ModelArgs(**params), 0), tmp_path / "consolidated.00.pth", bf16=True)
     report = load_peak(tiny_meta, tmp_path, precision)
     assert report["model_bytes"] > 35e6  # int8: matrices of a byte a weight, the embedding in bf16
-    assert report["increase"] <= 1.15 * report["model_bytes"], report
+    # int8: besides, each thread's block of rows converted and quantized, and OpenMP's threads (a few MB, not
+    # growing with the model; a bf16 copy of the model would be several times that)
+    assert report["increase"] <= 1.15 * report["model_bytes"] + (8 << 20 if precision == "int8" else 0), report
 
 
 def test_truncated_shard_names_the_file(meta_copy):

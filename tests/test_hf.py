@@ -113,7 +113,9 @@ def test_streaming_load_peak_memory(tmp_path, precision_):
     hf.write_hf_base(str(tmp_path), args, random_base_weights(args, 0), max_shard_bytes=20 << 20, bf16=True)
     report = load_peak(HF_GOLDEN / "qwen3_tiny", tmp_path, precision_)
     assert report["model_bytes"] > 35e6  # int8: matrices of a byte a weight, the embedding in bf16
-    assert report["increase"] <= 1.15 * report["model_bytes"], report
+    # int8: besides, each thread's block of rows converted and quantized, and OpenMP's threads (a few MB, not
+    # growing with the model; a bf16 copy of the model would be several times that)
+    assert report["increase"] <= 1.15 * report["model_bytes"] + (8 << 20 if precision_ == "int8" else 0), report
 
 
 # ---- the safetensors format ----------------------------------------------------------------------
