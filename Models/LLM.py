@@ -71,7 +71,8 @@ class TransformerBlock(nn.Module):
                 self.p_adapter_gate = Linear(args.dim, 1, bias=True)  # never read, see Routing.UNIPEFT_GATES
         self.router_columns = self.type_names or self.gate_names  # the families routed, in the router's order
         # the bound of the authors' fp16 guard: every folder but Sparse MoA's clamps in fp32, and none
-        # in their bf16 mode (`if not self.bf16`), which --precision bf16 is, and int8 with bf16 products (None: no clamp)
+        # in their bf16 mode (`if not self.bf16`), which --precision bf16 is, as is int8 with its bf16 products
+        # (None: no clamp)
         unclamped = (self.method == "moa" and self.variant == "sparse") or args.precision in BF16_PRODUCTS
         self.clamp = None if unclamped else SOFT_CLAMP
         self._sequence_gates = None  # instance-level decisions of the last prefill

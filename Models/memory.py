@@ -73,8 +73,8 @@ def check_memory(args, source: str, batch_size: int = 0, seq_len: int = 0, avail
         detail = ", ".join(f"{what} {gib(size)}" for what, size in parts.items())
         raise ValueError(f"{source}: the model needs {gib(need)} ({detail}{f', {ranks} ranks' if ranks > 1 else ''})"
                          f", more than the {gib(available)} available: lower {'--batch_size or ' if batch_size else ''}"
-                         "the sequence length (--max_seq_len; Infer.py: --max_gen_len), use --precision bf16 or int8, or a "
-                         "machine that holds this base")
+                         "the sequence length (--max_seq_len; Infer.py: --max_gen_len), use --precision bf16 or int8, "
+                         "or a machine that holds this base")
 
 
 def gib(nbytes: int) -> str:

@@ -45,7 +45,7 @@ QUANTIZED_READ_HEADER = cpp.source("read_quantized.h")
 QUANTIZED_READ = cpp.source("read_quantized.cc")
 # the C++ type of each stored element type (cpp/read_quantized.h)
 STORED_TYPES = {"bfloat16": "BF16Bits", "float16": "HalfBits", "float32": "float"}
-QUANTIZED_BLOCK_BYTES = 1 << 20  # fp32 rows each thread converts and quantizes at once (with its raw rows: a few MB per load)
+QUANTIZED_BLOCK_BYTES = 1 << 20  # fp32 rows each thread converts and quantizes at once (and their raw bytes)
 # out0 <- nbytes of fd from offset, in `rows` equal rows, each read CHUNK bytes at a time; out1 <- the
 # elements not finite in the model. head_dim > 0: within each head of head_dim rows, row 2i+c is read
 # from row c*head_dim/2+i (the halves of a Hugging Face head -> Meta's pairs).
