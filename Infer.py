@@ -21,8 +21,8 @@ beside --output_dir and replaces it as a whole once every data set is scored; it
 (.manifest.json) lists them. A folder holding anything its manifest does not list is refused
 (it is not an evaluation folder), and so is a mount point; a symlink's target is replaced.
 Exit codes: 0 done, 2 bad input (one line on stderr), 4 a file could not be written (disk
-full, permissions), 130 / 143 / 138 stopped by SIGINT / SIGTERM / SIGUSR1 (while generating or while
-the code sets' programs run; nothing written).
+full, permissions), 130 / 143 / 138 stopped by SIGINT / SIGTERM / SIGUSR1 (while generating: nothing written; while
+the code sets' programs run: what was scored and every completion kept in <output_dir>.stopped).
 """
 import Utils.jittor_env  # must precede numpy and jittor (see block_stop_signals)
 
@@ -30,7 +30,6 @@ if __name__ == "__main__":
     Utils.jittor_env.block_stop_signals()
 
 import glob
-import json
 import os
 import pickle
 import shutil
@@ -40,7 +39,8 @@ from tqdm import tqdm
 
 from Data import code_task
 from Data.prompts import format_prompt
-from Data.test_sets import TestSet, check_prompt_lengths, data_files, default_test_set, load_test_sets, score_set
+from Data.test_sets import (STOPPED_SAMPLES, TestSet, check_prompt_lengths, data_files, default_test_set,
+                            load_test_sets, score_and_write, stopped_dir)
 from Models.ModelArgs import ModelArgs
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
                                      read_adapter_config)
@@ -205,38 +205,6 @@ def gather_results(local, output_dir, rank, world):
     return merged
 
 
-def write_jsonl(path, rows):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    misc.atomic_write(path, write)
-
-
-def score_and_write(test_sets, examples, results, output_dir, meta, code=None):
-    """Predictions JSONL per data set, scores.json (each set's score and their average); returns the scores.
-    code: (--code_fences, SandboxLimits, StopFlag or None) for the code sets, whose accuracy is their pass@1."""
-    scores = {}
-    for ts in test_sets:
-        indices = range(ts.first, ts.first + ts.count)
-        rows, scores[ts.name] = score_set(ts, examples, [results[i]["generation"] for i in indices], code)
-        marked = [(row, results[i]["undecodable_id"]) for row, i in zip(rows, indices)
-                  if results[i].get("undecodable_id") is not None]
-        for row, unknown in marked:  # its generation is the text before that id
-            row["undecodable_id"] = unknown
-        if marked:
-            scores[ts.name]["undecodable"] = len(marked)
-            print_main(f"[infer] {ts.name}: {len(marked)} generation(s) reached a token id outside the tokenizer "
-                       "and keep the text before it (undecodable_id in the predictions)")
-        write_jsonl(os.path.join(output_dir, f"{ts.name}_predictions.jsonl"), rows)
-    summary = {"datasets": scores, "average": sum(s["accuracy"] for s in scores.values()) / len(scores), **meta}
-    if code is not None and any(ts.rule in code_task.FIELDS for ts in test_sets):
-        summary["sandbox"] = {"isolation": sandbox.isolation(), "how": sandbox.describe(sandbox.isolation()),
-                              **vars(code[1])}
-    misc.write_json(summary, os.path.join(output_dir, "scores.json"))
-    return summary
-
-
 def check_args(args):
     for flag in ("batch_size", "max_examples", "plot_examples", "plot_tokens", "seed"):
         value = getattr(args, flag)
@@ -289,8 +257,8 @@ def run(args, stop=None):
         else os.path.join(args.output_root, "eval_base")))
     sources = data_files(args.data_path) if args.data_path else default_test_set(run_dir_path)
     # the folder replaced at the end (a symlink's target), refused now if that cannot be done safely
-    output_dir = output_dirs.eval_dir(requested, [("--adapter_path", adapter), ("--llama_path", llama_path),
-                                                  *(("--data_path", path) for _, path in sources)])
+    inputs = [("--adapter_path", adapter), ("--llama_path", llama_path), *(("--data_path", p) for _, p in sources)]
+    output_dir = output_dirs.eval_dir(requested, inputs)
     gen = generation_settings(args, run_args, os.path.join(run_dir_path, "args.json") if run_dir_path else None)
     examples, test_sets = load_test_sets(sources, args.max_examples, gen.samples_per_task)
     params = base_args(llama_path)
@@ -325,7 +293,7 @@ def run(args, stop=None):
         summary = write_results(args, staging, test_sets, examples, results, tok, model, run_dir_path,
                                 {"adapter": adapter, "llama_path": llama_path, **vars(gen),
                                  "budget_seq_len": budget_seq_len, "max_seq_len": max_seq_len,
-                                 "seed": args.seed, "world_size": world}, code)
+                                 "seed": args.seed, "world_size": world}, code, (stopped_dir(output_dir), inputs))
         output_dirs.swap_in(staging, output_dir)
     finally:
         if rank == 0 and os.path.isdir(staging):
@@ -348,8 +316,8 @@ def score_samples(args, code):
     if not args.data_path or not args.output_dir:
         raise ValueError("--samples needs --data_path (the code data sets it answers) and --output_dir")
     sources = data_files(args.data_path)
-    output_dir = output_dirs.eval_dir(os.path.abspath(args.output_dir), [("--samples", args.samples),
-                                      *(("--data_path", path) for _, path in sources)])
+    inputs = [("--samples", args.samples), *(("--data_path", path) for _, path in sources)]
+    output_dir = output_dirs.eval_dir(os.path.abspath(args.output_dir), inputs)
     code_task.check_code_sets([path for _, path in sources])
     loaded, all_sets = load_test_sets(sources, None)
     answers = code_task.examples_from_samples(args.samples, [(ts.name, ts.path, loaded[ts.first:ts.first + ts.count])
@@ -366,7 +334,7 @@ def score_samples(args, code):
     try:
         summary = score_and_write(test_sets, examples, {i: {"generation": ex["completion"]} for i, ex in
                                                         enumerate(examples)}, staging,
-                                  {"samples": os.path.abspath(args.samples)}, code)
+                                  {"samples": os.path.abspath(args.samples)}, code, (stopped_dir(output_dir), inputs))
         output_dirs.swap_in(staging, output_dir)
     finally:
         if os.path.isdir(staging):
@@ -375,9 +343,10 @@ def score_samples(args, code):
     return summary
 
 
-def write_results(args, folder, test_sets, examples, results, tok, model, run_dir_path, meta, code):
-    """Predictions, scores, weight pickles and plots into `folder` (rank 0); returns the scores."""
-    summary = score_and_write(test_sets, examples, results, folder, meta, code)
+def write_results(args, folder, test_sets, examples, results, tok, model, run_dir_path, meta, code, keep):
+    """Predictions, scores, weight pickles and plots into `folder` (rank 0); returns the scores. A stopped
+    code scoring keeps what was scored as `keep` says (Data.test_sets.score_and_write)."""
+    summary = score_and_write(test_sets, examples, results, folder, meta, code, keep)
     log_path = os.path.join(run_dir_path, "log.txt") if run_dir_path else None
     from Utils import plots  # matplotlib only on rank 0
     type_data = token_data = expert_data = None
@@ -396,6 +365,16 @@ def write_results(args, folder, test_sets, examples, results, tok, model, run_di
     return summary
 
 
+def stopped_message(e: Stopped) -> str:
+    if e.done is None:
+        return f"stopped by {e} before the evaluation was done; nothing was written"
+    scored = sum(map(len, e.done.values()))
+    where = (f"kept in {e.kept}: the {scored} scored rows in <set>_predictions.jsonl and every completion in "
+             f"{STOPPED_SAMPLES}, which --samples scores" if e.kept else f"{scored} scored rows not kept: {e.not_kept}")
+    return (f"stopped by {e} while the code sets' programs ran, before the evaluation was done; --output_dir "
+            f"is left as it was; {where}")
+
+
 def main(argv=None):
     if os.environ.get("DISABLE_MULTIPROCESSING") == "1":  # set by block_stop_signals: the pool, not the threads
         import jittor as jt
@@ -405,7 +384,7 @@ def main(argv=None):
         return run(args, StopFlag())
     except Stopped as e:
         if misc.get_rank() == 0:
-            sys.stderr.write(f"error: stopped by {e} before the evaluation was done; nothing was written\n")
+            sys.stderr.write(f"error: {stopped_message(e)}\n")
         sys.exit(stop_exit_status(str(e)))
     except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
         if misc.get_rank() == 0:

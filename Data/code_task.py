@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from Utils import sandbox
-from Utils.misc import check_encodable
+from Utils.jittor_env import Stopped
+from Utils.misc import atomic_write, check_encodable
 from Utils.settings import setting
 
 FIELDS = {"humaneval": ("task_id", "prompt", "canonical_solution", "test", "entry_point"),
@@ -228,16 +229,21 @@ def examples_from_samples(path: str, sets: list, max_problems=None) -> list:
 
 def score_examples(kind: str, examples: list, completions: list, fences: str, limits, stop, path: str, mode=None):
     """Run every completion against its problem's tests (a progress bar per set); (prediction rows, the
-    set's scores, `path` among them). `stop`: a StopFlag (Stopped is raised when it fires) or None."""
+    set's scores, `path` among them). `stop`: a StopFlag or None; when it fires, Stopped is raised holding
+    the rows of the programs that finished."""
     jobs = [program_and_tests(kind, ex["task"], completion, fences) for ex, completion in zip(examples, completions)]
     with tqdm(total=len(jobs), desc=f"run {kind}", dynamic_ncols=True) as bar:
-        results = sandbox.run_many(jobs, limits, mode, lambda: bar.update(1), stop)
-    rows, counts = [], {}
-    for ex, completion, result in zip(examples, completions, results):
+        try:
+            results = sandbox.run_many(jobs, limits, mode, lambda: bar.update(1), stop)
+        except Stopped as e:
+            e.done = [row for row, result in zip(prediction_rows(examples, completions, e.done), e.done)
+                      if result is not None]
+            raise
+    rows = prediction_rows(examples, completions, results)
+    counts = {}
+    for ex, row in zip(examples, rows):
         n, c = counts.get(ex["problem"], (0, 0))
-        counts[ex["problem"]] = (n + 1, c + (result.status == sandbox.PASSED))
-        rows.append({"task_id": ex["task"]["task_id"], "sample": n, "completion": completion,
-                     "status": result.status, "error": result.error, "passed": result.status == sandbox.PASSED})
+        counts[ex["problem"]] = (n + 1, c + row["passed"])
     least = min(n for n, _ in counts.values())
     scores = {f"pass@{k}": sum(pass_at_k(n, c, k) for n, c in counts.values()) / len(counts)
               for k in KS if k <= least}
@@ -247,3 +253,24 @@ def score_examples(kind: str, examples: list, completions: list, fences: str, li
     return rows, {**scores, "accuracy": sum(c / n for n, c in counts.values()) / len(counts), "correct": passed,
                   "total": len(rows), "problems": len(counts), "statuses": statuses, "rule": kind,
                   "code_fences": fences, "path": path}
+
+
+def prediction_rows(examples: list, completions: list, results: list) -> list:
+    """A row per sample (its number among its problem's samples); a result None (not run) gives a row too."""
+    rows, seen = [], {}
+    for ex, completion, result in zip(examples, completions, results):
+        n = seen[ex["problem"]] = seen.get(ex["problem"], -1) + 1
+        rows.append({"task_id": ex["task"]["task_id"], "sample": n, "completion": completion,
+                     "status": result and result.status, "error": result and result.error,
+                     "passed": result is not None and result.status == sandbox.PASSED})
+    return rows
+
+
+def write_samples(path: str, rows: list):
+    """A human-eval samples file (task_id, completion per line), what `Infer.py --samples` reads."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            for row in rows:
+                f.write(json.dumps({"task_id": row["task_id"], "completion": row["completion"]},
+                                   ensure_ascii=False) + "\n")
+    atomic_write(path, write)

@@ -1,17 +1,24 @@
 """The test sets an evaluation runs: found from files and folders, loaded and checked before any
-generation, and scored into prediction rows (Infer.py writes them)."""
+generation, scored into prediction rows, and written: <set>_predictions.jsonl and scores.json (into the
+staging folder Infer.py swaps in), or what a stopped code scoring keeps."""
 import glob
+import json
 import os
+import shutil
 from collections import namedtuple
 
 from Data import code_task
 from Data.dataset import load_examples
 from Data.scoring import checked_labels, extract_answer, is_correct, scoring_rule
+from Utils import output_dirs, sandbox
+from Utils.jittor_env import Stopped
+from Utils.misc import atomic_write, print_main, write_json
 
 SPLIT_NAMES = ("test", "val", "validation", "train")
 TEST_FILES = ("test.json", "test.jsonl")  # a math or commonsense set; a code set (HumanEval, MBPP)
 # One data set of the run: examples[first:first + count] of the joined list, scored by `rule`.
 TestSet = namedtuple("TestSet", "name path rule first count")
+STOPPED_SAMPLES = "samples.jsonl"  # in <output_dir>.stopped: the completions of a stopped code scoring
 
 
 def dataset_name(path):
@@ -96,3 +103,79 @@ def score_set(test_set, examples, generations, code=None):
                      "answer": ex["answer"], "generation": generation,
                      "prediction": extract_answer(rule, generation), "correct": ok})
     return rows, {"accuracy": correct / count, "correct": correct, "total": count, "rule": rule, "path": path}
+
+
+def write_jsonl(path, rows):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    atomic_write(path, write)
+
+
+def score_and_write(test_sets, examples, results, output_dir, meta, code=None, keep=None):
+    """Predictions JSONL per data set, scores.json (each set's score and their average); returns the scores.
+    code: (--code_fences, SandboxLimits, StopFlag or None) for the code sets, whose accuracy is their pass@1;
+    when its StopFlag fires, what was scored is kept as `keep` says, (folder, the run's inputs) (see
+    keep_stopped_scoring), and Stopped raised."""
+    scores, scored = {}, {}
+    for ts in test_sets:
+        indices = range(ts.first, ts.first + ts.count)
+        try:
+            rows, scores[ts.name] = score_set(ts, examples, [results[i]["generation"] for i in indices], code)
+        except Stopped as e:  # the rows of the programs that ran, and of the sets scored before
+            e.done = {**scored, ts.name: e.done}
+            if keep is not None:
+                keep_stopped_scoring(e, *keep, test_sets, examples, results, meta)
+            raise
+        scored[ts.name] = rows
+        marked = [(row, results[i]["undecodable_id"]) for row, i in zip(rows, indices)
+                  if results[i].get("undecodable_id") is not None]
+        for row, unknown in marked:  # its generation is the text before that id
+            row["undecodable_id"] = unknown
+        if marked:
+            scores[ts.name]["undecodable"] = len(marked)
+            print_main(f"[infer] {ts.name}: {len(marked)} generation(s) reached a token id outside the tokenizer "
+                       "and keep the text before it (undecodable_id in the predictions)")
+        write_jsonl(os.path.join(output_dir, f"{ts.name}_predictions.jsonl"), rows)
+    summary = {"datasets": scores, "average": sum(s["accuracy"] for s in scores.values()) / len(scores), **meta}
+    if code is not None and any(ts.rule in code_task.FIELDS for ts in test_sets):
+        summary["sandbox"] = {"isolation": sandbox.isolation(), "how": sandbox.describe(sandbox.isolation()),
+                              **vars(code[1])}
+    write_json(summary, os.path.join(output_dir, "scores.json"))
+    return summary
+
+
+def stopped_dir(output_dir: str) -> str:
+    """Where a code scoring stopped before its end keeps what it scored: beside --output_dir, which keeps
+    the earlier complete results."""
+    return output_dir + ".stopped"
+
+
+def keep_stopped_scoring(stopped, kept, inputs, test_sets, examples, results, meta):
+    """A stop while the code sets' programs ran (`stopped`, whose .done holds each set's rows scored so far):
+    those rows and every code set's completions (a samples file that `Infer.py --samples` scores later)
+    go into the folder `kept`, replacing an earlier stop's unless it holds one of the run's `inputs`
+    ([(flag, path)]) or what the tools did not write; stopped.kept names it, or stopped.not_kept says why
+    it could not be written."""
+    done = stopped.done
+    samples = [{"task_id": examples[i]["task"]["task_id"], "completion": results[i]["generation"]}
+               for ts in test_sets if ts.rule in code_task.FIELDS for i in range(ts.first, ts.first + ts.count)]
+    try:
+        output_dirs.eval_dir(kept, inputs)
+        staging = output_dirs.staging_dir(kept, os.getpid())
+        output_dirs.make_staging(staging)
+        try:
+            for name, rows in done.items():
+                write_jsonl(os.path.join(staging, f"{name}_predictions.jsonl"), rows)
+            code_task.write_samples(os.path.join(staging, STOPPED_SAMPLES), samples)
+            scored = {ts.name: {"scored": len(done.get(ts.name, ())), "total": ts.count} for ts in test_sets}
+            write_json({"stopped_by": str(stopped), "scored": scored, **meta}, os.path.join(staging, "stopped.json"))
+            output_dirs.swap_in(staging, kept)
+        finally:
+            if os.path.isdir(staging):
+                shutil.rmtree(staging, ignore_errors=True)
+    except (OSError, ValueError) as e:
+        stopped.not_kept = str(e)
+        return
+    stopped.kept = kept

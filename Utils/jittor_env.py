@@ -121,7 +121,13 @@ class StopFlag:
 
 
 class Stopped(Exception):
-    """A stop signal ended the work before it was done; str() is the signal's name."""
+    """A stop signal ended the work before it was done; str() is the signal's name. `done`: what was
+    finished before it (code scoring: the results of the programs that ran), `kept`: where it was written,
+    else `not_kept`: why it could not be."""
+
+    def __init__(self, name: str, done=None):
+        super().__init__(name)
+        self.done, self.kept, self.not_kept = done, None, None
 
 
 class StopForwarder:

@@ -202,7 +202,7 @@ def run_many(jobs, limits: SandboxLimits, mode: str = None, progress=None, stop=
     """Run every Job of `jobs`, at most limits.workers() at once; their Results in order. `mode` forces an
     isolation level ("bwrap" or "landlock"); `progress` is called per result; `stop` (a
     Utils.jittor_env.StopFlag) is polled every 0.1 s: when it fires, the running programs are ended, no
-    other starts, and Stopped is raised."""
+    other starts, and Stopped is raised, holding the results of those that finished (None for the others)."""
     mode = mode or isolation()
     default_sigchld()
     workers = max(1, min(limits.workers(), len(jobs)))
@@ -233,6 +233,7 @@ def run_many(jobs, limits: SandboxLimits, mode: str = None, progress=None, stop=
         except BaseException:  # KeyboardInterrupt where the stop signals are not blocked
             stopping.set()
             raise
-    if stopping.is_set():
-        raise Stopped(stop.name)
-    return [future.result() for future in futures]
+    results = [future.result() for future in futures]
+    if stopping.is_set():  # None for the programs that did not finish
+        raise Stopped(stop.name, done=results)
+    return results

@@ -215,10 +215,10 @@ def mpirun(n, args, program="Math.py", timeout=300):
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def run_and_signal(command, signum, ready, timeout=300) -> subprocess.CompletedProcess:
-    """Start `command` in the repository root, wait until `ready(pid, stdout so far)` holds, send it `signum`,
-    and wait for its end: its return code, stdout and stderr. A program that ends before it is ready gets no
-    signal (its test then fails on what it returned)."""
+def run_and_signal(command, signum, ready, timeout=300, stderr=False) -> subprocess.CompletedProcess:
+    """Start `command` in the repository root, wait until `ready(pid, stdout so far)` holds (stdout and then
+    stderr with `stderr`), send it `signum`, and wait for its end: its return code, stdout and stderr. A
+    program that ends before it is ready gets no signal (its test then fails on what it returned)."""
     with tempfile.TemporaryDirectory() as folder:
         paths = [os.path.join(folder, name) for name in ("stdout", "stderr")]
         with open(paths[0], "w") as out, open(paths[1], "w") as err:
@@ -227,7 +227,7 @@ def run_and_signal(command, signum, ready, timeout=300) -> subprocess.CompletedP
         read = lambda i: Path(paths[i]).read_text()  # noqa: E731
         try:
             deadline = time.time() + timeout
-            while proc.poll() is None and not ready(proc.pid, read(0)):
+            while proc.poll() is None and not ready(proc.pid, read(0) + (read(1) if stderr else "")):
                 assert time.time() < deadline, f"never ready in {timeout} s: {read(0)}{read(1)}"
                 time.sleep(0.1)
             if proc.poll() is None:

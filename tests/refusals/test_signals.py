@@ -1,16 +1,18 @@
 """Stop signals and kills: SIGINT (130) and SIGTERM (143) end a run between steps with its last checkpoint
 written whole and resumable, end an evaluation between batches writing nothing, end code scoring with its
-sandboxed programs (nothing written, none left running), end a run blocked on its input;
+sandboxed programs (none left running; what was scored kept beside the output), end a run blocked on its input;
 a SIGKILL in the middle of a checkpoint write leaves the last whole one, and resuming from it is bit-exact;
 Compare.py passes a stop on to the run it waits for and exits as the tools do.
 Every signal is sent by conftest.run_and_signal once the program is where the test wants it."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import (DATA, MPIRUN, REPO, holds_open, log_lines, log_records, math_argv, one_error_line, printed,
@@ -110,28 +112,51 @@ def sandbox_running(pid, stdout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop, code", [(signal.SIGINT, 130), (signal.SIGUSR1, 138)])
-def test_a_stop_signal_ends_code_scoring(tmp_path, stop, code, code_sandbox):
+@pytest.mark.parametrize("stop, code, blocked", [(signal.SIGINT, 130, False), (signal.SIGUSR1, 138, True)])
+def test_a_stop_signal_ends_code_scoring_keeping_what_was_scored(tmp_path, stop, code, blocked, code_sandbox):
     """Ctrl-C (or SIGTERM, SIGUSR1) while --samples programs run: they are ended, nothing is left running, the
-    results already in --output_dir stay as they were, and the exit status is the signal's."""
-    rows = [(f"HumanEval/{i}", "    import time\n    time.sleep(30)\n") for i in range(3) for _ in range(4)]
+    results already in --output_dir stay as they were, the exit status is the signal's, and the rows of the
+    programs that finished and every completion are kept in <output_dir>.stopped (its samples file is
+    what --samples scores). Sent once the first problem's four quick programs are scored; a user's folder of
+    that name (`blocked`) is left alone and the error line says nothing was kept."""
+    rows = [("HumanEval/0", "    return 1\n")] * 4 + \
+        [(f"HumanEval/{i}", "    import time\n    time.sleep(30)\n") for i in (1, 2) for _ in range(4)]
     samples = write_samples(tmp_path / "samples.jsonl", rows)
-    out = tmp_path / "eval"
+    out, kept = tmp_path / "eval", tmp_path / "eval.stopped"
     quick = write_samples(tmp_path / "quick.jsonl", [(f"HumanEval/{i}", "    return 1\n") for i in range(3)])
     humaneval = DATA / "code" / "humaneval"
     earlier = Infer.main(["--data_path", str(humaneval), "--samples", quick, "--output_dir", str(out)])
     assert earlier["datasets"]["humaneval"]["total"] == 3
-    before = snapshot(out)
+    if blocked:
+        kept.mkdir()
+        (kept / "mine.txt").write_text("the user's")
+    before, before_kept = snapshot(out), snapshot(kept)
     command = python_program("Infer.py", "--data_path", humaneval, "--samples", samples,
                              "--output_dir", out, "--exec_timeout", 5)
     started = time.monotonic()
     scorer = []
-    done = run_and_signal(command, stop, lambda pid, stdout: scorer.append(pid) or sandbox_running(pid, stdout),
-                          timeout=120)
+    quick_scored = lambda pid, output: scorer.append(pid) or max(  # noqa: E731 (tqdm's "n/12")
+        [int(n) for n in re.findall(r"(\d+)/12\b", output)] or [0]) >= 4
+    done = run_and_signal(command, stop, quick_scored, timeout=120, stderr=True)
     assert done.returncode == code, done.stderr[-3000:]
-    assert time.monotonic() - started < 30  # not the 102 s that 12 programs of a 17 s wall clock take on 2 workers
-    one_error_line(done.stderr, f"stopped by {stop.name}", "nothing was written")
+    assert time.monotonic() - started < 40  # not the 102 s that 12 programs of a 17 s wall clock take on 2 workers
     assert not sandbox_running(scorer[0], "") and snapshot(out) == before and no_temp_files(tmp_path)
+    if blocked:
+        one_error_line(done.stderr, f"stopped by {stop.name}", "left as it was", "scored rows not kept",
+                       "eval.stopped")
+        assert snapshot(kept) == before_kept
+        return
+    one_error_line(done.stderr, f"stopped by {stop.name}", "left as it was", f"kept in {kept}")
+    scored = [json.loads(line) for line in (kept / "humaneval_predictions.jsonl").read_text().splitlines()]
+    assert 4 <= len(scored) < 12
+    assert [(r["task_id"], r["sample"], r["status"]) for r in scored[:4]] == [("HumanEval/0", n, "failed")
+                                                                            for n in range(4)]
+    assert all(r["status"] == "timed out" for r in scored[4:])
+    stopped = json.loads((kept / "stopped.json").read_text())
+    assert stopped["stopped_by"] == stop.name and stopped["samples"] == samples
+    assert stopped["scored"] == {"humaneval": {"scored": len(scored), "total": 12}}
+    assert (kept / "samples.jsonl").read_text() == Path(samples).read_text()
+    assert not (kept / "scores.json").exists()
 
 
 @pytest.mark.slow
