@@ -86,6 +86,13 @@ def rounded_to_bf16(x: jt.Var) -> jt.Var:
     return rounding_op(x, "float32")
 
 
+def bf16_values(x: jt.Var) -> jt.Var:
+    """x (fp32) rounded to bf16 values, kept in fp32, its gradient passing through unchanged (the plain
+    form of what a fused op keeps as bf16 bits)."""
+    rounded = x.cast("bfloat16").float32() if jt.flags.use_cuda else rounded_to_bf16(x)
+    return x + (rounded - x).stop_grad()  # exact: x's rounding error is an fp32 value
+
+
 def cast_to(x: jt.Var, dtype: str) -> jt.Var:
     """x as `dtype`; fp32 -> bf16 rounds to nearest even (to_bf16)."""
     if x.dtype == dtype:
