@@ -15,6 +15,7 @@ from jittor import nn
 from . import cpp
 from .elementwise import silu_gate
 from .linear import linear
+from .precision import bf16_values, to_bf16
 from .switch import Kernel
 
 EXPERTS_HEADER = cpp.source("sgemm_ops.h")
@@ -102,12 +103,15 @@ GATED_BACKWARD = cpp.source("gated_projection_backward.cc")
 
 class GatedProjection(jt.Function):
     """(silu(gate) * up, (silu(gate) * up) A^T): the SwiGLU hidden and a LoRA's low-rank view of it.
-    Only gate and up are kept; one pass gives both gradients for the two uses of the hidden."""
+    Only gate and up are kept, as bf16 bits with `bf16` (and the hidden made from those); one pass gives
+    both gradients for the two uses of the hidden."""
 
-    def execute(self, gate, up, A):
+    def execute(self, gate, up, A, bf16):
         R, F = A.shape
         M = gate.numel() // F
-        self.sizes = f"const int64_t M = {M}, F = {F}, R = {R};\n"
+        if bf16:
+            gate, up = to_bf16(gate), to_bf16(up)
+        self.sizes = f"const int64_t M = {M}, F = {F}, R = {R}; typedef {'uint16_t' if bf16 else 'float'} GATE_T;\n"
         self.saved = (gate, up, A)
         return tuple(jt.code([gate.shape, (M, R)], ["float32", "float32"], [gate, up, A], cpu_header=EXPERTS_HEADER,
                              cpu_src=self.sizes + GATED_FORWARD))
@@ -122,15 +126,18 @@ class GatedProjection(jt.Function):
                              cpu_header=EXPERTS_HEADER, cpu_src=self.sizes + GATED_BACKWARD))
 
 
-def fused_gated_projection(gate, up, A):
-    hidden, u = GatedProjection.apply(gate.float32(), up.float32(), A)
+def fused_gated_projection(gate, up, A, bf16=False):
+    hidden, u = GatedProjection.apply(gate.float32(), up.float32(), A, bf16)
     return hidden, u.reshape(*gate.shape[:-1], A.shape[0])
 
 
-def plain_gated_projection(gate, up, A):
+def plain_gated_projection(gate, up, A, bf16=False):
+    if bf16:
+        gate, up = bf16_values(gate), bf16_values(up)
     hidden = silu_gate.plain(gate, up)
     return hidden, linear(hidden, A)
 
 
-# gate, up [..., F], A [R,F] -> hidden = silu(gate) * up [..., F], hidden A^T [..., R]
+# gate, up [..., F], A [R,F] -> hidden = silu(gate) * up [..., F], hidden A^T [..., R]; with bf16, gate and
+# up rounded to bf16 first
 gated_projection = Kernel(fused_gated_projection, plain_gated_projection)

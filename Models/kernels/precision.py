@@ -9,7 +9,10 @@ on every machine: the input is rounded to bf16 (to nearest, ties to even) and
 the products of the two bf16 operands are summed in fp32, which is what torch's
 autocast and a GPU's half matmul do (the authors' bf16 mode); the backward rounds
 the incoming gradient the same way. Attention's products follow the same rule in
-training and prefill (Models/kernels/attention.py; a decode step's stay fp32). Only the route differs:
+training and prefill (Models/kernels/attention.py; a decode step's stay fp32), and
+training keeps the SwiGLU's gate and up for its backward as bf16
+(projections.keep_gate_up: half the bytes of the step's largest activations; the hidden
+is made from those values, which the down projection rounds to bf16 anyway). Only the route differs:
 - a CPU with bf16 units (avx512_bf16 or amx_bf16 in /proc/cpuinfo): oneDNN's
   gemm_bf16bf16f32;
 - any other CPU with oneDNN: the rounded input and the weights widened to fp32
@@ -84,6 +87,13 @@ def to_bf16(x: jt.Var) -> jt.Var:
 def rounded_to_bf16(x: jt.Var) -> jt.Var:
     """x (fp32) rounded to the nearest bf16 value, kept in fp32."""
     return rounding_op(x, "float32")
+
+
+def bf16_values(x: jt.Var) -> jt.Var:
+    """x (fp32) rounded to bf16 values, kept in fp32, its gradient passing through unchanged (the plain
+    form of what a fused op keeps as bf16 bits)."""
+    rounded = x.cast("bfloat16").float32() if jt.flags.use_cuda else rounded_to_bf16(x)
+    return x + (rounded - x).stop_grad()  # exact: x's rounding error is an fp32 value
 
 
 def cast_to(x: jt.Var, dtype: str) -> jt.Var:

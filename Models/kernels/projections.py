@@ -20,7 +20,7 @@ from . import cpp
 from .elementwise import silu_gate
 from .experts import add_projected, gated_projection
 from .linear import linear
-from .precision import base_linear, bf16_rule, cpu_has_bf16_units, matrix_code
+from .precision import base_linear, bf16_rule, bf16_values, cpu_has_bf16_units, matrix_code, to_bf16
 from .switch import Kernel, decoding
 
 LORA_PROJECT_HEADER = cpp.source("lora_project.h")
@@ -156,13 +156,18 @@ class SwiGLUProjections(LoRAProjections):
     """The same projections of the SwiGLU hidden x = silu(gate) * up [M,K], which the op builds from
     gate and up and rebuilds in the backward instead of keeping it (the FFN's largest activation, kept
     for the expert's dA otherwise). The hidden and the gradients of gate and up are silu_gate's, in its
-    own passes. Called as apply(projections, gate, up, *flat_vars(projections))."""
+    own passes. Under the bf16 rule gate and up are kept as bf16 bits (keep_gate_up). Called as
+    apply(projections, gate, up, *flat_vars(projections))."""
 
     def execute(self, projections, gate, up, *tensors):
-        return self.forward([gate, up], projections, tensors)
+        return self.forward(keep_gate_up(gate, up, projections[0]), projections, tensors)
+
+    def typed(self, pointers: list) -> list:
+        """gate's and up's C++ pointers, as fp32 or bf16 bits."""
+        return [f"(const {'uint16_t' if self.saved[0][0].dtype == 'bfloat16' else 'float'} *){p}" for p in pointers]
 
     def input_code(self, pointers: list, outputs: cpp.CodeOutputs) -> str:
-        gate, up = pointers
+        gate, up = self.typed(pointers)
         hidden = outputs.pointer(self.saved[0][0].shape)  # scratch from Jittor's pool: no fresh pages per call
         return f"swiglu_into({gate}, {up}, M * K, {hidden});\nconst float *x = {hidden};\n"
 
@@ -170,7 +175,7 @@ class SwiGLUProjections(LoRAProjections):
         # gate and up come from the FFN's projections: their gradients are made whether asked for or not; dhidden
         # accumulates in dgate's memory and the rebuilt hidden lives in dup's until the SwiGLU's backward
         # overwrites both (elementwise: it reads dhidden[i] before writing dgate[i])
-        gate, up = pointers
+        gate, up = self.typed(pointers)
         shape = self.saved[0][0].shape
         dgate, dup = outputs.pointer(shape), outputs.pointer(shape)
         x = f"swiglu_into({gate}, {up}, M * K, {dup});\nconst float *x = {dup};\n" if needs_x else \
@@ -236,11 +241,18 @@ lora_projections = Kernel(gemv_lora_projections, projections_op,
                           when=lambda x, projections: decoding(x, projections[0].base_weight))
 
 
+def keep_gate_up(gate: jt.Var, up: jt.Var, projection: Projection) -> list:
+    """What training keeps of the SwiGLU's gate and up [M,F] for the backward (the layer's largest
+    activations): under the bf16 rule their bf16 bits, half the bytes, and the hidden is made from those
+    (a change within the rounding the down projection gives the hidden anyway); else themselves."""
+    return [to_bf16(gate), to_bf16(up)] if bf16_rule(projection.base_weight) else [gate, up]
+
+
 def fused_swiglu_down(gate: jt.Var, up: jt.Var, projection: Projection) -> jt.Var:
     # the hidden and its low-rank view x A^T in one op that rebuilds the hidden in the backward: the
     # layer's largest activation [B,T,F] is not kept for the expert's gradient
     e = projection.expert
-    hidden, low_rank = gated_projection.fused(gate, up, e.A)
+    hidden, low_rank = gated_projection.fused(gate, up, e.A, bf16_rule(projection.base_weight))
     return add_projected.fused(base_linear(hidden, projection.base_weight, projection.base_scale), low_rank, e.B,
                                None, e.route_weight, e.scale)
 
@@ -253,6 +265,8 @@ def swiglu_projection(gate: jt.Var, up: jt.Var, projection: Projection) -> jt.Va
 
 
 def swiglu_then_project(gate: jt.Var, up: jt.Var, projection: Projection) -> jt.Var:
+    if training(gate, up, projection) and bf16_rule(projection.base_weight):  # the values training keeps
+        gate, up = bf16_values(gate), bf16_values(up)
     return lora_projections(silu_gate(gate, up), [projection])[0]
 
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include "gemv.h"
 // exp's argument is capped at 80 (exp(80) = 5.5e34): beyond about 88 exp is inf, and the vectorised division
 // (a reciprocal estimate refined by a Newton step) turns 1 / inf into NaN; below the cap the bits are unchanged
 static inline float exp_capped(float v) { return std::exp(std::min(v, 80.f)); }
@@ -14,15 +15,20 @@ static inline void swiglu_grads(float g, float u, float d, float *dg, float *du)
     *dg = d * u * s * (1.f + g * (1.f - s));
     *du = d * g * s;
 }
+// gate and up as training keeps them for the backward: fp32, or bf16 bits under the bf16 rule
+static inline float kept_value(float v) { return v; }
+static inline float kept_value(uint16_t v) { return widen(v); }
 // The threaded passes over n elements: hidden = silu(gate) * up, and the gradients of gate and up for an
 // incoming dhidden d (the SwiGLU's ops, and projections.py's op that reads the hidden without keeping it)
-static inline void swiglu_into(const float *gate, const float *up, int64_t n, float *hidden) {
+template <typename G>
+static inline void swiglu_into(const G *gate, const G *up, int64_t n, float *hidden) {
     #pragma omp parallel for simd
-    for (int64_t i = 0; i < n; i++) hidden[i] = swiglu(gate[i], up[i]);
+    for (int64_t i = 0; i < n; i++) hidden[i] = swiglu(kept_value(gate[i]), kept_value(up[i]));
 }
-static inline void swiglu_grads_into(const float *gate, const float *up, const float *d, int64_t n, float *dgate,
+template <typename G>
+static inline void swiglu_grads_into(const G *gate, const G *up, const float *d, int64_t n, float *dgate,
                                      float *dup) {
     #pragma omp parallel for simd
-    for (int64_t i = 0; i < n; i++) swiglu_grads(gate[i], up[i], d[i], dgate + i, dup + i);
+    for (int64_t i = 0; i < n; i++) swiglu_grads(kept_value(gate[i]), kept_value(up[i]), d[i], dgate + i, dup + i);
 }
 #endif
