@@ -63,17 +63,20 @@ def prompts(tok):
     return [tok.encode(t, bos=True, eos=False) for t in TEXTS]
 
 
-def full_recompute(model, tok, prompt, max_gen_len):
-    """Reference: no cache, the whole sequence every step, argmax of the last position."""
-    seq = list(prompt)
+def full_recompute(model, tok, prompt, generated, max_gen_len):
+    """Reference: the greedy picks without the cache, for the sequence `generated` followed. One forward
+    of prompt + generated, no cache: the model is causal, so its position len(prompt) - 1 + i holds the
+    logits that recomputing the whole sequence after step i gives, and greedy decoding picks their argmax
+    until a stop token. One forward per prompt, not one per step: each length is a shape Jittor compiles."""
+    seq = list(prompt) + list(generated)
     with jt.no_grad():
-        for _ in range(max_gen_len):
-            logits = model.llama(jt.array(np.array([seq], np.int32)))
-            nxt = int(np.argmax(logits[0, -1].numpy()))
-            if nxt in tok.stop_tokens:
-                break
-            seq.append(nxt)
-    return seq[len(prompt):]
+        logits = model.llama(jt.array(np.array([seq], np.int32))).numpy()[0]
+    picks = []
+    for nxt in logits[len(prompt) - 1:].argmax(-1)[:max_gen_len]:
+        if int(nxt) in tok.stop_tokens:
+            break
+        picks.append(int(nxt))
+    return picks
 
 
 def test_prefill_length_buckets():
@@ -85,7 +88,8 @@ def test_greedy_cache_equals_full_recompute(models, tok, prompts, variant):
     model = models[variant]
     assert len({len(p) for p in prompts}) == len(prompts)  # different lengths
     for prompt in prompts:
-        assert generate(model, tok, [prompt], GEN)[0] == full_recompute(model, tok, prompt, GEN)
+        generated = generate(model, tok, [prompt], GEN)[0]
+        assert generated == full_recompute(model, tok, prompt, generated, GEN)
 
 
 def test_batch_of_4_equals_4_batches_of_1(models, tok, prompts):
