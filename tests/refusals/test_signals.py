@@ -3,7 +3,8 @@ written whole and resumable, end an evaluation between batches writing nothing, 
 sandboxed programs (none left running; what was scored kept beside the output), end a run blocked on its input;
 a SIGKILL in the middle of a checkpoint write leaves the last whole one, and resuming from it is bit-exact;
 Compare.py passes a stop on to the run it waits for and exits as the tools do.
-Every signal is sent by conftest.run_and_signal once the program is where the test wants it."""
+Every signal is sent by conftest.run_and_signal once the program is where the test wants it; one test
+stands a stop flag in for the signal, to stop Infer.py's own generations once their programs run."""
 import json
 import os
 import re
@@ -22,7 +23,8 @@ import Infer
 import Math
 from Data.synthetic import make_splits
 from Models.formats.pth import load_pth
-from Utils import misc, sandbox_processes
+from Utils import misc, sandbox, sandbox_processes
+from Utils.jittor_env import Stopped
 
 EVERY_STEP = ("--eval_interval", "1")  # validate and save checkpoint-latest after every step
 MPI = [pytest.mark.mpi, pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (install OpenMPI to test data "
@@ -157,6 +159,38 @@ def test_a_stop_signal_ends_code_scoring_keeping_what_was_scored(tmp_path, stop,
     assert stopped["scored"] == {"humaneval": {"scored": len(scored), "total": 12}}
     assert (kept / "samples.jsonl").read_text() == Path(samples).read_text()
     assert not (kept / "scores.json").exists()
+
+
+def test_a_stop_while_generated_code_is_scored_keeps_the_generations(tiny_base, tmp_path, monkeypatch, code_sandbox):
+    """Infer.py generating for a code set, stopped once its programs run (a stop flag that fires then):
+    the generations are not lost: <output_dir>.stopped holds them as a samples file, which --samples
+    scores into --output_dir with the run's --max_examples."""
+    class StopOnceScoring:
+        name, scoring = "SIGINT", False
+
+        def poll(self):
+            return self.scoring
+    stop, run_many = StopOnceScoring(), sandbox.run_many
+
+    def scoring(*args, **kwargs):
+        stop.scoring = True
+        return run_many(*args, **kwargs)
+    monkeypatch.setattr(sandbox, "run_many", scoring)
+    humaneval, out = str(DATA / "code" / "humaneval"), tmp_path / "eval"
+    args = Infer.get_args_parser().parse_args(["--llama_path", tiny_base, "--no_adapter", "--data_path", humaneval,
+                                               "--max_examples", "3", "--max_gen_len", "6", "--output_dir", str(out)])
+    with pytest.raises(Stopped) as stopped:
+        Infer.run(args, stop)
+    kept = tmp_path / "eval.stopped"
+    assert stopped.value.kept == str(kept) and not out.exists()
+    samples = [json.loads(line) for line in (kept / "samples.jsonl").read_text().splitlines()]
+    assert [s["task_id"] for s in samples] == [f"HumanEval/{i}" for i in range(3)]
+    assert all(s["completion"] for s in samples)
+    assert json.loads((kept / "stopped.json").read_text())["scored"]["humaneval"]["total"] == 3
+    monkeypatch.setattr(sandbox, "run_many", run_many)
+    rescored = Infer.main(["--samples", str(kept / "samples.jsonl"), "--data_path", humaneval, "--max_examples", "3",
+                           "--output_dir", str(out)])
+    assert rescored["datasets"]["humaneval"]["total"] == 3
 
 
 @pytest.mark.slow
