@@ -10,9 +10,10 @@ the products of the two bf16 operands are summed in fp32, which is what torch's
 autocast and a GPU's half matmul do (the authors' bf16 mode); the backward rounds
 the incoming gradient the same way. Attention's products follow the same rule in
 training and prefill (Models/kernels/attention.py; a decode step's stay fp32), and
-training keeps the SwiGLU's gate and up for its backward as bf16
-(projections.keep_gate_up: half the bytes of the step's largest activations; the hidden
-is made from those values, which the down projection rounds to bf16 anyway). Only the route differs:
+training keeps the SwiGLU's gate and up for its backward as bf16 where the down
+projection has at most one expert (projections.keep_gate_up: half the bytes of the step's
+largest activations; the hidden is made from those values, which the down projection
+rounds to bf16 anyway; a mixture of experts there keeps them fp32). Only the route differs:
 - a CPU with bf16 units (avx512_bf16 or amx_bf16 in /proc/cpuinfo): oneDNN's
   gemm_bf16bf16f32;
 - any other CPU with oneDNN: the rounded input and the weights widened to fp32
