@@ -13,6 +13,8 @@ checkpoint is timed in the same run, each read (the plain one and every load) st
 cache for that file (posix_fadvise DONTNEED). The base takes the math recipe's precision (bf16) unless
 --precisions names one; several run one after another, each in a process of its own (peak RSS is a
 process's) on the one checkpoint, and end with their ratios to the first (`<precision>_over_<first>_...`).
+Several variants likewise run each in a process of its own (`<variant>_peak_rss_gb`; `peak_rss_gb` is the
+largest).
 Prints key=value pairs last.
 """
 import argparse
@@ -228,6 +230,8 @@ def measure(opts, work: str):
         print(f"wrote the random checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
     if opts.precisions and len(opts.precisions) > 1:
         return compare_precisions(opts, llama_dir, work)
+    if len(opts.variants.split(",")) > 1:
+        return separate_variants(opts, llama_dir, work)
     n_layers = base_args(llama_dir).n_layers
     files = weight_paths(llama_dir)
     file_gb = sum(os.path.getsize(f) for f in files) / 1e9
@@ -248,6 +252,36 @@ def measure(opts, work: str):
     print(" ".join(f"{k}={v}" for k, v in line.items()))
 
 
+def child_line(llama_dir: str, work: str, precision, variants: str) -> dict:
+    """This script on the checkpoint at llama_dir in a process of its own (one precision, `variants`): its
+    output printed, its key=value line returned."""
+    command = [sys.executable, os.path.abspath(__file__), "--llama_path", llama_dir, "--variants", variants,
+               "--tmp_dir", work] + (["--precisions", precision] if precision else [])
+    print(f"[{precision or 'recipe'} {variants}] {' '.join(command[1:])}", flush=True)
+    run = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    print(run.stdout, end="", flush=True)
+    if run.returncode != 0:
+        sys.exit(f"error: the {precision or ''} {variants} run ended with exit code {run.returncode}")
+    return dict(item.split("=", 1) for item in run.stdout.strip().splitlines()[-1].split())
+
+
+def separate_variants(opts, llama_dir: str, work: str):
+    """Each variant in a process of its own, so that each peak RSS is its own (a process's peak keeps the
+    largest of what ran in it); one key=value line: the first run's shared figures, each variant's own, its
+    peak among them, and the largest peak as the run's."""
+    precision = opts.precisions[0] if opts.precisions else None
+    lines = {v: child_line(llama_dir, work, precision, v) for v in opts.variants.split(",")}
+    joined = {k: v for k, v in next(iter(lines.values())).items() if not k.startswith(tuple(lines))}
+    joined["base"] = opts.llama_path or opts.arch
+    for variant, line in lines.items():
+        joined.update({k: v for k, v in line.items() if k.startswith(f"{variant}_")})
+        joined[f"{variant}_peak_rss_gb"] = line["peak_rss_gb"]
+        joined[f"{variant}_bytes_per_base_param"] = line["bytes_per_base_param"]
+    peak = max(float(line["peak_rss_gb"]) for line in lines.values())
+    joined.update(peak_rss_gb=f"{peak:.2f}", bytes_per_base_param=f"{peak * 1e9 / float(joined['n_base']):.2f}")
+    print(" ".join(f"{k}={v}" for k, v in joined.items()))
+
+
 # figures of each variant compared across precisions, and whether more of it is better (for the best of rounds)
 COMPARED = {"load_s": False, "step_s": False, "decode_tok_s": True, "decode_step_tok_s": True}
 
@@ -258,14 +292,7 @@ def compare_precisions(opts, llama_dir: str, work: str):
     best = {}
     for _ in range(opts.rounds):
         for precision in opts.precisions:
-            command = [sys.executable, os.path.abspath(__file__), "--llama_path", llama_dir, "--precisions", precision,
-                       "--variants", opts.variants, "--tmp_dir", work]
-            print(f"[{precision}] {' '.join(command[1:])}", flush=True)
-            run = subprocess.run(command, stdout=subprocess.PIPE, text=True)
-            print(run.stdout, end="", flush=True)
-            if run.returncode != 0:
-                sys.exit(f"error: the {precision} run ended with exit code {run.returncode}")
-            line = dict(item.split("=", 1) for item in run.stdout.strip().splitlines()[-1].split())
+            line = child_line(llama_dir, work, precision, opts.variants)
             kept = best.setdefault(precision, line)
             for key, value in line.items():
                 figure = key.split("_", 1)[-1]
