@@ -328,17 +328,11 @@ def score_samples(args, code):
             test_sets.append(TestSet(ts.name, ts.path, ts.rule, len(examples), len(answered)))
             examples += answered
     sandbox.isolation()
-    staging = output_dirs.staging_dir(output_dir, os.getpid())
     output_dirs.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
-    output_dirs.make_staging(staging)
-    try:
+    with output_dirs.replacing(output_dir) as staging:
         summary = score_and_write(test_sets, examples, {i: {"generation": ex["completion"]} for i, ex in
                                                         enumerate(examples)}, staging,
                                   {"samples": os.path.abspath(args.samples)}, code, (stopped_dir(output_dir), inputs))
-        output_dirs.swap_in(staging, output_dir)
-    finally:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging, ignore_errors=True)
     print_scores(summary, output_dir)
     return summary
 

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from Utils import sandbox
 from Utils.jittor_env import Stopped
-from Utils.misc import atomic_write, check_encodable
+from Utils.misc import check_encodable, write_jsonl
 from Utils.settings import setting
 
 FIELDS = {"humaneval": ("task_id", "prompt", "canonical_solution", "test", "entry_point"),
@@ -236,8 +236,7 @@ def score_examples(kind: str, examples: list, completions: list, fences: str, li
         try:
             results = sandbox.run_many(jobs, limits, mode, lambda: bar.update(1), stop)
         except Stopped as e:
-            e.done = [row for row, result in zip(prediction_rows(examples, completions, e.done), e.done)
-                      if result is not None]
+            e.done = prediction_rows(examples, completions, e.done)
             raise
     rows = prediction_rows(examples, completions, results)
     counts = {}
@@ -256,21 +255,16 @@ def score_examples(kind: str, examples: list, completions: list, fences: str, li
 
 
 def prediction_rows(examples: list, completions: list, results: list) -> list:
-    """A row per sample (its number among its problem's samples); a result None (not run) gives a row too."""
+    """A row per sample that ran (its number among its problem's samples); a result None (not run) gives none."""
     rows, seen = [], {}
     for ex, completion, result in zip(examples, completions, results):
         n = seen[ex["problem"]] = seen.get(ex["problem"], -1) + 1
-        rows.append({"task_id": ex["task"]["task_id"], "sample": n, "completion": completion,
-                     "status": result and result.status, "error": result and result.error,
-                     "passed": result is not None and result.status == sandbox.PASSED})
+        if result is not None:
+            rows.append({"task_id": ex["task"]["task_id"], "sample": n, "completion": completion,
+                         "status": result.status, "error": result.error, "passed": result.status == sandbox.PASSED})
     return rows
 
 
 def write_samples(path: str, rows: list):
     """A human-eval samples file (task_id, completion per line), what `Infer.py --samples` reads."""
-    def write(tmp):
-        with open(tmp, "w") as f:
-            for row in rows:
-                f.write(json.dumps({"task_id": row["task_id"], "completion": row["completion"]},
-                                   ensure_ascii=False) + "\n")
-    atomic_write(path, write)
+    write_jsonl([{"task_id": row["task_id"], "completion": row["completion"]} for row in rows], path)

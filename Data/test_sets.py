@@ -2,9 +2,7 @@
 generation, scored into prediction rows, and written: <set>_predictions.jsonl and scores.json (into the
 staging folder Infer.py swaps in), or what a stopped code scoring keeps."""
 import glob
-import json
 import os
-import shutil
 from collections import namedtuple
 
 from Data import code_task
@@ -12,7 +10,7 @@ from Data.dataset import load_examples
 from Data.scoring import checked_labels, extract_answer, is_correct, scoring_rule
 from Utils import output_dirs, sandbox
 from Utils.jittor_env import Stopped
-from Utils.misc import atomic_write, print_main, write_json
+from Utils.misc import print_main, write_json, write_jsonl
 
 SPLIT_NAMES = ("test", "val", "validation", "train")
 TEST_FILES = ("test.json", "test.jsonl")  # a math or commonsense set; a code set (HumanEval, MBPP)
@@ -105,14 +103,6 @@ def score_set(test_set, examples, generations, code=None):
     return rows, {"accuracy": correct / count, "correct": correct, "total": count, "rule": rule, "path": path}
 
 
-def write_jsonl(path, rows):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    atomic_write(path, write)
-
-
 def score_and_write(test_sets, examples, results, output_dir, meta, code=None, keep=None):
     """Predictions JSONL per data set, scores.json (each set's score and their average); returns the scores.
     code: (--code_fences, SandboxLimits, StopFlag or None) for the code sets, whose accuracy is their pass@1;
@@ -137,7 +127,7 @@ def score_and_write(test_sets, examples, results, output_dir, meta, code=None, k
             scores[ts.name]["undecodable"] = len(marked)
             print_main(f"[infer] {ts.name}: {len(marked)} generation(s) reached a token id outside the tokenizer "
                        "and keep the text before it (undecodable_id in the predictions)")
-        write_jsonl(os.path.join(output_dir, f"{ts.name}_predictions.jsonl"), rows)
+        write_jsonl(rows, os.path.join(output_dir, f"{ts.name}_predictions.jsonl"))
     summary = {"datasets": scores, "average": sum(s["accuracy"] for s in scores.values()) / len(scores), **meta}
     if code is not None and any(ts.rule in code_task.FIELDS for ts in test_sets):
         summary["sandbox"] = {"isolation": sandbox.isolation(), "how": sandbox.describe(sandbox.isolation()),
@@ -163,18 +153,12 @@ def keep_stopped_scoring(stopped, kept, inputs, test_sets, examples, results, me
                for ts in test_sets if ts.rule in code_task.FIELDS for i in range(ts.first, ts.first + ts.count)]
     try:
         output_dirs.eval_dir(kept, inputs)
-        staging = output_dirs.staging_dir(kept, os.getpid())
-        output_dirs.make_staging(staging)
-        try:
+        with output_dirs.replacing(kept) as staging:
             for name, rows in done.items():
-                write_jsonl(os.path.join(staging, f"{name}_predictions.jsonl"), rows)
+                write_jsonl(rows, os.path.join(staging, f"{name}_predictions.jsonl"))
             code_task.write_samples(os.path.join(staging, STOPPED_SAMPLES), samples)
             scored = {ts.name: {"scored": len(done.get(ts.name, ())), "total": ts.count} for ts in test_sets}
             write_json({"stopped_by": str(stopped), "scored": scored, **meta}, os.path.join(staging, "stopped.json"))
-            output_dirs.swap_in(staging, kept)
-        finally:
-            if os.path.isdir(staging):
-                shutil.rmtree(staging, ignore_errors=True)
     except (OSError, ValueError) as e:
         stopped.not_kept = str(e)
         return

@@ -106,6 +106,15 @@ def write_json(obj, path):
     return atomic_write(path, write)
 
 
+def write_jsonl(rows, path):
+    """Atomically write `rows` as JSON lines, one object a line."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return atomic_write(path, write)
+
+
 POLL_SECONDS = 0.2  # how long a read of a FIFO or device waits before it looks for a stop signal
 
 

@@ -22,6 +22,7 @@ symlinked folder is followed: its target is replaced.
 Interrupted writes (a kill -9) leave temp files `.tmp<pid>.<name>` and staging folders; the next run
 removes those of dead writers by the same rule, never by their name alone (remove_stale_temp).
 """
+import contextlib
 import fcntl
 import json
 import os
@@ -305,6 +306,20 @@ def make_staging(staging: str):
     os.makedirs(staging, exist_ok=True)
     if not os.path.isfile(os.path.join(staging, MANIFEST)):
         write_json({"tool": INFER, "written": [], STAGING: True}, os.path.join(staging, MANIFEST))
+
+
+@contextlib.contextmanager
+def replacing(path: str):
+    """A staging folder beside `path` for this process to fill: when the block ends without an error it
+    replaces `path` (swap_in); it is removed however the block ends."""
+    staging = staging_dir(path, os.getpid())
+    make_staging(staging)
+    try:
+        yield staging
+        swap_in(staging, path)
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def swap_in(staging: str, path: str):
