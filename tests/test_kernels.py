@@ -416,7 +416,8 @@ def test_swiglu_projection(base_dtype, weighted, has_expert):
     """Training's FFN down projection with the SwiGLU inside the projections' op, which rebuilds the
     hidden in the backward instead of keeping it (plain LoRA's unweighted expert, a weighted one, none):
     exactly the numbers of silu_gate then the projections' kernel (the same passes; within an ulp where
-    training keeps gate and up as bf16 bits), and the plain references' within rounding; outputs and the gradients of gate, up and the expert's parameters."""
+    training keeps gate and up as bf16 bits), and the plain references' within rounding; outputs and the
+    gradients of gate, up and the expert's parameters."""
     rng = np.random.default_rng(18)
     gate, up = normal(rng, (2, 9, 40), 2.0), normal(rng, (2, 9, 40), 2.0)
     base, _ = stored(normal(rng, (24, 40), 0.1), base_dtype)
