@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: setup if needed, then pytest with the arguments given: none runs the whole suite
 # (pytest.ini's testpaths), `-m "not slow"` the quick run, `tests/test_base.py` one file.
-# Jittor compiles each kernel shape the first time it runs and keeps it in its cache; a marker there says that a
-# whole run (no file named) has filled it, and until then the command says that this run is mostly compiling.
+# Jittor compiles each kernel the first time it runs (ours once for every shape, its own fused ops once per shape) and
+# keeps it in its cache; a marker there says that a whole run (no file named) has filled it, and until then the
+# command says that this run is mostly compiling.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${MOA_VENV:-$HOME/.venvs/moa-jittor}/bin/python"
@@ -12,7 +13,7 @@ CACHE="$("$PYTHON" -c 'import Utils.jittor_env, jittor_utils; print(jittor_utils
 MARKER="$CACHE/moa_tests_compiled"
 if [ -n "$CACHE" ] && [ ! -e "$MARKER" ]; then
   echo "[test] Jittor's kernel cache ($CACHE) has not run this suite yet: this first run is mostly Jittor" \
-       "compiling the kernels the tests use (each shape once, kept in the cache); later runs are much quicker"
+       "compiling the kernels the tests use (each once, kept in the cache); later runs are much quicker"
 fi
 whole=1
 for arg in "$@"; do [ -e "${arg%%::*}" ] && whole=0; done  # a file or folder named: part of the suite

@@ -6,7 +6,7 @@ import pytest
 
 import jittor as jt
 from Models.Block import attention_mask
-from Models.kernels import elementwise
+from Models.kernels import cpp, elementwise
 from Models.kernels.elementwise import logit_rows, output_nll, rms_norm, rope, silu_gate
 from Models.kernels.experts import add_projected, add_weighted, gated_projection
 from Models.kernels.projections import (ExpertTerm, LoRAProjections, Projection, gemv_lora_projections,
@@ -210,6 +210,24 @@ def test_linear(shape, bias, trains):
     weight = normal(rng, (9, 12))
     inputs = [normal(rng, shape), weight if trains else weight.stop_grad()] + ([normal(rng, (9,))] if bias else [])
     assert_same(linear, inputs, range(len(inputs)) if trains else [0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_gemv_at_every_row_count(dtype):
+    """The GEMV pass (cpp/gemv.h) from 1 to GEMV_ROWS + 4 rows, in one op: each compiled pass (1, 2, 4, 8 and
+    16 rows), the row counts it pads between them, and a second pass; fp32, bf16 and int8 weights."""
+    rng = np.random.default_rng(11)
+    N, K = 13, 100  # blocks of 4, 2 or 1 weight rows and a rest; 6 steps of 16 columns and a rest of 4
+    weight = jt.array(rng.integers(-127, 128, (N, K)).astype(np.int8)) if dtype == "int8" else \
+        cast_to(normal(rng, (N, K)), dtype)
+    ctype = {"float32": "float", "bfloat16": "uint16_t", "int8": "int8_t"}[dtype]
+    w64 = weight.float32().numpy().astype(np.float64)
+    for M in range(1, GEMV_ROWS + 5):
+        x = normal(rng, (M, K))
+        numbers = cpp.Numbers().declare(M=M, N=N, K=K)
+        y = jt.code((M, N), "float32", [x, weight], cpu_header=cpp.source("linear.h"), data=numbers.data,
+                    cpu_src=numbers.code + f"gemv(M, N, K, in0_p, (const {ctype} *)in1_p, out0_p);")
+        np.testing.assert_allclose(y.numpy(), x.numpy() @ w64.T, rtol=1e-5, atol=1e-4, err_msg=f"{M} rows")
 
 
 def bf16_weight(rng, shape):

@@ -146,12 +146,14 @@ def read_quantized(parts: list, shape: tuple, stored: str, head_dim: int = 0, wh
     N, K = shape
     block = max(1, QUANTIZED_BLOCK_BYTES // (4 * K))
     block = max(head_dim, block // head_dim * head_dim) if head_dim else block
-    data = {"parts": len(parts), "head_dim": head_dim}
+    numbers = cpp.Numbers().declare(N=N, K=K, BLOCK=block)
+    numbers.data.update({"parts": len(parts), "head_dim": head_dim})
     for i, part in enumerate(parts):
-        data.update({f"{key}{i}": value for key, value in zip(("fd", "offset", "row0", "rows", "col0", "cols"), part)})
-    sizes = f"const int64_t N = {N}, K = {K}, BLOCK = {block}; typedef {STORED_TYPES[stored]} STORED;\n"
+        keys = (f"{key}{i}" for key in ("fd", "offset", "row0", "rows", "col0", "cols"))
+        numbers.data.update(zip(keys, part))
     values, scale, count = jt.code([(N, K), (N,), (1,)], ["int8", "float32", "int64"], [],
-                                   cpu_header=QUANTIZED_READ_HEADER, cpu_src=sizes + QUANTIZED_READ, data=data)
+                                   cpu_header=QUANTIZED_READ_HEADER, data=numbers.data,
+                                   cpu_src=numbers.code + f"typedef {STORED_TYPES[stored]} STORED;\n" + QUANTIZED_READ)
     return TensorRead((values, scale), [Check(count, *where, "NaN or inf")])
 
 

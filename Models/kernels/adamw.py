@@ -38,15 +38,16 @@ def fused_adamw_update(slots: list, updates: int):
 
 def adamw_op(slots: list, updates: int):
     hyper = jt.array(np.array([step_numbers(s, updates) for s in slots], dtype=np.float32))
-    inputs, sizes = [hyper], []
+    inputs = [hyper]
     for p, g, m, v, *_ in slots:
         inputs += [p, g, m, v]
-        sizes.append(p.numel())
     n = len(slots)
 
     def array(declaration: str, items) -> str:  # a C array of n items
         return f"{declaration}[S] = {{{', '.join(items)}}};\n"
-    src = (f"const int64_t S = {n}, HYPER = {HYPER};\n" + array("const int64_t sizes", map(str, sizes))
+    # the parameters' sizes are their inputs' (in<i>->num), so one compiled op serves every model
+    src = (f"const int64_t S = {n}, HYPER = {HYPER};\n"
+           + array("const int64_t sizes", (f"in{1 + 4 * i}->num" for i in range(n)))
            + "".join(array(f"const float *{name}", (f"in{1 + k + 4 * i}_p" for i in range(n)))
                      for k, name in enumerate(("params", "grads", "ms", "vs")))
            + "".join(array(f"float *{name}", (f"out{k + 3 * i}_p" for i in range(n)))

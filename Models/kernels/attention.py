@@ -51,27 +51,27 @@ class FusedAttention(jt.Function):
         B, T, H, hd = q.shape
         S, Hkv = k.shape[1], k.shape[2]
         operand, kept_type = operand_type(bf16)
-        kv_bits = "true" if k.dtype == "bfloat16" else "false"
-        sizes = (f"const int64_t B = {B}, T = {T}, H = {H}, hd = {hd}, S = {S}, Hkv = {Hkv}, "
-                 f"n_rep = {H // Hkv}; const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n"
-                 f"const bool KV_BITS = {kv_bits};\n" + operand)
+        numbers = (cpp.Numbers().declare(B=B, T=T, H=H, hd=hd, S=S, Hkv=Hkv, n_rep=H // Hkv)
+                   .declare("float", scale=1.0 / float(np.sqrt(hd))).declare("bool", KV_BITS=k.dtype == "bfloat16"))
+        numbers.code += operand
         keep = bf16 and not jt.flags.no_grad  # the rounded operands, for the backward
         kept = "(E *)out2_p, *k_kept = (E *)out3_p, *v_kept = (E *)out4_p" if keep else \
             "nullptr, *k_kept = nullptr, *v_kept = nullptr"
         outputs = jt.code([(B, T, H, hd), (B, H, T)] + ([q.shape, k.shape, v.shape] if keep else []),
                           ["float32", "float32"] + [kept_type] * (3 if keep else 0), [q, k, v, mask],
-                          cpu_header=ATTENTION_HEADER,
-                          cpu_src=sizes + f"const float *mask = in3_p; E *q_kept = {kept};\n" + ATTENTION_FORWARD)
+                          cpu_header=ATTENTION_HEADER, data=numbers.data,
+                          cpu_src=numbers.code + f"const float *mask = in3_p; E *q_kept = {kept};\n"
+                          + ATTENTION_FORWARD)
         out, lse = outputs[:2]
         operands = [t.detach() for t in outputs[2:]] if keep else [q, k, v]
-        self.saved = (operands, lse.detach(), mask, sizes)
+        self.saved = (operands, lse.detach(), mask, numbers)
         return out
 
     def grad(self, grad_out):
-        (q, k, v), lse, mask, sizes = self.saved
+        (q, k, v), lse, mask, numbers = self.saved
         dq, dk, dv = jt.code([q.shape, k.shape, v.shape], ["float32"] * 3, [q, k, v, lse, grad_out, mask],
-                             cpu_header=ATTENTION_HEADER,
-                             cpu_src=sizes + "const float *mask = in5_p;\n" + ATTENTION_BACKWARD)
+                             cpu_header=ATTENTION_HEADER, data=numbers.data,
+                             cpu_src=numbers.code + "const float *mask = in5_p;\n" + ATTENTION_BACKWARD)
         return dq, dk, dv, None, None
 
 
@@ -125,10 +125,11 @@ class PromptAttention(jt.Function):
         # q [B,T,H,hd], k/v [L, Hkv*hd], gate [H], type_weight [B,T], base [B,T,H,hd] -> [B,T,H,hd]
         B, T, H, hd = q.shape
         L, Hkv = k.shape[0], k.shape[1] // hd
-        self.sizes = (f"const int64_t BT = {B * T}, H = {H}, hd = {hd}, L = {L}, Hkv = {Hkv}, n_rep = {H // Hkv}; "
-                      f"const float scale = {1.0 / float(np.sqrt(hd))!r}f;\n")
+        self.numbers = (cpp.Numbers().declare(BT=B * T, H=H, hd=hd, L=L, Hkv=Hkv, n_rep=H // Hkv)
+                        .declare("float", scale=1.0 / float(np.sqrt(hd))))
         out, probs = jt.code([(B, T, H, hd), (B, T, H, L)], ["float32", "float32"], [q, k, v, gate, type_weight, base],
-                             cpu_header=PROMPT_ATTENTION_HEADER, cpu_src=self.sizes + PROMPT_ATTENTION_FORWARD)
+                             cpu_header=PROMPT_ATTENTION_HEADER, cpu_src=self.numbers.code + PROMPT_ATTENTION_FORWARD,
+                             data=self.numbers.data)
         self.saved = (q, k, v, probs.detach(), gate, type_weight)
         return out
 
@@ -136,8 +137,8 @@ class PromptAttention(jt.Function):
         q, k, v, probs, gate, type_weight = self.saved
         dq, dk, dv, dgate, dweight = jt.code([q.shape, k.shape, v.shape, gate.shape, type_weight.shape], ["float32"] * 5,
                                              [q, k, v, probs, grad_out, gate, type_weight],
-                                             cpu_header=PROMPT_ATTENTION_HEADER,
-                                             cpu_src=self.sizes + PROMPT_ATTENTION_BACKWARD)
+                                             cpu_header=PROMPT_ATTENTION_HEADER, data=self.numbers.data,
+                                             cpu_src=self.numbers.code + PROMPT_ATTENTION_BACKWARD)
         return dq, dk, dv, dgate, dweight, grad_out
 
 

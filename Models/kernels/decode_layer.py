@@ -27,10 +27,10 @@ LAYER_INPUT = cpp.source("layer_input.cc")
 LAYER_OUTPUT = cpp.source("layer_output.cc")
 
 
-def columns(block, families: dict) -> str:
+def declare_columns(inputs: cpp.CodeInputs, block, families: dict):
     """COL_<name> = the type router's column of each family (-1: not routed, weight 1)."""
-    return "".join(f"const int64_t COL_{name} = {block.type_names.index(f) if f in block.type_names else -1};\n"
-                   for name, f in families.items())
+    inputs.declare(**{f"COL_{name}": block.type_names.index(f) if f in block.type_names else -1
+                      for name, f in families.items()})
 
 
 def lora_scaling_rank(block) -> tuple:
@@ -71,14 +71,14 @@ def layer_input(block, x, cos, sin):
     inputs.add("K_NORM", None if attn.k_norm is None else attn.k_norm.weight)
     sparse = block.adapter_threshold_fn is not None
     scale, R = lora_scaling_rank(block)
-    sizes = (f"const int64_t M = {M}, T = {T}, H = {H}, Hkv = {Hkv}, hd = {hd}, R = {R};\n"
-             f"const float eps = {block.attention_norm.eps!r}f, scale = {float(scale)!r}f, "
-             f"head_eps = {(attn.q_norm.eps if attn.q_norm is not None else 0.0)!r}f;\n"
-             + columns(block, dict(Q="Q", K="K", V="V"))
-             + f"float *PROBS = out3_p, *GAMMAS = {'out4_p' if sparse else 'nullptr'};\n")
+    inputs.declare(M=M, T=T, H=H, Hkv=Hkv, hd=hd, R=R)
+    inputs.declare("float", eps=block.attention_norm.eps, scale=scale,
+                   head_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0)
+    declare_columns(inputs, block, dict(Q="Q", K="K", V="V"))
+    inputs.code += f"float *PROBS = out3_p, *GAMMAS = {'out4_p' if sparse else 'nullptr'};\n"
     shapes = [(M, H * hd), (M, Hkv * hd), (M, Hkv * hd), (M, max(n_types, 1))] + ([(M, 1)] if sparse else [])
     outputs = jt.code(shapes, ["float32"] * len(shapes), inputs.vars, cpu_header=LAYER_HEADER,
-                      cpu_src=inputs.code + sizes + LAYER_INPUT)
+                      cpu_src=inputs.code + LAYER_INPUT, data=inputs.numbers.data)
     return outputs[0], outputs[1], outputs[2], outputs[3], (outputs[4] if sparse else None)
 
 
@@ -114,15 +114,15 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
                               ("PA_UP_W", "up_proj", "weight"), ("PA_UP_B", "up_proj", "bias")):
         inputs.add(name, None if adapter is None else getattr(getattr(adapter, layer), part))
     scale, R = lora_scaling_rank(block)
-    sizes = (f"const int64_t M = {M}, T = {T}, S = {S}, D = {D}, H = {H}, Hkv = {Hkv}, hd = {hd}, "
-             f"n_rep = {H // Hkv}, L = {L}, F = {ffn.w1.weight.shape[0]}, R = {R}, "
-             f"NT = {probs.shape[1]}, P = {0 if adapter is None else adapter.down_proj.weight.shape[0]};\n"
-             f"const float eps = {block.ffn_norm.eps!r}f, scale = {1.0 / math.sqrt(hd)!r}f, "
-             f"lora_scale = {float(scale)!r}f, CLAMP_LIMIT = {float(block.clamp or 0.0)!r}f;\n"
-             f"const bool CLAMP = {cpp.flag(block.clamp is not None)};\n"
-             + columns(block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
-                                   PADAPTER="PADAPTER")))
-    out = jt.code((M, D), "float32", inputs.vars, cpu_header=LAYER_HEADER, cpu_src=inputs.code + sizes + LAYER_OUTPUT)
+    inputs.declare(M=M, T=T, S=S, D=D, H=H, Hkv=Hkv, hd=hd, n_rep=H // Hkv, L=L, F=ffn.w1.weight.shape[0], R=R,
+                   NT=probs.shape[1], P=0 if adapter is None else adapter.down_proj.weight.shape[0])
+    inputs.declare("float", eps=block.ffn_norm.eps, scale=1.0 / math.sqrt(hd), lora_scale=scale,
+                   CLAMP_LIMIT=block.clamp or 0.0)
+    inputs.declare("bool", CLAMP=block.clamp is not None)
+    declare_columns(inputs, block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
+                                        PADAPTER="PADAPTER"))
+    out = jt.code((M, D), "float32", inputs.vars, cpu_header=LAYER_HEADER, cpu_src=inputs.code + LAYER_OUTPUT,
+                  data=inputs.numbers.data)
     return out.reshape(B, T, D)
 
 

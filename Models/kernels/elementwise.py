@@ -20,8 +20,9 @@ ROTATE_PAIRS = cpp.source("rope.cc")
 def rotate_pairs(x: jt.Var, cos: jt.Var, sin: jt.Var, sign: float) -> jt.Var:
     """Rotate each (even, odd) pair of x [B,T,H,hd] by +-angle; cos/sin [T,hd/2]."""
     B, T, H, hd = x.shape
-    sizes = f"const int64_t B = {B}, T = {T}, H = {H}, half = {hd // 2}; const float sign = {sign!r}f;\n"
-    return jt.code(x.shape, "float32", [x.float32(), cos, sin], cpu_header=ROTATE_HEADER, cpu_src=sizes + ROTATE_PAIRS)
+    numbers = cpp.Numbers().declare(B=B, T=T, H=H, half=hd // 2).declare("float", sign=sign)
+    return jt.code(x.shape, "float32", [x.float32(), cos, sin], cpu_header=ROTATE_HEADER,
+                   cpu_src=numbers.code + ROTATE_PAIRS, data=numbers.data)
 
 
 class Rope(jt.Function):
@@ -80,12 +81,14 @@ class OutputNLL(jt.Function):
             for start in range(0, h.shape[0], rows):
                 logits = base_linear(h[start:start + rows], weight, scale)  # [n,V]
                 n, V = logits.shape
-                sizes = (f"const int64_t N = {n}, V = {V};\n#define GRAD {'out1_p' if wants_grad else 'nullptr'}\n"
-                         f"typedef {'uint16_t' if bits else 'float'} GRAD_T;\n")
+                numbers = cpp.Numbers().declare(N=n, V=V)
+                numbers.code += (f"#define GRAD {'out1_p' if wants_grad else 'nullptr'}\n"
+                                 f"typedef {'uint16_t' if bits else 'float'} GRAD_T;\n")
                 outputs = jt.code([(n,)] + ([(n, V)] if wants_grad else []),
                                   ["float32"] + (["bfloat16" if bits else "float32"] if wants_grad else []),
                                   [logits, targets[start:start + rows]],
-                                  cpu_header=CROSS_ENTROPY_HEADER, cpu_src=sizes + CROSS_ENTROPY)
+                                  cpu_header=CROSS_ENTROPY_HEADER, cpu_src=numbers.code + CROSS_ENTROPY,
+                                  data=numbers.data)
                 nll = outputs[0]
                 if wants_grad:  # [n,D]
                     grads.append(bf16_bits_input_grad(outputs[1], weight) if bits else
@@ -125,14 +128,14 @@ class SiluGate(jt.Function):
 
     def execute(self, gate, up):
         self.saved = (gate, up)
-        self.sizes = f"const int64_t N = {gate.numel()};\n"
+        self.numbers = cpp.Numbers().declare(N=gate.numel())
         return jt.code(gate.shape, "float32", [gate, up], cpu_header=SWIGLU_HEADER,
-                       cpu_src=self.sizes + SWIGLU_FORWARD)
+                       cpu_src=self.numbers.code + SWIGLU_FORWARD, data=self.numbers.data)
 
     def grad(self, grad_out):
         gate, up = self.saved
         return jt.code([gate.shape, up.shape], ["float32", "float32"], [gate, up, grad_out],
-                       cpu_header=SWIGLU_HEADER, cpu_src=self.sizes + SWIGLU_BACKWARD)
+                       cpu_header=SWIGLU_HEADER, cpu_src=self.numbers.code + SWIGLU_BACKWARD, data=self.numbers.data)
 
 
 # silu(gate) * up for two fp32 tensors of one shape
@@ -154,9 +157,9 @@ class FrozenRMSNorm(jt.Function):
 
     def execute(self, x, weight, eps, branches=0):
         D = x.shape[-1]
-        self.sizes = f"const int64_t N = {x.numel() // D}, D = {D}; const float eps = {eps!r}f;\n"
+        self.numbers = cpp.Numbers().declare(N=x.numel() // D, D=D).declare("float", eps=eps)
         y, inv = jt.code([x.shape, (x.numel() // D,)], ["float32", "float32"], [x, weight],
-                         cpu_header=RMS_HEADER, cpu_src=self.sizes + RMS_NORM_FORWARD)
+                         cpu_header=RMS_HEADER, cpu_src=self.numbers.code + RMS_NORM_FORWARD, data=self.numbers.data)
         self.saved = (x, weight, inv.detach())
         return (y, *(x.reshape(x.shape) for _ in range(branches))) if branches else y
 
@@ -167,7 +170,8 @@ class FrozenRMSNorm(jt.Function):
             return (sum_of(present) if present else None), None, None, None
         added = "".join(f" + in{4 + i}_p[r * D + i]" for i in range(len(present)))
         dx = jt.code(x.shape, "float32", [x, weight, inv, grad_out] + present,
-                     cpu_src=self.sizes + f"#define BRANCH_GRADS{added}\n" + RMS_NORM_BACKWARD)
+                     cpu_src=self.numbers.code + f"#define BRANCH_GRADS{added}\n" + RMS_NORM_BACKWARD,
+                     data=self.numbers.data)
         return dx, None, None, None
 
 
@@ -179,8 +183,9 @@ def sum_of(terms: list) -> jt.Var:
     if len(terms) == 1:
         return terms[0]
     added = " + ".join(f"in{i}_p[i]" for i in range(len(terms)))
-    return jt.code(terms[0].shape, "float32", terms,
-                   cpu_src=f"const int64_t N = {terms[0].numel()};\n#define TERMS {added}\n" + SUM_OF)
+    numbers = cpp.Numbers().declare(N=terms[0].numel())
+    return jt.code(terms[0].shape, "float32", terms, cpu_src=numbers.code + f"#define TERMS {added}\n" + SUM_OF,
+                   data=numbers.data)
 
 
 class Sum(jt.Function):

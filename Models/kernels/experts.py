@@ -29,14 +29,15 @@ class AddWeighted(jt.Function):
 
     def execute(self, base, delta, weight, scale):
         F = base.shape[-1]
-        self.sizes = f"const int64_t N = {base.numel() // F}, F = {F}; const float scale = {float(scale)!r}f;\n"
+        self.numbers = cpp.Numbers().declare(N=base.numel() // F, F=F).declare("float", scale=scale)
         self.saved = (delta, weight)
-        return jt.code(base.shape, "float32", [base, delta, weight], cpu_src=self.sizes + ADD_WEIGHTED_FORWARD)
+        return jt.code(base.shape, "float32", [base, delta, weight], cpu_src=self.numbers.code + ADD_WEIGHTED_FORWARD,
+                       data=self.numbers.data)
 
     def grad(self, grad_out):
         delta, weight = self.saved
         ddelta, dweight = jt.code([delta.shape, weight.shape], ["float32", "float32"], [delta, weight, grad_out],
-                                  cpu_src=self.sizes + ADD_WEIGHTED_BACKWARD)
+                                  cpu_src=self.numbers.code + ADD_WEIGHTED_BACKWARD, data=self.numbers.data)
         return grad_out, ddelta, dweight, None
 
 
@@ -60,12 +61,12 @@ class AddProjected(jt.Function):
     def execute(self, base, u, up, weight, scale, bias=None):
         N, R = up.shape
         M = base.numel() // N
-        self.sizes = (f"const int64_t M = {M}, N = {N}, R = {R}; const float scale = {float(scale)!r}f;\n"
-                      f"const float *bias = {'in4_p' if bias is not None else 'nullptr'};\n")
+        self.numbers = cpp.Numbers().declare(M=M, N=N, R=R).declare("float", scale=scale)
+        self.numbers.code += f"const float *bias = {'in4_p' if bias is not None else 'nullptr'};\n"
         self.saved = (u, up, weight, bias)
         inputs = [base, u, up, weight] + ([bias] if bias is not None else [])
-        return jt.code(base.shape, "float32", inputs, cpu_header=EXPERTS_HEADER,
-                       cpu_src=self.sizes + "const float *base = in0_p, *u = in1_p, *up = in2_p, *w = in3_p;\n"
+        return jt.code(base.shape, "float32", inputs, cpu_header=EXPERTS_HEADER, data=self.numbers.data,
+                       cpu_src=self.numbers.code + "const float *base = in0_p, *u = in1_p, *up = in2_p, *w = in3_p;\n"
                        + ADD_PROJECTED_FORWARD)
 
     def grad(self, grad_out):
@@ -74,8 +75,8 @@ class AddProjected(jt.Function):
         outputs = [u.shape, up.shape, weight.shape] + ([bias.shape] if has_bias else [])
         inputs = [u, up, weight, grad_out] + ([bias] if has_bias else [])
         grads = jt.code(outputs, ["float32"] * len(outputs), inputs,
-                        cpu_header=EXPERTS_HEADER,
-                        cpu_src=self.sizes + "const float *u = in0_p, *up = in1_p, *w = in2_p, *g = in3_p;\n"
+                        cpu_header=EXPERTS_HEADER, data=self.numbers.data,
+                        cpu_src=self.numbers.code + "const float *u = in0_p, *up = in1_p, *w = in2_p, *g = in3_p;\n"
                         + ADD_PROJECTED_BACKWARD + (ADD_PROJECTED_BIAS_GRAD if has_bias else ""))
         du, dup, dw = grads[:3]
         return (grad_out, du, dup, dw, None) + ((grads[3],) if has_bias else ())
@@ -111,10 +112,11 @@ class GatedProjection(jt.Function):
         M = gate.numel() // F
         if bf16:
             gate, up = to_bf16(gate), to_bf16(up)
-        self.sizes = f"const int64_t M = {M}, F = {F}, R = {R}; typedef {'uint16_t' if bf16 else 'float'} GATE_T;\n"
+        self.numbers = cpp.Numbers().declare(M=M, F=F, R=R)
+        self.numbers.code += f"typedef {'uint16_t' if bf16 else 'float'} GATE_T;\n"
         self.saved = (gate, up, A)
         return tuple(jt.code([gate.shape, (M, R)], ["float32", "float32"], [gate, up, A], cpu_header=EXPERTS_HEADER,
-                             cpu_src=self.sizes + GATED_FORWARD))
+                             cpu_src=self.numbers.code + GATED_FORWARD, data=self.numbers.data))
 
     def grad(self, grad_hidden, grad_u):
         gate, up, A = self.saved
@@ -123,7 +125,8 @@ class GatedProjection(jt.Function):
         if grad_u is None:
             grad_u = jt.zeros((gate.numel() // A.shape[1], A.shape[0]), "float32")
         return tuple(jt.code([gate.shape, up.shape, A.shape], ["float32"] * 3, [gate, up, A, grad_hidden, grad_u],
-                             cpu_header=EXPERTS_HEADER, cpu_src=self.sizes + GATED_BACKWARD))
+                             cpu_header=EXPERTS_HEADER, cpu_src=self.numbers.code + GATED_BACKWARD,
+                             data=self.numbers.data))
 
 
 def fused_gated_projection(gate, up, A, bf16=False):

@@ -30,7 +30,7 @@ def fused_nonfinite_count(tensors: list) -> jt.Var:
     for start in range(0, len(tensors), SLOTS_PER_OP):
         group = tensors[start:start + SLOTS_PER_OP]
         header = (f"const int64_t S = {len(group)};\n"
-                  f"const int64_t sizes[S] = {{{', '.join(str(t.numel()) for t in group)}}};\n"
+                  f"const int64_t sizes[S] = {{{', '.join(f'in{i}->num' for i in range(len(group)))}}};\n"
                   f"const float *tensors[S] = {{{', '.join(f'in{i}_p' for i in range(len(group)))}}};\n")
         counts.append(jt.code([(1,)], ["float32"], group, cpu_header="#include <cstdint>\n",
                               cpu_src=header + COUNT_SOURCE)[0])

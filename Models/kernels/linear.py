@@ -22,14 +22,15 @@ class FusedLinear(jt.Function):
     def execute(self, x, weight, bias=None):
         (M, K), N = x.shape, weight.shape[0]
         self.trains = weight.requires_grad or (bias is not None and bias.requires_grad)  # frozen: dx only
-        self.sizes = f"const int64_t M = {M}, N = {N}, K = {K};\n"
+        self.numbers = cpp.Numbers().declare(M=M, N=N, K=K)
         self.saved = (x if self.trains else None, weight, bias)  # a frozen weight's dx needs no x
         self.x_shape = (M, K)
         product = GEMV_PRODUCT if M <= GEMV_ROWS else SGEMM_PRODUCT
         if bias is None:
-            return jt.code((M, N), "float32", [x, weight], cpu_header=LINEAR_HEADER, cpu_src=self.sizes + product)
+            return jt.code((M, N), "float32", [x, weight], cpu_header=LINEAR_HEADER,
+                           cpu_src=self.numbers.code + product, data=self.numbers.data)
         return jt.code((M, N), "float32", [x, weight, bias], cpu_header=LINEAR_HEADER,
-                       cpu_src=self.sizes + product + ADD_BIAS)
+                       cpu_src=self.numbers.code + product + ADD_BIAS, data=self.numbers.data)
 
     def grad(self, grad_out):
         x, weight, bias = self.saved
@@ -39,15 +40,17 @@ class FusedLinear(jt.Function):
             return (dx, None, None) if bias is not None else (dx, None)
         dx, dw, db = jt.code([(M, K), (N, K), (N,)], ["float32"] * 3, [grad_out, x, weight],
                              cpu_header=LINEAR_HEADER,
-                             cpu_src=self.sizes + "const float *W = in2_p;\n" + LINEAR_BACKWARD)
+                             cpu_src=self.numbers.code + "const float *W = in2_p;\n" + LINEAR_BACKWARD,
+                             data=self.numbers.data)
         return (dx, dw, db) if bias is not None else (dx, dw)
 
 
 def fused_linear_input_grad(grad_out: jt.Var, weight: jt.Var) -> jt.Var:
     """grad_out [M,N] @ weight [N,K] -> [M,K], fp32: the gradient a linear passes to its input."""
     (M, N), K = grad_out.shape, weight.shape[1]
+    numbers = cpp.Numbers().declare(M=M, N=N, K=K)
     return jt.code((M, K), "float32", [grad_out, weight], cpu_header=LINEAR_HEADER,
-                   cpu_src=f"const int64_t M = {M}, N = {N}, K = {K}; const float *W = in1_p;\n" + INPUT_GRAD)
+                   cpu_src=numbers.code + "const float *W = in1_p;\n" + INPUT_GRAD, data=numbers.data)
 
 
 def fused_linear(x: jt.Var, weight: jt.Var, bias=None) -> jt.Var:

@@ -74,8 +74,9 @@ def matrix_code(inputs: cpp.CodeInputs, weight: jt.Var, scale=None) -> str:
 def rounding_op(x: jt.Var, dtype: str) -> jt.Var:
     """x (fp32) rounded to bf16: its bits (dtype bfloat16) or their fp32 values (float32)."""
     out_type = "uint16_t" if dtype == "bfloat16" else "float"
+    numbers = cpp.Numbers().declare(N=x.numel())
     return jt.code(x.shape, dtype, [x.float32()], cpu_header=ROUND_HEADER,
-                   cpu_src=f"const int64_t N = {x.numel()}; typedef {out_type} OUT_T;\n" + ROUND)
+                   cpu_src=numbers.code + f"typedef {out_type} OUT_T;\n" + ROUND, data=numbers.data)
 
 
 def to_bf16(x: jt.Var) -> jt.Var:
@@ -132,15 +133,17 @@ def cpu_has_bf16_units() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def bf16_sizes(M: int, N: int, K: int, units: bool) -> str:
-    return f"const int64_t M = {M}, N = {N}, K = {K}; const bool units = {cpp.flag(units)};\n"
+def product_numbers(M: int, N: int, K: int, units: bool, decode: bool = False) -> cpp.Numbers:
+    """A bf16 or int8 product's sizes, whether it uses the bf16 units, and whether it is a decode step's."""
+    return cpp.Numbers().declare(M=M, N=N, K=K).declare("bool", units=units, decode=decode)
 
 
 def bf16_input_grad(grad_out: jt.Var, weight: jt.Var, units: bool) -> jt.Var:
     """rounded(grad_out) [M,N] @ weight [N,K] (bf16) -> [M,K] fp32, through the fused kernel."""
     (M, N), K = grad_out.shape, weight.shape[1]
+    numbers = product_numbers(M, N, K, units)
     return jt.code((M, K), "float32", [grad_out, weight], cpu_header=BF16_HEADER,
-                   cpu_src=bf16_sizes(M, N, K, units) + BF16_BACKWARD)
+                   cpu_src=numbers.code + BF16_BACKWARD, data=numbers.data)
 
 
 class BF16Linear(jt.Function):
@@ -153,9 +156,9 @@ class BF16Linear(jt.Function):
     def execute(self, x, weight):
         (M, K), N = x.shape, weight.shape[0]
         self.weight = weight
-        return jt.code((M, N), "float32", [x, weight], cpu_header=BF16_HEADER,
-                       cpu_src=bf16_sizes(M, N, K, self.units)
-                       + f"const bool decode = {cpp.flag(decoding(x, weight))};\n" + BF16_FORWARD)
+        numbers = product_numbers(M, N, K, self.units, decoding(x, weight))
+        return jt.code((M, N), "float32", [x, weight], cpu_header=BF16_HEADER, cpu_src=numbers.code + BF16_FORWARD,
+                       data=numbers.data)
 
     def grad(self, grad_out):
         return bf16_input_grad(grad_out, self.weight, self.units), None
@@ -164,8 +167,9 @@ class BF16Linear(jt.Function):
 def bf16_bits_input_grad(grad_bits: jt.Var, weight: jt.Var) -> jt.Var:
     """grad_bits [M,N] (bf16, already rounded) @ weight [N,K] (bf16) -> [M,K] fp32, through the fused kernel."""
     (M, N), K = grad_bits.shape, weight.shape[1]
+    numbers = product_numbers(M, N, K, cpu_has_bf16_units())
     return jt.code((M, K), "float32", [grad_bits, weight], cpu_header=BF16_HEADER,
-                   cpu_src=bf16_sizes(M, N, K, cpu_has_bf16_units()) + BF16_BACKWARD_BITS)
+                   cpu_src=numbers.code + BF16_BACKWARD_BITS, data=numbers.data)
 
 
 def fused_bf16_linear(x: jt.Var, weight: jt.Var) -> jt.Var:
@@ -187,8 +191,9 @@ bf16_linear = Kernel(fused_bf16_linear, plain_bf16_linear)
 
 def fused_quantize(weight: jt.Var) -> tuple:
     N, K = weight.shape
+    numbers = cpp.Numbers().declare(N=N, K=K)
     return tuple(jt.code([(N, K), (N,)], ["int8", "float32"], [weight.float32()], cpu_header=INT8_HEADER,
-                         cpu_src=f"const int64_t N = {N}, K = {K};\n" + QUANTIZE))
+                         cpu_src=numbers.code + QUANTIZE, data=numbers.data))
 
 
 def plain_quantize(weight: jt.Var) -> tuple:
@@ -211,8 +216,9 @@ def dequantized(values: jt.Var, scale: jt.Var) -> jt.Var:
 def int8_input_grad(grad_out: jt.Var, values: jt.Var, scale: jt.Var, units: bool) -> jt.Var:
     """bf16(grad_out [M,N] * scale) @ values [N,K] (int8) -> [M,K] fp32, through the fused kernel."""
     (M, N), K = grad_out.shape, values.shape[1]
+    numbers = product_numbers(M, N, K, units)
     return jt.code((M, K), "float32", [grad_out, values, scale], cpu_header=INT8_HEADER,
-                   cpu_src=bf16_sizes(M, N, K, units) + INT8_BACKWARD)
+                   cpu_src=numbers.code + INT8_BACKWARD, data=numbers.data)
 
 
 class Int8Linear(jt.Function):
@@ -225,9 +231,9 @@ class Int8Linear(jt.Function):
     def execute(self, x, values, scale):
         (M, K), N = x.shape, values.shape[0]
         self.saved = values, scale
+        numbers = product_numbers(M, N, K, self.units, decoding(x, values))
         return jt.code((M, N), "float32", [x, values, scale], cpu_header=INT8_HEADER,
-                       cpu_src=bf16_sizes(M, N, K, self.units)
-                       + f"const bool decode = {cpp.flag(decoding(x, values))};\n" + INT8_FORWARD)
+                       cpu_src=numbers.code + INT8_FORWARD, data=numbers.data)
 
     def grad(self, grad_out):
         return int8_input_grad(grad_out, *self.saved, self.units), None, None

@@ -76,9 +76,11 @@ def expert_pointers(inputs: cpp.CodeInputs, expert) -> tuple:
     return inputs.pointer(expert.A), inputs.pointer(expert.B), inputs.pointer(expert.route_weight)
 
 
-def rank_scale(expert) -> tuple:
-    """(r, scale) of an expert; (0, 0.0) for none."""
-    return (0, 0.0) if expert is None else (expert.A.shape[0], float(expert.scale))
+def projection_numbers(numbers: cpp.Numbers, i: int, p: Projection) -> tuple:
+    """The C++ reading projection i's output size N, its expert's rank and scale (0 and 0.0 for none)."""
+    e = p.expert
+    return (numbers.value(f"N{i}", p.base_weight.shape[0]), numbers.value(f"R{i}", 0 if e is None else e.A.shape[0]),
+            numbers.value(f"scale{i}", 0.0 if e is None else e.scale, "float"))
 
 
 class LoRAProjections(jt.Function):
@@ -104,8 +106,8 @@ class LoRAProjections(jt.Function):
         projections = with_vars(projections, tensors)
         M, K = xs[0].shape
         self.saved = (xs, projections)
-        self.sizes = (f"const int64_t M = {M}, K = {K}; const bool BF16_RULE = "
-                      f"{cpp.flag(bf16_rule(projections[0].base_weight))}, units = {cpp.flag(cpu_has_bf16_units())};\n")
+        self.numbers = (cpp.Numbers().declare(M=M, K=K)
+                        .declare("bool", BF16_RULE=bf16_rule(projections[0].base_weight), units=cpu_has_bf16_units()))
         inputs, outputs = cpp.CodeInputs(), cpp.CodeOutputs()
         pointers = [inputs.pointer(v) for v in xs]
         bases = [matrix_code(inputs, p.base_weight, p.base_scale) for p in projections]
@@ -113,12 +115,11 @@ class LoRAProjections(jt.Function):
         ys = [outputs.pointer((M, p.base_weight.shape[0])) for p in projections]
         us = [outputs.pointer((M, p.expert.A.shape[0])) if p.expert else "nullptr" for p in projections]
         code = self.input_code(pointers, outputs) + PROJECTIONS_FORWARD
-        for p, W, (A, B, w), y, u in zip(projections, bases, experts, ys, us):
-            R, scale = rank_scale(p.expert)
-            code += (f"project_forward<M>({p.base_weight.shape[0]}, K, {R}, x, xb, {W}, units, "
-                     f"{A}, {B}, {w}, {scale!r}f, {y}, {u});\n")
+        for i, (p, W, (A, B, w), y, u) in enumerate(zip(projections, bases, experts, ys, us)):
+            N, R, scale = projection_numbers(self.numbers, i, p)
+            code += f"project_forward(M, {N}, K, {R}, x, xb, {W}, units, {A}, {B}, {w}, {scale}, {y}, {u});\n"
         results = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
-                          cpu_header=PROJECTIONS_HEADER, cpu_src=self.sizes + code)
+                          cpu_header=PROJECTIONS_HEADER, cpu_src=self.numbers.code + code, data=self.numbers.data)
         kept = iter(results[len(projections):])
         self.us = [next(kept).detach() if p.expert else None for p in projections]
         return tuple(results[:len(projections)]) if len(projections) > 1 else results[0]
@@ -138,15 +139,15 @@ class LoRAProjections(jt.Function):
         code, end = self.input_grads_code(pointers, outputs, any(p.expert for p in projections), needs_dx)
         n = len(outputs.shapes)  # the inputs' gradients come first
         for i, (p, W, (A, B, w), u, g) in enumerate(zip(projections, bases, experts, us, gs)):
-            R, scale = rank_scale(p.expert)
+            N, R, scale = projection_numbers(self.numbers, i, p)
             e = p.expert
             dA, dB, dw = ((outputs.pointer(e.A.shape), outputs.pointer(e.B.shape),
                            outputs.pointer(e.route_weight.shape) if e.route_weight is not None else "nullptr")
                           if e else ("nullptr",) * 3)
-            code += (f"project_backward(M, {p.base_weight.shape[0]}, K, {R}, x, {W}, units, {A}, {B}, {w}, "
-                     f"{scale!r}f, {u}, {g}, {'0.f' if i == 0 else '1.f'}, dx, {dA}, {dB}, {dw});\n")
+            code += (f"project_backward(M, {N}, K, {R}, x, {W}, units, {A}, {B}, {w}, {scale}, {u}, {g}, "
+                     f"{'0.f' if i == 0 else '1.f'}, dx, {dA}, {dB}, {dw});\n")
         results = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
-                          cpu_header=PROJECTIONS_HEADER, cpu_src=self.sizes + code + end)
+                          cpu_header=PROJECTIONS_HEADER, cpu_src=self.numbers.code + code + end, data=self.numbers.data)
         # gradients in apply's argument order: projections, the inputs, then flat_vars (the experts' A, B,
         # w follow the inputs' gradients)
         return (None, *results[:n], *[None] * (len(xs) - n)) + (None,) * len(projections) + tuple(results[n:])
@@ -219,10 +220,10 @@ def gemv_lora_projection(x: jt.Var, p: Projection) -> jt.Var:
     inputs.code += f"const BaseMatrix W = {matrix_code(inputs, p.base_weight, p.base_scale)};\n"
     for name, var in (("A", e.A), ("B", e.B), ("WEIGHT", e.route_weight)):
         inputs.add(name, var)
-    sizes = (f"const int64_t M = {x.shape[0]}, N = {N}, K = {K}, R = {e.A.shape[0]}; "
-             f"const float scale = {float(e.scale)!r}f;\n")
+    inputs.declare(M=x.shape[0], N=N, K=K, R=e.A.shape[0])
+    inputs.declare("float", scale=e.scale)
     return jt.code((x.shape[0], N), "float32", inputs.vars, cpu_header=LORA_PROJECT_HEADER,
-                   cpu_src=inputs.code + sizes + LORA_PROJECT)
+                   cpu_src=inputs.code + LORA_PROJECT, data=inputs.numbers.data)
 
 
 def gemv_lora_projections(x: jt.Var, projections: list) -> list:

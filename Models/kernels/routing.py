@@ -21,9 +21,10 @@ class SwiGLURouterOp(jt.Function):
 
     def execute(self, x, w1, b1, w3, b3, w2, b2):
         (M, D), H, NT = x.shape, w1.shape[0], w2.shape[0]
-        self.sizes = f"const int64_t M = {M}, D = {D}, H = {H}, NT = {NT};\n"
+        self.numbers = cpp.Numbers().declare(M=M, D=D, H=H, NT=NT)
         logits, gu = jt.code([(M, NT), (M, 2 * H)], ["float32"] * 2, [x, w1, b1, w3, b3, w2, b2],
-                             cpu_header=SWIGLU_ROUTER_HEADER, cpu_src=self.sizes + SWIGLU_ROUTER_FORWARD)
+                             cpu_header=SWIGLU_ROUTER_HEADER, cpu_src=self.numbers.code + SWIGLU_ROUTER_FORWARD,
+                             data=self.numbers.data)
         self.saved = (x, w1, w3, w2, b1, b3, b2, gu.detach())
         return logits
 
@@ -31,7 +32,8 @@ class SwiGLURouterOp(jt.Function):
         x, w1, w3, w2, b1, b3, b2, gu = self.saved
         shapes = [x.shape, w1.shape, b1.shape, w3.shape, b3.shape, w2.shape, b2.shape]
         return tuple(jt.code(shapes, ["float32"] * 7, [x, w1, w3, w2, gu, grad_logits],
-                             cpu_header=SWIGLU_ROUTER_HEADER, cpu_src=self.sizes + SWIGLU_ROUTER_BACKWARD))
+                             cpu_header=SWIGLU_ROUTER_HEADER, cpu_src=self.numbers.code + SWIGLU_ROUTER_BACKWARD,
+                             data=self.numbers.data))
 
 
 def fused_swiglu_router(x, w1, b1, w3, b3, w2, b2):
@@ -63,9 +65,9 @@ def declare_router(inputs: cpp.CodeInputs, router, threshold_fn, dim: int) -> in
     sparse = threshold_fn is not None
     learned = sparse and not threshold_fn.const
     n_types = output.weight.shape[0] if output is not None else 0
-    inputs.code += (f"const int64_t D = {dim}, NT = {n_types}, HIDDEN = {router.w1.weight.shape[0] if swiglu else 0};\n"
-                    f"const bool SPARSE = {cpp.flag(sparse)}, LEARNED = {cpp.flag(learned)};\n"
-                    f"const float MAX_THRESHOLD = {float(threshold_fn.max_threshold) if sparse else 0.0!r}f;\n")
+    inputs.declare(D=dim, NT=n_types, HIDDEN=router.w1.weight.shape[0] if swiglu else 0)
+    inputs.declare("bool", SPARSE=sparse, LEARNED=learned)
+    inputs.declare("float", MAX_THRESHOLD=float(threshold_fn.max_threshold) if sparse else 0.0)
     weights = {}
     if swiglu:
         weights.update(W1=router.w1.weight, B1=router.w1.bias, W3=router.w3.weight, B3=router.w3.bias)
@@ -88,8 +90,9 @@ def fused_type_weights(x: jt.Var, router: nn.Module, threshold_fn, gamma_grad: s
     if sparse:
         outputs.pointer((B * T, 1))  # out1_p: Gamma
     columns = [outputs.pointer((B * T,)) for _ in range(n_types)]
-    sizes = f"const int64_t M = {B * T};\n" + inputs.code + "float *columns[] = {" + ", ".join(columns) + "};\n"
+    inputs.declare(M=B * T)
+    inputs.code += "float *columns[] = {" + ", ".join(columns) + "};\n"
     results = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
-                      cpu_header=TYPE_WEIGHTS_HEADER, cpu_src=sizes + TYPE_WEIGHTS)
+                      cpu_header=TYPE_WEIGHTS_HEADER, cpu_src=inputs.code + TYPE_WEIGHTS, data=inputs.numbers.data)
     probs, gamma = results[0].reshape(B, T, n_types), (results[1].reshape(B, T, 1) if sparse else None)
     return probs, gamma, [column.reshape(B, T) for column in results[len(results) - n_types:]]

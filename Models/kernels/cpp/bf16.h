@@ -41,15 +41,14 @@ static std::unique_ptr<float[]> rounded(const float *a, int64_t n) {
 // prefill): the bf16 units, else widening is cheap next to the product; PANEL weight rows at a time,
 // each one threaded sgemm, so the fp32 copy stays small (the 8B output matrix widened whole is 2.1 GB).
 // xb: x already narrowed (narrowed()) where several products read it, or null.
-template <int64_t M>
-static void bf16_forward(int64_t N, int64_t K, const float *x, const uint16_t *w, bool units, float beta, float *y,
-                         const uint16_t *xb = nullptr, bool decode = false) {
+static void bf16_forward(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, bool units, float beta,
+                         float *y, const uint16_t *xb = nullptr, bool decode = false) {
     if (decode && rows_kernel_serves(M, units)) {
         bf16_rows(M, N, K, x, w, units, beta, y);
     } else if (M <= GEMV_ROWS) {
         const auto xr = rounded(x, M * K);
         std::vector<float> product(beta == 0.f ? 0 : M * N);
-        gemv<M>(N, K, xr.get(), w, beta == 0.f ? y : product.data());
+        gemv(M, N, K, xr.get(), w, beta == 0.f ? y : product.data());
         if (beta != 0.f) for (int64_t i = 0; i < M * N; i++) y[i] += product[i];
     } else if (!(units && gemm_bf16_units('T', M, N, K, x, w, K, beta, y, xb))) {
         const auto xr = rounded(x, M * K);

@@ -132,15 +132,14 @@ static inline bool int8_rows_serve(int64_t M, bool units) {
 }
 // y [M,N] = beta y + x [M,K] W^T for W = s * q; `decode`: a decode step's product (the rows kernel where it
 // serves, else the GEMV pass up to GEMV_ROWS rows), as bf16_forward
-template <int64_t M>
-static void int8_forward(int64_t N, int64_t K, const float *x, const int8_t *q, const float *s, bool units,
+static void int8_forward(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q, const float *s, bool units,
                          float beta, float *y, const uint16_t *xb = nullptr, bool decode = false) {
     if (decode && int8_rows_serve(M, units)) {
         int8_rows(M, N, K, x, q, s, units, beta, y);
     } else if (M <= GEMV_ROWS) {
         const auto xr = rounded(x, M * K);
         auto c = scratch<float>(M * N);
-        gemv<M>(N, K, xr.get(), q, c.get());
+        gemv(M, N, K, xr.get(), q, c.get());
         add_scaled(M, N, 0, N, c.get(), s, beta, y);
     } else {
         int8_gemm(M, N, K, x, q, s, units, beta, y, xb);

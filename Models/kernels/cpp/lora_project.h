@@ -6,13 +6,12 @@
 #ifndef MOA_LORA_PROJECT_H
 #define MOA_LORA_PROJECT_H
 #include "base_matrix.h"
-template <int64_t M>
-static void lora_project(int64_t N, int64_t K, int64_t R, const float *x, const BaseMatrix &base,
+static void lora_project(int64_t M, int64_t N, int64_t K, int64_t R, const float *x, const BaseMatrix &base,
                          const float *A, const float *Bw, const float *w, int64_t w_stride, float scale, float *y) {
-    base_product<M>(N, K, x, base, true, 0.f, y, nullptr, true);
+    base_product(M, N, K, x, base, true, 0.f, y, nullptr, true);
     if (!A) return;
     std::vector<float> u(M * R);
-    gemv<M>(R, K, x, A, u.data());
+    gemv(M, R, K, x, A, u.data());
     for (int64_t m = 0; m < M; m++) for (int64_t r = 0; r < R; r++) u[m * R + r] *= scale * (w ? w[m * w_stride] : 1.f);
     #pragma omp parallel for if (N * R >= 32768)
     for (int64_t n = 0; n < N; n++)

@@ -1,5 +1,5 @@
 // The forward's start, after x [M,K] is declared: x narrowed to bf16 once for all the op's base products
-// where the bf16 units take them (xb, else null); one project_forward<M>(...) per projection follows,
+// where the bf16 units take them (xb, else null); one project_forward(M, ...) per projection follows,
 // generated per op.
 std::unique_ptr<uint16_t[]> x_bits;
 if (BF16_RULE && units && M > GEMV_ROWS) x_bits = narrowed(x, M * K);

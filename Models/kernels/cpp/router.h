@@ -2,6 +2,8 @@
 #ifndef MOA_ROUTER_H
 #define MOA_ROUTER_H
 #include "swiglu.h"
+#include <algorithm>
+#include <vector>
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.f;
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
