@@ -7,8 +7,8 @@ file with every `#include "x"` replaced by x's text, each file once: jt.code rec
 source, and Jittor keys its compile cache on that text, so editing a header recompiles exactly the
 ops that include it. For the same reason a call's sizes and scalars are not written into the source
 but passed as jt.code's `data`, read when the op runs (`Numbers`): one compiled op then serves every
-shape, where sizes in the text compiled it anew for each (a cold test run compiled 956 copies of
-69 ops). What changes the code itself (types, which pointers exist) stays in the text.
+shape, where sizes in the text would compile it anew for each. What changes the code itself (types,
+which pointers exist) stays in the text.
 """
 import re
 from pathlib import Path
