@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two changes to Jittor 1.3.11's C++ sources, run by setup.sh on every machine (CUDA 13's are scripts/jittor_cuda13.sh).
+# Three changes to Jittor 1.3.11's C++ sources, run by setup.sh on every machine (CUDA 13's are scripts/jittor_cuda13.sh).
 # Usage: bash scripts/jittor_patches.sh <site-packages dir holding jittor/>. Idempotent; Jittor rebuilds the changed
 # files of its core on the next import.
 #
@@ -12,6 +12,14 @@
 # rule for foreign threads: py_caller takes the lock with PyGILState_Ensure, and the main thread releases it while
 # it waits for the compiler threads (it only sleeps there), taking it back before it reads their results.
 #
+# The compile time. Every CPU op's compile ran g++ through a Python wrapper (utils/asm_tuner.py: a second
+# compile to assembly with debug information, then the assembler) to apply the assembly rewrites that an op
+# source asks for with "@begin" (a few broadcast fills); now only those sources take it, and the others compile
+# straight to their library, as the wrapper's last step did. And each op read Jittor's common headers through
+# a precompiled header built once per cache folder (scripts/jittor_patches/jit_prelude.h, copied into src/).
+# Measured on this project's test suite's kernels (2-core EPYC, g++ 12): a fused op 0.9 s -> 0.24 s, one of
+# ours 2.0 s -> 1.0 s; the code generated is the same (assembly equal but for label numbers).
+#
 # The compile progress. When compiling takes over two seconds, src/parallel_compiler.cc writes "\n" to stderr, then
 # its progress ("Compiling Operators(i/n) ... \r", each over the last), then a newline. The first "\n" keeps the
 # progress off a line in progress, but after a finished line (nearly always: our tools print whole lines) it leaves
@@ -21,9 +29,9 @@
 set -euo pipefail
 J="${1:?usage: jittor_patches.sh SITE_PACKAGES}/jittor"
 [ -f "$J/src/parallel_compiler.cc" ] || { echo "no Jittor sources under $J" >&2; exit 2; }
-python3 - "$J/src" <<'PY'
+python3 - "$J/src" "$(dirname "${BASH_SOURCE[0]}")/jittor_patches" <<'PY'
 import os, sys
-src = sys.argv[1]
+src, additions = sys.argv[1], sys.argv[2]
 
 def patch(name, mark, edits):
     """Apply `edits` (anchor, replacement) to src/`name` unless `mark` is there already."""
@@ -60,4 +68,19 @@ patch("parallel_compiler.cc", PROGRESS, [
     ('                std::cerr << "\\n";\n                change_line = true;\n',
      f'                {PROGRESS}: a terminal clears its line, where "\\n" left an empty one\n'
      '                std::cerr << (isatty(2) ? "\\r\\033[K" : "\\n");\n                change_line = true;\n')])
+
+COMPILE = "// moa-jittor: compile time"
+prelude, installed = open(os.path.join(additions, "jit_prelude.h")).read(), os.path.join(src, "jit_prelude.h")
+if not os.path.exists(installed) or open(installed).read() != prelude:
+    open(installed, "w").write(prelude)  # Jittor rebuilds jit_compiler.cc when a header it includes changes
+patch("jit_compiler.cc", COMPILE, [
+    ('#include "utils/str_utils.h"\n', '#include "utils/str_utils.h"\n#include "jit_prelude.h"\n'),
+    ('            + " \\"" + jit_src_path + "\\"" + other_src\n'
+     '            + fix_cl_flags(cc_flags + extra_flags, is_cuda_op)\n',
+     '            + " \\"" + jit_src_path + "\\"" + other_src\n'
+     f'            + jit_prelude_flag(cc_path, cc_type, cc_flags, cache_path, jittor_path)  {COMPILE}\n'
+     '            + fix_cl_flags(cc_flags + extra_flags, is_cuda_op)\n'),
+    ('#ifdef __linux__\n        cmd = python_path',
+     f'#ifdef __linux__\n        if (src.find("@begin") != string::npos)  {COMPILE}: only the sources that ask\n'
+     '        cmd = python_path')])
 PY

@@ -1,0 +1,120 @@
+"""Jittor's environment (Utils/jittor_env.py) and the changes scripts/jittor_patches.sh makes to its sources."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_numpy_says_nothing_of_the_subnormals_jittor_flushes():
+    """Jittor's kernels (-Ofast) set the CPU to treat subnormals as zero in the whole process; numpy's finfo found
+    none and warned about it on every Infer.py run (matplotlib asks). Preparing Jittor's environment silences it."""
+    program = """
+import Utils.jittor_env, jittor as jt, numpy as np
+(jt.array(np.ones(4, np.float32)) * 2).sync()
+print(np.finfo(np.float64).eps, np.nextafter(0.0, 1.0) == 0)
+"""
+    run = subprocess.run([sys.executable, "-W", "default", "-c", program], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "True"  # the smallest subnormal reads as zero: what numpy warned about
+    assert "smallest subnormal" not in run.stderr, run.stderr
+
+
+def test_patches_apply_once_and_compile(tmp_path):
+    """scripts/jittor_patches.sh on a copy of the installed Jittor's sources, twice: each change once, and the patched
+    files compile with Jittor's include paths. The compile progress starts by clearing a terminal's line (it wrote
+    "\\n", an empty line after every finished one), still "\\n" into a file."""
+    import jittor
+    patched_files = ("parallel_compiler.cc", "pyjt/py_caller.cc", "jit_compiler.cc")
+    for name in patched_files:
+        copy = tmp_path / "jittor" / "src" / name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text((Path(jittor.__file__).parent / "src" / name).read_text())
+    for _ in range(2):
+        subprocess.run(["bash", str(REPO / "scripts" / "jittor_patches.sh"), str(tmp_path)], check=True)
+    src = tmp_path / "jittor" / "src"
+    progress = (src / "parallel_compiler.cc").read_text()
+    assert progress.count('std::cerr << (isatty(2) ? "\\r\\033[K" : "\\n");') == 1
+    assert progress.count("#include <unistd.h>") == 1 and 'std::cerr << "\\n";' not in progress
+    compiler = (src / "jit_compiler.cc").read_text()
+    assert compiler.count('#include "jit_prelude.h"') == 1 and compiler.count("jit_prelude_flag(") == 1
+    assert (src / "jit_prelude.h").read_text() == (REPO / "scripts" / "jittor_patches" / "jit_prelude.h").read_text()
+    includes = [flag.replace('"', "") for flag in jittor.compiler.cc_flags.split() if flag.startswith("-I")]
+    for name in patched_files:
+        compiled = subprocess.run(["g++", "-fsyntax-only", "-std=c++14", f"-I{src}", *includes, str(src / name)],
+                                  capture_output=True, text=True)
+        assert compiled.returncode == 0, f"{name}: {compiled.stderr[-2000:]}"
+
+
+def test_kernels_compile_through_the_precompiled_prelude():
+    """The compile-time patch (scripts/jittor_patches.sh) on the installed Jittor: a CPU op compiles in one g++ call
+    that reads Jittor's headers from the precompiled prelude in the cache folder (GCC's -H marks a precompiled header
+    it used with "!"; a stale or mismatched one would be read as text, slowly), while an op whose source asks for
+    assembly rewrites ("@begin": a broadcast fill) still goes through Jittor's utils/asm_tuner.py."""
+    import jittor as jt
+    marker = "0.03125f"  # Jittor drops an op source's comments; a constant names this one
+    doubled = jt.code((2,), "float32", [jt.array([1.5, 2.5])],
+                      cpu_src=f"for (int i = 0; i < in0_shape0; i++) @out(i) = 2 * @in0(i) + {marker};")
+    filled = jt.full((3, 40), 0.8125)
+    assert doubled.numpy().tolist() == [3.03125, 5.03125] and float(filled.numpy().sum()) == 97.5
+    jit = Path(jt.flags.cache_path) / "jit"
+    code = [path for path in jit.glob("code__*.cc") if marker in path.read_text()]
+    fills = [path for path in jit.glob("*broadcast_to*.cc") if "@begin" in path.read_text()]  # the fill among them
+    assert len(code) == 1 and fills, (code, fills)
+    command = (jit / (code[0].name[:-3] + ".so.key")).read_text().splitlines()[0]
+    prelude = Path(jt.flags.cache_path) / "jit_prelude.h"
+    assert command.startswith('"') and f'-include "{prelude}"' in command and "asm_tuner" not in command, command
+    check = re.sub(r' -o "[^"]*"', " -fsyntax-only -H", command)
+    headers = subprocess.run(check, shell=True, capture_output=True, text=True).stderr.splitlines()
+    assert headers and headers[0] == f"! {prelude}.gch", headers[:5]
+    for fill in fills:
+        assert "asm_tuner.py" in (jit / (fill.name[:-3] + ".so.key")).read_text().splitlines()[0]
+
+
+def test_op_compiler_threads_hold_the_interpreter_lock():
+    """Ops whose source calls Python (jt.isnan, jt.isfinite: the optimizer step's finite check on a GPU) compiled
+    by Jittor's op compiler threads: each call must hold the interpreter's lock (scripts/jittor_patches.sh). Without it
+    Python 3.12 segfaults there ("thread_name: 'C10'", docs/gpu.md); Python 3.11 lends the thread the main thread's
+    state, which PyGILState_Check tells apart."""
+    program = """
+import ctypes, json, threading
+import Utils.jittor_env, jittor as jt
+jt.flags.use_parallel_op_compiler = 16
+calls = []
+wrapped = jt.python_pass_wrapper
+def recorded(*args):
+    calls.append([threading.get_ident() != threading.main_thread().ident, ctypes.pythonapi.PyGILState_Check()])
+    return wrapped(*args)
+jt.python_pass_wrapper = recorded
+x = jt.array([1.0, float("nan"), float("inf"), -2.0])
+nan, inf = jt.isnan(x), jt.isinf(x)
+jt.sync([nan, inf])
+print(json.dumps({"calls": calls, "nan": nan.numpy().tolist(), "inf": inf.numpy().tolist()}))
+"""
+    run = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["nan"] == [False, True, False, False] and seen["inf"] == [False, False, True, False]
+    assert any(on_thread for on_thread, _ in seen["calls"]), f"no op was compiled on a compiler thread: {seen}"
+    assert all(held == 1 for _, held in seen["calls"]), f"Python called without the interpreter's lock: {seen}"
+
+
+def test_nccl_is_left_off_where_it_cannot_be_had(monkeypatch, tmp_path):
+    """Under mpirun on a GPU machine Jittor downloads NCCL; offline that aborted every rank at import."""
+    import socket
+    from Utils import jittor_env
+
+    def offline(*args, **kwargs):
+        raise socket.gaierror(-3, "Temporary failure in name resolution")
+    monkeypatch.delenv("nccl_lib_path", raising=False)
+    monkeypatch.setattr(jittor_env, "NCCL_BUILD", str(tmp_path / "libnccl.so"))
+    monkeypatch.setattr(socket, "getaddrinfo", offline)
+    assert not jittor_env.nccl_obtainable()
+    (tmp_path / "libnccl.so").write_bytes(b"")  # built by an earlier run
+    assert jittor_env.nccl_obtainable()
+    (tmp_path / "libnccl.so").unlink()
+    monkeypatch.setenv("nccl_lib_path", str(tmp_path))  # the user's own NCCL
+    assert jittor_env.nccl_obtainable()
