@@ -148,8 +148,8 @@ class TransformerBlock(nn.Module):
 
 
 # One layer's forward: a decode step of a MoA layer with one expert per family as two ops
-# (Models/kernels/decode_layer.py), else op by op, which is the fused side's plain reference
-layer_step = Kernel(decode_layer, TransformerBlock.op_by_op, when=fuses_decode_step)
+# (Models/kernels/decode_layer.py; on a CPU or a GPU), else op by op, which is the fused side's plain reference
+layer_step = Kernel(decode_layer, TransformerBlock.op_by_op, when=fuses_decode_step, gpu=True)
 
 
 class LLaMA(nn.Module):

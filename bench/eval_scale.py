@@ -108,7 +108,7 @@ auto best = [&](int which) {
     double fastest = 1e30;
     for (int r = 0; r < REPS; r++) {
         const auto t0 = std::chrono::steady_clock::now();
-        if (which == 0) base_product<M>(N, K, x, W, UNITS, 0.f, y.data(), nullptr, DECODE);
+        if (which == 0) base_product(M, N, K, x, W, UNITS, 0.f, y.data(), nullptr, DECODE);
         else dnnl_gemm_bf16bf16f32('N', 'T', M, N, K, 1.f, xb.get(), K, w.data(), K, 0.f, y.data(), N);
         fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }

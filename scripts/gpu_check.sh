@@ -9,7 +9,8 @@
 # .gpu/ref the authors' sources for the side by side (scripts/carry_authors.sh). `run` makes the usual venv
 # (~/.venvs/moa-jittor) over the image's packages, installs the wheels, runs setup.sh (Jittor's patches, its first
 # compile), prints the environment, then, each step timed and bounded by what is left:
-#   alone, so that its figures are the GPU's: the side by side with the authors' code, Sparse MoA at medium
+#   first the decode layer's CUDA form against the plain layer (tests/test_infer.py); alone, so that its
+#   figures are the GPU's: the side by side with the authors' code, Sparse MoA at medium
 #   bf16 (bench/side_by_side.py --device cuda); then in parallel (compiling CUDA kernels is most of their time, and the
 #   machine has 16 cores): bash demo.sh (accuracy against the base) and the golden parity tests; then, with the
 #   time left, the 8B shape (8 of its layers) and Soft MoA side by side, and two MPI ranks against one
@@ -89,6 +90,9 @@ run() {
   fi
   local py="$VENV/bin/python"
   local sbs=(env use_cuda=1 REFPYTHON=python3 "$py" bench/side_by_side.py --device cuda --precisions bf16)
+  # the decode layer's CUDA form against the plain layer, and generation through it (greedy vs no cache, batched)
+  step gpu_decode 150 env use_cuda=1 "$py" -m pytest -q -p no:cacheprovider -rf tests/test_infer.py \
+    -k "decode_layer_equals or greedy_cache or batch_of_4 or records_match"
   step side_by_side 130 "${sbs[@]}" --configs medium --variants sparse
   step demo 400 env MOA_RUN_DIR=/tmp/demo bash demo.sh &
   step golden 400 env use_cuda=1 "$py" -m pytest -q -p no:cacheprovider -rf \
@@ -98,10 +102,12 @@ run() {
   step side_by_side_soft 120 "${sbs[@]}" --configs medium --variants soft
   if command -v mpirun >/dev/null; then step mpi 120 bash test.sh tests/test_mpi.py; fi
 
-  local demo_acc golden_counts
+  local demo_acc golden_counts decode_counts
+  decode_counts="$(tail -3 "$LOG_DIR/gpu_decode.log" | grep -oE '[0-9]+ (passed|failed|errors?)' | tr ' ' '_' | paste -sd, -)"
   demo_acc="$(grep -o 'base alone [0-9.]*% -> MoA [0-9.]*%' "$LOG_DIR/demo.log" | sed 's/base alone /base=/; s/ -> MoA /,moa=/')"
   golden_counts="$(tail -3 "$LOG_DIR/golden.log" | grep -oE '[0-9]+ (passed|failed|errors?)' | tr ' ' '_' | paste -sd, -)"
-  echo "gpu_check=done seconds=$(( $(date +%s) - START )) setup=$(status_of setup) side_by_side=$(status_of side_by_side)" \
+  echo "gpu_check=done seconds=$(( $(date +%s) - START )) setup=$(status_of setup)" \
+       "gpu_decode=$(status_of gpu_decode) gpu_decode_tests=${decode_counts:-none} side_by_side=$(status_of side_by_side)" \
        "demo=$(status_of demo) demo_accuracy=${demo_acc:-none} golden=$(status_of golden)" \
        "golden_tests=${golden_counts:-none} side_by_side_8b=$(status_of side_by_side_8b)" \
        "side_by_side_soft=$(status_of side_by_side_soft)" \

@@ -24,7 +24,6 @@ from Models.formats.adapters import export_authors_adapter, save_adapter
 from Models import LLM
 from Models.formats.base_model import base_args, build_model
 from Models.generate import generate, prefill_length
-from Models.kernels.switch import fused_kernels_on
 from Models.kernels.precision import set_base_precision
 from Utils import plots
 
@@ -123,7 +122,7 @@ def test_records_match_full_forward(models, tok, prompts, variant):
                 assert got["token_weight"] is None
 
 
-@pytest.mark.skipif(not fused_kernels_on(), reason="fused kernels are off (no libdnnl or a GPU run)")
+@pytest.mark.skipif(not LLM.layer_step.on(), reason="the fused decode layer does not run here (a CPU without libdnnl)")
 @pytest.mark.parametrize("arch, variant, precision", [(arch, variant, precision) for arch in ("llama", "qwen3")
                                                       for variant in ("sparse", "soft") for precision in ("fp32", "bf16")]
                          + [("llama", "sparse", "int8"), ("qwen3", "soft", "int8")])

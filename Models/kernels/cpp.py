@@ -1,8 +1,10 @@
-"""The kernels' C++ (Models/kernels/cpp/) as the text jt.code compiles, and the names of an op's operands.
+"""The kernels' C++ (Models/kernels/cpp/) and CUDA (Models/kernels/cuda/) as the text jt.code compiles, and
+the names of an op's operands.
 
 cpp/*.h are headers several ops share, each guarded and including what it uses; cpp/*.cc are op
 bodies: the statements jt.code runs, where in<i>_p and out<i>_p are the op's inputs and outputs,
-and the names one call gives values to are declared in Python ahead of them. `source(name)` is a
+and the names one call gives values to are declared in Python ahead of them. cuda/*.cuh and
+cuda/*.cu are the same for a GPU: the .cu bodies are host code that launches the .cuh's kernels. `source(name)` is a
 file with every `#include "x"` replaced by x's text, each file once: jt.code receives the whole
 source, and Jittor keys its compile cache on that text, so editing a header recompiles exactly the
 ops that include it. For the same reason a call's sizes and scalars are not written into the source
@@ -14,11 +16,13 @@ import re
 from pathlib import Path
 
 CPP = Path(__file__).with_name("cpp")
+CUDA = Path(__file__).with_name("cuda")
 INCLUDE = re.compile(r'^[ \t]*#include "([^"]+)"[ \t]*\n', re.M)
 
 
 def source(name: str) -> str:
-    """cpp/<name> with its includes resolved, for jt.code's cpu_header (a .h) or cpu_src (a .cc)."""
+    """cpp/<name> or cuda/<name> with its includes resolved (each found in cuda/, else cpp/), for jt.code's
+    headers (a .h, .cuh) and sources (a .cc, .cu)."""
     return resolve(name, set())
 
 
@@ -26,7 +30,8 @@ def resolve(name: str, seen: set) -> str:
     if name in seen:
         return ""
     seen.add(name)
-    return INCLUDE.sub(lambda match: resolve(match.group(1), seen), (CPP / name).read_text())
+    text = (CUDA / name if (CUDA / name).exists() else CPP / name).read_text()
+    return INCLUDE.sub(lambda match: resolve(match.group(1), seen), text)
 
 
 def constant(header: str, name: str) -> int:

@@ -1,16 +1,19 @@
 """A decode step's MoA layer in two ops: the layer's input side (routing, Q/K/V, RoPE) and its
 output side (attention over the cache and the prompt, O, the FFN, the parallel adapter).
 
-A decode step has at most GEMV_ROWS rows, so a layer's cost is its ops, not their arithmetic:
-built op by op it is about 25 ops, each a few microseconds of Python and of Jittor's executor.
-Here it is four: these two (cpp/layer_input.cc, cpp/layer_output.cc), and the two cache writes
-between them. Each projection is lora_project (cpp/lora_project.h: a GEMV pass over the base's
-weights and its LoRA expert under its type weight) and the routing is cpp/route_row.cc, as in the
-per-op decode kernels, so the numbers are those of the op-by-op layer. A Qwen3 layer norms each query
+A decode step has at most DECODE_ROWS rows, so a layer's cost is its ops, not their arithmetic:
+built op by op it is about 25 ops, each a few microseconds of Python and of Jittor's executor, and on a
+GPU a few kernel launches each. Here it is four: these two, and the two cache writes between them. On
+a CPU the two ops are cpp/layer_input.cc and cpp/layer_output.cc: each projection is lora_project
+(cpp/lora_project.h: a GEMV pass over the base's weights and its LoRA expert under its type weight) and
+the routing is cpp/route_row.cc, as in the per-op decode kernels, so the numbers are those of the op-by-op
+layer. On a GPU the same two ops (the same inputs and declarations) run cuda/layer_input.cu and
+cuda/layer_output.cu, which launch cuda/decode_layer.cuh's kernels: one pass over each base matrix for
+all the rows, the expert added in it, the bf16 KV cache read in place. A Qwen3 layer norms each query
 and key head (q_norm, k_norm) between the projections and RoPE; its prompt expert's keys come normed
-from Attention.prompt_keys_values. That layer is the plain side
-of the Kernel (LLM.layer_step, `when` = fuses_decode_step) and serves everything else: training,
-scoring, a GPU, mixtures of several experts per family and the baselines.
+from Attention.prompt_keys_values. That layer is the plain side of the Kernel (LLM.layer_step, `when` =
+fuses_decode_step) and serves everything else: training, scoring, mixtures of several experts per family
+and the baselines.
 """
 import math
 
@@ -25,6 +28,9 @@ from .switch import decoding
 LAYER_HEADER = cpp.source("decode_layer.h")
 LAYER_INPUT = cpp.source("layer_input.cc")
 LAYER_OUTPUT = cpp.source("layer_output.cc")
+GPU_LAYER_HEADER = cpp.source("decode_layer.cuh")
+GPU_LAYER_INPUT = cpp.source("layer_input.cu")
+GPU_LAYER_OUTPUT = cpp.source("layer_output.cu")
 
 
 def declare_columns(inputs: cpp.CodeInputs, block, families: dict):
@@ -78,7 +84,8 @@ def layer_input(block, x, cos, sin):
     inputs.code += f"float *PROBS = out3_p, *GAMMAS = {'out4_p' if sparse else 'nullptr'};\n"
     shapes = [(M, H * hd), (M, Hkv * hd), (M, Hkv * hd), (M, max(n_types, 1))] + ([(M, 1)] if sparse else [])
     outputs = jt.code(shapes, ["float32"] * len(shapes), inputs.vars, cpu_header=LAYER_HEADER,
-                      cpu_src=inputs.code + LAYER_INPUT, data=inputs.numbers.data)
+                      cpu_src=inputs.code + LAYER_INPUT, cuda_header=GPU_LAYER_HEADER,
+                      cuda_src=inputs.code + GPU_LAYER_INPUT, data=inputs.numbers.data)
     return outputs[0], outputs[1], outputs[2], outputs[3], (outputs[4] if sparse else None)
 
 
@@ -122,7 +129,7 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
     declare_columns(inputs, block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
                                         PADAPTER="PADAPTER"))
     out = jt.code((M, D), "float32", inputs.vars, cpu_header=LAYER_HEADER, cpu_src=inputs.code + LAYER_OUTPUT,
-                  data=inputs.numbers.data)
+                  cuda_header=GPU_LAYER_HEADER, cuda_src=inputs.code + GPU_LAYER_OUTPUT, data=inputs.numbers.data)
     return out.reshape(B, T, D)
 
 

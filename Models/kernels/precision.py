@@ -44,7 +44,7 @@ from .switch import Kernel, decoding
 # --precision: the frozen base matrices' storage type (int8: the projections' and an untied output's;
 # the embedding table takes bf16)
 STORAGE_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "int8": "int8"}
-# each storage type's name in C++ (cpp/base_matrix.h)
+# each storage type's name in C++ (cpp/storage.h)
 STORAGES = {"float32": "FP32", "bfloat16": "BF16", "int8": "INT8"}
 
 ROUND_HEADER = cpp.source("bf16_bits.h")
@@ -66,7 +66,7 @@ def bf16_rule(weight: jt.Var) -> bool:
 
 
 def matrix_code(inputs: cpp.CodeInputs, weight: jt.Var, scale=None) -> str:
-    """The C++ BaseMatrix (cpp/base_matrix.h) of a base weight and an int8 weight's row scales, their
+    """The C++ BaseMatrix (cpp/storage.h) of a base weight and an int8 weight's row scales, their
     Vars added to `inputs`."""
     return f"BaseMatrix{{{inputs.pointer(weight)}, {inputs.pointer(scale)}, {STORAGES[str(weight.dtype)]}}}"
 

@@ -40,12 +40,17 @@ class Kernel:
     `when(*args)`, if given, further limits the fused kernel to the inputs it handles; the others take
     `plain`. A plain side may be built from other Kernels (each then decided the same way), which is
     also how an op with two fused forms reads: Kernel(fused_for_some, Kernel(fused, plain), when).
+    `gpu`: the fused side's ops have a CUDA form too (jt.code's cuda_src) and run on a GPU.
     """
 
-    def __init__(self, fused, plain, when=None):
-        self.fused, self.plain, self.when = fused, plain, when
+    def __init__(self, fused, plain, when=None, gpu=False):
+        self.fused, self.plain, self.when, self.gpu = fused, plain, when, gpu
+
+    def on(self) -> bool:
+        """Whether the fused side can run here (the `when` aside)."""
+        return fused_kernels_on() or (self.gpu and bool(jt.flags.use_cuda))
 
     def __call__(self, *args):
-        if fused_kernels_on() and (self.when is None or self.when(*args)):
+        if self.on() and (self.when is None or self.when(*args)):
             return self.fused(*args)
         return self.plain(*args)

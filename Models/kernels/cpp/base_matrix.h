@@ -1,15 +1,9 @@
-// A frozen base matrix W [N,K] as the kernels take it, in the storage --precision gave it: fp32, bf16
-// bits, or int8 values with a scale per row (int8.h). Python declares one per weight
-// (precision.matrix_code); base_product and base_input_grad run the product its storage takes.
+// base_product and base_input_grad: the products of a frozen base matrix (storage.h) on the CPU, each in the
+// form its storage takes.
 #ifndef MOA_BASE_MATRIX_H
 #define MOA_BASE_MATRIX_H
 #include "int8.h"
-enum Storage { FP32, BF16, INT8 };
-struct BaseMatrix {
-    const void *values;  // [N,K]: float, bf16 bits or int8
-    const float *scale;  // [N] for INT8, else null
-    Storage storage;
-};
+#include "storage.h"
 // y [M,N] = beta y + x [M,K] W^T. xb: x narrowed to bf16 once for several products (bf16 units), or null;
 // decode: a decode step's product (no gradient; at most DECODE_ROWS rows, GEMV_ROWS for fp32)
 static void base_product(int64_t M, int64_t N, int64_t K, const float *x, const BaseMatrix &W, bool units, float beta,

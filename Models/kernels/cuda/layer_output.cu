@@ -1,0 +1,28 @@
+// The layer's output side on a GPU, cpp/layer_output.cc's steps as kernels (cuda/decode_layer.cuh): x [M,D]
+// (the layer's input), q [M,H*hd] and the cache [B,S,Hkv,hd] (this step written) -> [M,D]: attention over the
+// cache and the prompt, O, the FFN, the parallel adapter, the clamp. Names and sizes:
+// decode_layer.layer_output's declarations.
+float *att = scratch_floats(M * H * hd), *h = scratch_floats(M * D), *hn = scratch_floats(M * D),
+      *gate = scratch_floats(M * F), *up = scratch_floats(M * F), *u = scratch_floats(M * R);
+const size_t attention_shared = (size_t)(hd + std::max(S, L)) * sizeof(float);
+if (attention_shared > 48 * 1024)
+    cudaFuncSetAttribute(attention_rows<std::remove_const_t<std::remove_pointer_t<decltype(cache_k)>>>,
+                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)attention_shared);
+attention_rows<<<dim3((unsigned)M, (unsigned)H), BLOCK, attention_shared>>>(
+    q, cache_k, cache_v, mask, T, S, H, Hkv, hd, scale, PROMPT_K, PROMPT_V, PROMPT_GATE, L, probs, NT, COL_PROMPT, att);
+lora_project(M, D, H * hd, R, att, WO, A_O, B_O, COL_O < 0 ? nullptr : probs + COL_O, NT, lora_scale, h, u);
+norm_rows<<<M, BLOCK>>>(h, x, h, FFN_NORM, D, eps, hn);  // h = O(att) + x, hn = its norm
+lora_project(M, F, D, R, hn, W1, A_GATE, B_GATE, COL_GATE < 0 ? nullptr : probs + COL_GATE, NT, lora_scale, gate, u);
+lora_project(M, F, D, R, hn, W3, A_UP, B_UP, COL_UP < 0 ? nullptr : probs + COL_UP, NT, lora_scale, up, u);
+swiglu_into<<<blocks_for(M * F), BLOCK>>>(gate, up, M * F);
+lora_project(M, D, F, R, gate, W2, A_DOWN, B_DOWN, COL_DOWN < 0 ? nullptr : probs + COL_DOWN, NT, lora_scale, out0_p, u);
+float *adapter = nullptr, *z = nullptr;
+if (P > 0) {  // the parallel adapter on the FFN's input: up(silu(down(hn) + b) + b), weighted
+    adapter = scratch_floats(M * P);
+    z = scratch_floats(M * D);
+    product(M, P, D, hn, BaseMatrix{PA_DOWN_W, nullptr, FP32}, NO_EXPERT, adapter);
+    adapter_hidden<<<blocks_for(M * P), BLOCK>>>(adapter, PA_DOWN_B, M * P, P);
+    product(M, D, P, adapter, BaseMatrix{PA_UP_W, nullptr, FP32}, NO_EXPERT, z);
+}
+layer_tail<<<blocks_for(M * D), BLOCK>>>(out0_p, h, z, PA_UP_B, probs, NT, COL_PADAPTER, M * D, D, CLAMP, CLAMP_LIMIT);
+for (float *buffer : {att, h, hn, gate, up, u, adapter, z}) if (buffer) cudaFreeAsync(buffer, 0);
