@@ -10,6 +10,7 @@ runs Models/generate.generate as Infer.generate_share calls it, with the math re
 around their median), one warm-up, then a timed run of --new_tokens steps. `auto` is the batch
 Infer.py's --batch_size auto picks from the memory left after loading.
 
+On a GPU (use_cuda=1) the same, with the GPU's rooflines (bench/rooflines.py) and its peak memory.
 Beside each figure, the roofline measured in the same run (the machine may be shared: each peak is the
 best of a measure just before and one just after its batch's timed run, the bandwidth the best of a
 measure after loading and one after each batch):
@@ -40,7 +41,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,13 +50,13 @@ sys.path.insert(0, REPO)
 import Utils.jittor_env  # noqa: E402,F401
 import jittor as jt  # noqa: E402
 
-from scale import ARCHS, peak_rss_gb, write_random_checkpoint  # noqa: E402  (bench/scale.py, beside this script)
+from common import GpuMemoryPeak  # noqa: E402  (bench/common.py, beside this script)
+from rooflines import product_gflops, stream_bandwidth, units_issue_gflops  # noqa: E402
+from scale import ARCHS, peak_rss_gb, write_random_checkpoint  # noqa: E402
 from Data.prompts import format_prompt  # noqa: E402
 from Data.test_sets import data_files, load_test_sets  # noqa: E402
 from Models.formats.base_model import LAYOUTS, base_args, build_model  # noqa: E402
 from Models.generate import auto_batch_size, generate, prefill_chunks  # noqa: E402
-from Models.kernels import cpp  # noqa: E402
-from Models.kernels.precision import cpu_has_bf16_units, matrix_code  # noqa: E402
 from Models.Tokenizer import Tokenizer  # noqa: E402
 from Utils.settings import ArgumentParser, count_or_auto, recipe_values  # noqa: E402
 
@@ -65,123 +65,7 @@ PAPER = {"math": (4076, recipe_values("math")["max_gen_len"]),
          "commonsense": (12369, recipe_values("commonsense")["max_gen_len"])}
 SHARED = os.environ.get("MOA_SHARED", os.path.join(os.path.dirname(REPO), "shared"))
 PREFILL_CHUNK = 64  # generate's prefill_step: the prefill's chunk length
-PEAK_ROWS, PEAK_REPS = 192, 200  # the decode peak's weights: 192 x 4096 (1.5 MB in bf16, in the CPU's caches)
-BASE_MATRIX_HEADER = cpp.source("base_matrix.h")
-
-STREAM = """// the XOR of a matrix's 64-byte lines, four lines a step, prefetched 1 KB ahead: a streaming read of it
-// (summing its 16-bit words, or leaving the stream to the hardware prefetcher, reads markedly slower here)
-const int64_t lines = in0->size / 64;  // whole groups of four are read: all of an 8B model's matrices
-const char *w = (const char *)in0_p;
-uint64_t folded = 0;
-#pragma omp parallel reduction(^ : folded)
-{
-#if defined(__AVX512F__)
-    __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
-    #pragma omp for schedule(static)
-    for (int64_t i = 0; i < lines / 4; i++) {
-        const char *p = w + i * 256;
-        for (int j = 0; j < 256; j += 64) __builtin_prefetch(p + 1024 + j);
-        a = _mm512_xor_si512(a, _mm512_loadu_si512(p));
-        b = _mm512_xor_si512(b, _mm512_loadu_si512(p + 64));
-        c = _mm512_xor_si512(c, _mm512_loadu_si512(p + 128));
-        d = _mm512_xor_si512(d, _mm512_loadu_si512(p + 192));
-    }
-    alignas(64) uint64_t lanes[8];
-    _mm512_store_si512((__m512i *)lanes, _mm512_xor_si512(_mm512_xor_si512(a, b), _mm512_xor_si512(c, d)));
-    for (int j = 0; j < 8; j++) folded ^= lanes[j];
-#else
-    #pragma omp for schedule(static)
-    for (int64_t i = 0; i < lines / 4 * 32; i++) folded ^= ((const uint64_t *)w)[i];
-#endif
-}
-out0_p[0] = folded;
-"""
-PRODUCT_TIMES = """// best seconds of REPS products y [M,N] = x [M,K] W^T under the bf16 rule: out [0] the model's decode
-// product on W's storage (cpp/base_matrix.h: the GEMV pass or the rows kernel), [1] oneDNN's
-// gemm_bf16bf16f32 on W's values as bf16 (int8 widened first)
-std::vector<uint16_t> w(N * K);
-if (W.storage == INT8) widen_panel((const int8_t *)W.values, N * K, w.data());
-else std::memcpy(w.data(), W.values, N * K * 2);
-std::vector<float> y(M * N);
-const auto xb = narrowed(x, M * K);
-auto best = [&](int which) {
-    double fastest = 1e30;
-    for (int r = 0; r < REPS; r++) {
-        const auto t0 = std::chrono::steady_clock::now();
-        if (which == 0) base_product(M, N, K, x, W, UNITS, 0.f, y.data(), nullptr, DECODE);
-        else dnnl_gemm_bf16bf16f32('N', 'T', M, N, K, 1.f, xb.get(), K, w.data(), K, 0.f, y.data(), N);
-        fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return fastest;
-};
-out0_p[0] = DECODE ? best(0) : 1e30;
-out0_p[1] = best(1);
-"""
-UNITS_STEPS = 20000000  # steps of UNITS_ISSUE on each thread
-UNITS_ISSUE = """// seconds of STEPS steps of 16 independent bf16 dot products (_mm512_dpbf16_ps) on every thread, from
-// registers only: the most bf16 FLOP/s this CPU's units issue, out [0] = seconds, [1] = threads
-int threads = 1;
-const auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel
-{
-    #pragma omp single
-    threads = omp_get_num_threads();
-    __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-    __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = a;
-    for (int64_t i = 0; i < STEPS; i++) {
-        for (int j = 0; j < 16; j++) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
-        asm volatile("" : "+v"(a));  // a new operand each step: the loop cannot be folded away
-    }
-    float s = 0.f;
-    for (int j = 0; j < 16; j++) s += _mm512_reduce_add_ps(acc[j]);
-    if (s == 0.5f) threads = -1;  // never true; keeps the sums
-}
-out0_p[0] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-out0_p[1] = threads;
-"""
-
-
-def units_issue_gflops(runs: int = 3) -> float:
-    """The bf16 units' issue rate (GFLOP/s) on every core, best of `runs`: no product of any shape can run
-    faster on this CPU. NaN without the units (avx512_bf16)."""
-    if not cpu_has_bf16_units():
-        return float("nan")
-    best = 0.0
-    for _ in range(runs):
-        seconds, threads = jt.code((2,), "float64", [], cpu_header="#include <immintrin.h>\n#include <chrono>\n"
-                                   "#include <omp.h>\n",
-                                   cpu_src=f"const int64_t STEPS = {UNITS_STEPS};\n" + UNITS_ISSUE).numpy()
-        best = max(best, threads * UNITS_STEPS * 16 * 64 / seconds / 1e9)  # 64 FLOP a step: 16 lanes x 2 pairs x 2
-    return best
-
-
-def stream_bandwidth(matrices: list, runs: int = 3) -> float:
-    """Bytes per second of a streaming read of these matrices (in memory), best of `runs`."""
-    total = sum(m.nbytes for m in matrices)
-    best = float("inf")
-    for _ in range(runs):
-        start = time.perf_counter()
-        jt.sync([jt.code((1,), "uint64", [m], cpu_header="#include <immintrin.h>\n", cpu_src=STREAM)
-                 for m in matrices])
-        best = min(best, time.perf_counter() - start)
-    return total / best
-
-
-def product_gflops(rows: int, weight: jt.Var, scale, reps: int, decode: bool) -> float:
-    """The best rate (GFLOP/s) of a product of `rows` fp32 rows with the base matrix `weight` [N,K] (bf16, or
-    int8 with its row scales `scale`) under the bf16 rule: the better of the model's decode product (when
-    `decode`) and oneDNN's bf16 gemm."""
-    N, K = weight.shape
-    inputs = cpp.CodeInputs()
-    inputs.add("x", jt.array(np.random.default_rng(0).standard_normal((rows, K)).astype(np.float32)))
-    inputs.code += f"const BaseMatrix W = {matrix_code(inputs, weight, scale)};\n"
-    sizes = (f"const int64_t M = {rows}, N = {N}, K = {K}; const int REPS = {reps};\n"
-             f"const bool UNITS = {str(cpu_has_bf16_units()).lower()}, DECODE = {str(decode).lower()};\n")
-    seconds = jt.code((2,), "float64", inputs.vars, cpu_header=BASE_MATRIX_HEADER + "#include <chrono>\n",
-                      cpu_src=inputs.code + sizes + PRODUCT_TIMES).numpy()
-    return 2 * rows * N * K / float(seconds.min()) / 1e9
-
+PEAK_ROWS, PEAK_REPS = 192, 200  # the decode peak's weights: 192 x 4096 (1.5 MB in bf16, in the caches)
 
 def test_set_lengths(root: str, tokenizer_path: str) -> dict:
     """{'math': lengths, 'commonsense': lengths}: the prompt lengths (Alpaca template, BOS) of the test sets
@@ -238,6 +122,7 @@ def time_batch(model, lengths: list, new_tokens: int, rng) -> dict:
 
 
 def measure(opts, work: str):
+    gpu_memory = GpuMemoryPeak().start()  # use_cuda=1: the process's peak GPU memory on the last line
     llama_dir = opts.llama_path
     if llama_dir is None:
         llama_dir = os.path.join(work, "base")
@@ -282,12 +167,12 @@ def measure(opts, work: str):
         print(f"batch {B}: prefill {r['prefill_tok_s']:.1f} tok/s; decode {r['decode_tok_s']:.2f} tok/s, "
               f"{r['step_s']:.3f} s a step, {r['sampling_s']:.3f} s of it sampling; peak RSS {r['peak_rss_gb']:.2f} GB",
               flush=True)
-    units = units_issue_gflops()
+    units = units_issue_gflops()  # NaN on a GPU (its gemm peak is the decode and prefill peaks' vendor side)
     balance = units * 1e9 / step_flops / (bandwidth / step_bytes)  # the units' tokens/s over the streaming read's
-    print(f"rooflines: streaming read {bandwidth / 1e9:.1f} GB/s (the best of {len(batches) + 1} measures); "
-          f"the bf16 units issue {units:.0f} GFLOP/s: no batch decodes faster than {units * 1e9 / step_flops:.1f} "
-          f"tok/s on this CPU (a token's products at that rate, nothing else), {balance:.1f}x a batch 1 at the "
-          "streaming read's rate")
+    print(f"rooflines: streaming read {bandwidth / 1e9:.1f} GB/s (the best of {len(batches) + 1} measures)"
+          + ("" if np.isnan(units) else f"; the bf16 units issue {units:.0f} GFLOP/s: no batch decodes faster than "
+             f"{units * 1e9 / step_flops:.1f} tok/s on this CPU (a token's products at that rate, nothing else), "
+             f"{balance:.1f}x a batch 1 at the streaming read's rate"))
     for B, r in rows.items():
         roofline = B / max(step_bytes / bandwidth, step_flops * B / (r["decode_peak_gflops"] * 1e9))
         r.update(decode_roofline_tok_s=roofline, decode_over_roofline=r["decode_tok_s"] / roofline,
@@ -321,7 +206,7 @@ def measure(opts, work: str):
         line.update({f"b{B}_decode_tok_s": f"{b['decode_tok_s']:.3g}",
                      f"b{B}_decode_over_roofline": f"{b['decode_over_roofline']:.2f}",
                      f"b{B}_prefill_tok_s": f"{b['prefill_tok_s']:.3g}"})
-    print(" ".join(f"{k}={v}" for k, v in line.items()))
+    print(" ".join(f"{k}={v}" for k, v in line.items()) + gpu_memory.keys())
 
 
 def main():

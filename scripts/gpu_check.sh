@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh fetch          # here, with package registries: what the GPU machine lacks -> .gpu/
 #   bash scripts/gpu_check.sh run [SECONDS]  # there, with .gpu/ beside the clone: everything below within SECONDS
 #                                            # (default 560: one 10-minute command, the machine's start apart)
+#   bash scripts/gpu_check.sh decode [SECONDS]  # there: generation on the GPU against its rooflines (below)
 # The GPU machine has no package registries and its own Python 3.12 with torch, transformers and most of our
 # requirements; .gpu/wheels carries the rest (Jittor built as a wheel, numpy < 2, tensorboardX, astunparse) and
 # .gpu/ref the authors' sources for the side by side (scripts/carry_authors.sh). `run` makes the usual venv
@@ -58,6 +59,8 @@ step() {
 }
 
 status_of() { cut -d' ' -f1 < "$STATUS_DIR/$1" 2>/dev/null || echo "not_run"; }
+# pytest's counts at the end of step NAME's log: 12_passed,1_failed
+counts_of() { tail -3 "$LOG_DIR/$1.log" 2>/dev/null | grep -oE '[0-9]+ (passed|failed|errors?)' | tr ' ' '_' | paste -sd, -; }
 
 prepare() {
   note "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1)"
@@ -78,7 +81,8 @@ print("Jittor", jittor.__version__, "CUDA", jittor.has_cuda, "numpy", numpy.__ve
 
 site_packages() { "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
-run() {
+# the set-up every mode starts with: the time budget ($1, default 560 s), the logs, the prepared venv
+begin() {
   [ -n "${1:-}" ] && BUDGET="$1"
   mkdir -p "$LOG_DIR"
   cd "$HERE"
@@ -88,11 +92,19 @@ run() {
   if [ "$(status_of setup)" != "rc=0" ]; then
     tail -30 "$LOG_DIR/setup.log"; echo "gpu_check=failed step=setup"; return 1
   fi
+}
+
+# the decode layer's CUDA form against the plain layer, and generation through it (greedy vs no cache, batched)
+decode_tests() {
+  step gpu_decode 150 env use_cuda=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rf tests/test_infer.py \
+    -k "decode_layer_equals or greedy_cache or batch_of_4 or records_match"
+}
+
+run() {
+  begin "$@" || return 1
+  decode_tests
   local py="$VENV/bin/python"
   local sbs=(env use_cuda=1 REFPYTHON=python3 "$py" bench/side_by_side.py --device cuda --precisions bf16)
-  # the decode layer's CUDA form against the plain layer, and generation through it (greedy vs no cache, batched)
-  step gpu_decode 150 env use_cuda=1 "$py" -m pytest -q -p no:cacheprovider -rf tests/test_infer.py \
-    -k "decode_layer_equals or greedy_cache or batch_of_4 or records_match"
   step side_by_side 130 "${sbs[@]}" --configs medium --variants sparse
   step demo 400 env MOA_RUN_DIR=/tmp/demo bash demo.sh &
   step golden 400 env use_cuda=1 "$py" -m pytest -q -p no:cacheprovider -rf \
@@ -102,22 +114,39 @@ run() {
   step side_by_side_soft 120 "${sbs[@]}" --configs medium --variants soft
   if command -v mpirun >/dev/null; then step mpi 120 bash test.sh tests/test_mpi.py; fi
 
-  local demo_acc golden_counts decode_counts
-  decode_counts="$(tail -3 "$LOG_DIR/gpu_decode.log" | grep -oE '[0-9]+ (passed|failed|errors?)' | tr ' ' '_' | paste -sd, -)"
+  local demo_acc
   demo_acc="$(grep -o 'base alone [0-9.]*% -> MoA [0-9.]*%' "$LOG_DIR/demo.log" | sed 's/base alone /base=/; s/ -> MoA /,moa=/')"
-  golden_counts="$(tail -3 "$LOG_DIR/golden.log" | grep -oE '[0-9]+ (passed|failed|errors?)' | tr ' ' '_' | paste -sd, -)"
   echo "gpu_check=done seconds=$(( $(date +%s) - START )) setup=$(status_of setup)" \
-       "gpu_decode=$(status_of gpu_decode) gpu_decode_tests=${decode_counts:-none} side_by_side=$(status_of side_by_side)" \
+       "gpu_decode=$(status_of gpu_decode) gpu_decode_tests=$(counts_of gpu_decode) side_by_side=$(status_of side_by_side)" \
        "demo=$(status_of demo) demo_accuracy=${demo_acc:-none} golden=$(status_of golden)" \
-       "golden_tests=${golden_counts:-none} side_by_side_8b=$(status_of side_by_side_8b)" \
+       "golden_tests=$(counts_of golden) side_by_side_8b=$(status_of side_by_side_8b)" \
        "side_by_side_soft=$(status_of side_by_side_soft)" \
        "mpi=$(command -v mpirun >/dev/null && status_of mpi || echo no_openmpi)" \
        "jittor_cache_mb=$(du -sm "$HOME/.cache/jittor" 2>/dev/null | cut -f1)"
 }
 
+# Generation on the GPU: the decode tests, then bench.py's decoding at medium bf16 (the figure this project's CPU
+# gives about 930 tokens/s), the 8B shape (8 layers) decoding at batch 1, 8 and 32 beside the rooflines measured in
+# the same run (bench/eval_scale.py: the streaming read, the decode pass's and cuBLAS's bf16 rates), and the
+# authors' decoding beside ours at medium bf16
+decode() {
+  begin "$@" || return 1
+  local py="$VENV/bin/python"
+  decode_tests
+  step bench_medium 120 env use_cuda=1 "$py" bench/bench.py --config medium --precision bf16
+  step eval_8b 240 env use_cuda=1 "$py" bench/eval_scale.py --n_layers 8 --batch_sizes 1 8 32 --new_tokens 16
+  step side_by_side 130 env use_cuda=1 REFPYTHON=python3 "$py" bench/side_by_side.py --device cuda --precisions bf16 \
+    --configs medium --variants sparse
+  echo "gpu_check=decode seconds=$(( $(date +%s) - START )) gpu_decode=$(status_of gpu_decode)" \
+       "gpu_decode_tests=$(counts_of gpu_decode) bench_medium=$(status_of bench_medium) eval_8b=$(status_of eval_8b)" \
+       "side_by_side=$(status_of side_by_side)"
+  for name in bench_medium eval_8b side_by_side; do tail -1 "$LOG_DIR/$name.log" 2>/dev/null; done
+}
+
 case "${1:-}" in
   fetch) fetch ;;
+  decode) shift; decode "$@" ;;
   prepare) mkdir -p "$LOG_DIR"; prepare ;;
   run) shift; run "$@" ;;
-  *) echo "usage: bash scripts/gpu_check.sh fetch | run [SECONDS]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_check.sh fetch | run [SECONDS] | decode [SECONDS]" >&2; exit 2 ;;
 esac
