@@ -140,7 +140,8 @@ def test_bf16_kv_cache_within_bf16_of_fp32(tiny_base, method):
     assert not np.array_equal(logits["base"], logits["fp32"])
 
 
-@pytest.mark.skipif(not LLM.layer_step.on(), reason="the fused decode layer does not run here (a CPU without libdnnl)")
+@pytest.mark.skipif(not LLM.layer_step.on(),
+                    reason="the fused decode layer is off here (a CPU without libdnnl, a GPU without MOA_GPU_KERNELS=1)")
 def test_decode_layer_above_gemv_rows(tiny_base, monkeypatch):
     """A bf16 base's decode step of 20 rows (more than GEMV_ROWS: the rows kernel) runs the fused decode layer,
     equal to the op-by-op layer within bf16's rounding."""

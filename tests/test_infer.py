@@ -122,7 +122,8 @@ def test_records_match_full_forward(models, tok, prompts, variant):
                 assert got["token_weight"] is None
 
 
-@pytest.mark.skipif(not LLM.layer_step.on(), reason="the fused decode layer does not run here (a CPU without libdnnl)")
+@pytest.mark.skipif(not LLM.layer_step.on(),
+                    reason="the fused decode layer is off here (a CPU without libdnnl, a GPU without MOA_GPU_KERNELS=1)")
 @pytest.mark.parametrize("arch, variant, precision", [(arch, variant, precision) for arch in ("llama", "qwen3")
                                                       for variant in ("sparse", "soft") for precision in ("fp32", "bf16")]
                          + [("llama", "sparse", "int8"), ("qwen3", "soft", "int8")])

@@ -7,6 +7,7 @@ kernel's own `when` for the inputs its fused side handles; tests call `.fused` a
 directly and compare values and gradients.
 """
 import math
+import os
 
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
@@ -17,6 +18,13 @@ from .cpp import constant
 GEMV_ROWS = constant("gemv.h", "GEMV_ROWS")
 # ... and with bf16 or int8 weights up to this many rows as one pass of the rows kernel (cpp/bf16_rows.h)
 DECODE_ROWS = constant("bf16_rows.h", "DECODE_ROWS")
+
+
+def gpu_kernels_on() -> bool:
+    """Whether the fused ops' CUDA forms (the decode layer's, Models/kernels/cuda/) run: a GPU run with
+    MOA_GPU_KERNELS=1. They are compiled here but have not yet been checked on a GPU (docs/gpu.md:
+    `scripts/gpu_check.sh decode` sets it); until then a GPU run takes the checked plain path by default."""
+    return bool(jt.flags.use_cuda) and os.environ.get("MOA_GPU_KERNELS") == "1"
 
 
 def fused_kernels_on() -> bool:
@@ -40,7 +48,7 @@ class Kernel:
     `when(*args)`, if given, further limits the fused kernel to the inputs it handles; the others take
     `plain`. A plain side may be built from other Kernels (each then decided the same way), which is
     also how an op with two fused forms reads: Kernel(fused_for_some, Kernel(fused, plain), when).
-    `gpu`: the fused side's ops have a CUDA form too (jt.code's cuda_src) and run on a GPU.
+    `gpu`: the fused side's ops have a CUDA form too (jt.code's cuda_src), run on a GPU where gpu_kernels_on().
     """
 
     def __init__(self, fused, plain, when=None, gpu=False):
@@ -48,7 +56,7 @@ class Kernel:
 
     def on(self) -> bool:
         """Whether the fused side can run here (the `when` aside)."""
-        return fused_kernels_on() or (self.gpu and bool(jt.flags.use_cuda))
+        return fused_kernels_on() or (self.gpu and gpu_kernels_on())
 
     def __call__(self, *args):
         if self.on() and (self.when is None or self.when(*args)):
