@@ -1,8 +1,10 @@
 """The GPU's CUDA sources, checked on a machine without a GPU: the exact sources the code gives jt.code (recorded as
 it runs on the CPU) compile with nvcc where it is installed, placed as Jittor's code op places them (the header,
-then the source as a function body with in<i>, in<i>_p, out<i>_p and `data`). What they compute is checked on a
-GPU (scripts/gpu_check.sh runs the step-by-step comparisons)."""
+then the source as a function body with in<i>, in<i>_p, out<i>_p and `data`); and the decode layer's, run on the
+CPU through an emulation of the CUDA it uses (tests/cuda_emulation.h), equals the plain layer. A GPU runs the same
+comparisons for real (scripts/gpu_check.sh)."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import kv_logits
+from conftest import kv_logits, randomize_adapters
 import jittor as jt
 from Models import LLM
 from Models.formats.base_model import base_args, build_model
@@ -21,9 +23,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPARSE = dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2", lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN")
 SOFT = dict(variant="soft", lora_layers="0-2", p_adapter_layers="0-1", prompt_layers="1-2")
 C_TYPES = {"float32": "float", "float64": "double", "uint64": "uint64_t"}
-pytestmark = [pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler (nvcc) on this machine"),
-              pytest.mark.skipif(not LLM.layer_step.on(),
-                                 reason="the fused ops these sources belong to are not built here (no libdnnl)")]
+EMULATION = open(os.path.join(REPO, "tests", "cuda_emulation.h")).read()
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler (nvcc) on this machine")
+pytestmark = pytest.mark.skipif(not LLM.layer_step.on(),
+                                reason="the fused ops these sources belong to are not built here (no libdnnl)")
 
 
 @pytest.fixture
@@ -58,6 +61,7 @@ def assert_nvcc_compiles(sources: dict, folder):
         assert compiled.returncode == 0, compiled.stderr[-4000:]
 
 
+@needs_nvcc
 def test_decode_layer_sources_compile(cuda_sources, tiny_base, tiny_qwen3, tmp_path):
     """The decode layer's CUDA form (Models/kernels/cuda/) for LLaMA Sparse with a bf16 base and cache, and Qwen3
     Soft with a prompt expert in fp32: its numbers are tests/test_infer.py::test_decode_layer_equals_op_by_op's
@@ -72,6 +76,7 @@ def test_decode_layer_sources_compile(cuda_sources, tiny_base, tiny_qwen3, tmp_p
     assert_nvcc_compiles(cuda_sources, tmp_path)
 
 
+@needs_nvcc
 def test_roofline_sources_compile(cuda_sources, tmp_path, monkeypatch):
     """bench/rooflines.py's GPU forms: the streaming read and the decode layer's pass timed by CUDA events."""
     monkeypatch.syspath_prepend(os.path.join(REPO, "bench"))
@@ -82,3 +87,49 @@ def test_roofline_sources_compile(cuda_sources, tmp_path, monkeypatch):
     assert len(cuda_sources) == 2
     assert_nvcc_compiles(cuda_sources, tmp_path)
     sys.modules.pop("rooflines", None)
+
+
+def emulated(cuda: str) -> str:
+    """A CUDA source as tests/cuda_emulation.h runs it on the CPU: launches and dynamic shared memory rewritten."""
+    text = cuda.replace("#include <cuda_runtime.h>\n", "")
+    text = re.sub(r"extern __shared__ (\w+) (\w+)\[\];", r"\1 *\2 = (\1 *)emu_dynamic_shared();", text)
+    return re.sub(r"(\b\w+(?:<[^<>;()]*>)?)<<<(.*?)>>>\(", r"emu_launch(emu_config(\2), \1, ", text)
+
+
+@pytest.mark.parametrize("arch, variant, precision, batch", [("llama", "sparse", "bf16", 12), ("qwen3", "soft", "fp32", 2),
+                                                             ("llama", "soft", "int8", 2)])
+def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, tiny_qwen3, arch, variant, precision,
+                                                       batch):
+    """The decode layer's CUDA form (Models/kernels/cuda/), emulated on the CPU, against the plain layer through
+    the KV cache, as tests/test_infer.py::test_decode_layer_equals_op_by_op compares the CPU form: a prefill of 3
+    positions, then steps; LLaMA Sparse with a bf16 base and cache at 12 rows a step (36 in the prefill: two
+    passes of product_rows, 32 rows and 4), Qwen3 Soft (per-head norms, a prompt expert) in fp32 at 2 (6 in the
+    prefill), LLaMA Soft with an int8 base."""
+    code = jt.code
+    emulations = []
+
+    def emulating(shapes, dtypes, inputs, **kwargs):
+        if "cuda_src" in kwargs:
+            emulations.append(1)
+            kwargs.update(cpu_header=EMULATION + emulated(kwargs["cuda_header"]), cpu_src=emulated(kwargs["cuda_src"]))
+        return code(shapes, dtypes, inputs, **kwargs)
+    path = tiny_base if arch == "llama" else tiny_qwen3
+    model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **(SPARSE if variant == "sparse"
+                                                                                       else SOFT)))
+    randomize_adapters(model, seed=5, scale=0.1)
+    rng = np.random.default_rng(4)
+    for name, var in model.base_parameters().items():  # Qwen3's per-head norms, drawn so that they matter
+        if "q_norm" in name or "k_norm" in name:
+            var.assign(jt.array((1 + 0.5 * rng.standard_normal(var.shape)).astype(np.float32)))
+    set_base_precision(model, precision)
+    model.eval()
+    tokens = rng.integers(1, model.llama.args.vocab_size, (batch, 6)).astype(np.int32)
+    with jt.no_grad():
+        monkeypatch.setattr(jt, "code", emulating)
+        got = kv_logits(model.llama, tokens, prefill=3)
+        assert len(emulations) == 2 * 4 * len(model.llama.layers)  # two ops a layer, the prefill and 3 steps
+        monkeypatch.setattr(LLM.layer_step, "when", lambda *a: False)
+        want = kv_logits(model.llama, tokens, prefill=3)
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, atol=2e-5 if precision == "fp32" else 2e-2)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95

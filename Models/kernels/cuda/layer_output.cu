@@ -4,11 +4,11 @@
 // decode_layer.layer_output's declarations.
 float *att = scratch_floats(M * H * hd), *h = scratch_floats(M * D), *hn = scratch_floats(M * D),
       *gate = scratch_floats(M * F), *up = scratch_floats(M * F), *u = scratch_floats(M * R);
+using CacheType = std::remove_const_t<std::remove_pointer_t<decltype(cache_k)>>;  // float, or bf16 bits
 const size_t attention_shared = (size_t)(hd + std::max(S, L)) * sizeof(float);
 if (attention_shared > 48 * 1024)
-    cudaFuncSetAttribute(attention_rows<std::remove_const_t<std::remove_pointer_t<decltype(cache_k)>>>,
-                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)attention_shared);
-attention_rows<<<dim3((unsigned)M, (unsigned)H), BLOCK, attention_shared>>>(
+    cudaFuncSetAttribute(attention_rows<CacheType>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)attention_shared);
+attention_rows<CacheType><<<dim3((unsigned)M, (unsigned)H), BLOCK, attention_shared>>>(
     q, cache_k, cache_v, mask, T, S, H, Hkv, hd, scale, PROMPT_K, PROMPT_V, PROMPT_GATE, L, probs, NT, COL_PROMPT, att);
 lora_project(M, D, H * hd, R, att, WO, A_O, B_O, COL_O < 0 ? nullptr : probs + COL_O, NT, lora_scale, h, u);
 norm_rows<<<M, BLOCK>>>(h, x, h, FFN_NORM, D, eps, hn);  // h = O(att) + x, hn = its norm
