@@ -114,8 +114,9 @@ __global__ void fold_words(const uint4 *w, int64_t n, unsigned long long *out) {
 GPU_STREAM = """cudaMemsetAsync(out0_p, 0, sizeof(unsigned long long), 0);
 fold_words<<<1024, 512>>>((const uint4 *)in0_p, in0->size / 16, (unsigned long long *)out0_p);
 """
-GPU_PRODUCT_TIMES = """// best seconds of REPS products y [M,N] = x [M,K] W^T by the decode layer's pass (cuda/decode_layer.cuh),
-// each timed by CUDA events: out [0]; out [1] is left to Jittor's bf16 matmul, timed in Python
+GPU_PRODUCT_TIMES = """// best seconds of REPS products y [M,N] = x [M,K] W^T by the decode layer's pass
+// (cuda/decode_layer.cuh), each timed by CUDA events: out [0]; out [1] is left to Jittor's bf16 matmul, timed in
+// Python
 float *y = scratch_floats(M * N);
 cudaEvent_t start, stop;
 cudaEventCreate(&start);

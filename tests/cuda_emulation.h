@@ -1,9 +1,10 @@
 // The CUDA that Models/kernels/cuda/ uses, emulated on the CPU so that tests/test_cuda_sources.py can run the decode
 // layer's CUDA form on this machine and compare its numbers with the CPU's (a GPU machine runs the real thing).
-// A launch runs its blocks one after another, each CUDA thread a coroutine: __syncthreads is a barrier of the block's
-// threads, a warp shuffle an exchange through memory between two barriers of the warp's 32 threads, __shared__
-// memory a static of the kernel (one block runs at a time). The test rewrites `kernel<<<config>>>(args)` as `emu_launch(emu_config(config), kernel, args)` and
-// `extern __shared__ T name[];` as `T *name = (T *)emu_dynamic_shared();`.
+// A launch runs its blocks one after another, each CUDA thread a coroutine: __syncthreads is a barrier of the
+// block's threads, a warp shuffle an exchange through memory between two barriers of the warp's 32 threads,
+// __shared__ memory a static of the kernel (one block runs at a time). The test rewrites `kernel<<<config>>>(args)`
+// as `emu_launch(emu_config(config), kernel, args)` and `extern __shared__ T name[];` as
+// `T *name = (T *)emu_dynamic_shared();`.
 #ifndef MOA_CUDA_EMULATION_H
 #define MOA_CUDA_EMULATION_H
 #include <algorithm>
@@ -136,7 +137,10 @@ void emu_launch(EmuConfig c, Kernel kernel, Args... args) {
                 }
                 moved = true;
             }
-            if (running && !moved) { std::fprintf(stderr, "cuda_emulation: threads wait at a barrier that not all reach\n"); std::abort(); }
+            if (running && !moved) {
+                std::fprintf(stderr, "cuda_emulation: threads wait at a barrier that not all reach\n");
+                std::abort();
+            }
         }
     }
     emu_now = outer;
@@ -149,6 +153,9 @@ typedef int cudaEvent_t;
 template <typename T> inline int cudaMallocAsync(T **p, size_t bytes, int) { *p = (T *)std::malloc(bytes); return 0; }
 inline int cudaFreeAsync(void *p, int) { std::free(p); return 0; }
 inline int cudaMemsetAsync(void *p, int v, size_t bytes, int) { std::memset(p, v, bytes); return 0; }
-inline int cudaMemcpy(void *to, const void *from, size_t bytes, cudaMemcpyKind) { std::memcpy(to, from, bytes); return 0; }
+inline int cudaMemcpy(void *to, const void *from, size_t bytes, cudaMemcpyKind) {
+    std::memcpy(to, from, bytes);
+    return 0;
+}
 template <typename F> inline int cudaFuncSetAttribute(F, cudaFuncAttribute, int) { return 0; }
 #endif

@@ -20,7 +20,8 @@ from Models.kernels.precision import set_base_precision, to_bf16
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a Sparse MoA with LoRA on every target and the parallel adapter; a Soft one with prompt experts besides
-SPARSE = dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2", lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN")
+SPARSE = dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2",
+              lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN")
 SOFT = dict(variant="soft", lora_layers="0-2", p_adapter_layers="0-1", prompt_layers="1-2")
 C_TYPES = {"float32": "float", "float64": "double", "uint64": "uint64_t"}
 EMULATION = open(os.path.join(REPO, "tests", "cuda_emulation.h")).read()
@@ -96,8 +97,8 @@ def emulated(cuda: str) -> str:
     return re.sub(r"(\b\w+(?:<[^<>;()]*>)?)<<<(.*?)>>>\(", r"emu_launch(emu_config(\2), \1, ", text)
 
 
-@pytest.mark.parametrize("arch, variant, precision, batch", [("llama", "sparse", "bf16", 12), ("qwen3", "soft", "fp32", 2),
-                                                             ("llama", "soft", "int8", 2)])
+@pytest.mark.parametrize("arch, variant, precision, batch",
+                         [("llama", "sparse", "bf16", 12), ("qwen3", "soft", "fp32", 2), ("llama", "soft", "int8", 2)])
 def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, tiny_qwen3, arch, variant, precision,
                                                        batch):
     """The decode layer's CUDA form (Models/kernels/cuda/), emulated on the CPU, against the plain layer through

@@ -8,12 +8,12 @@ a CPU the two ops are cpp/layer_input.cc and cpp/layer_output.cc: each projectio
 (cpp/lora_project.h: a GEMV pass over the base's weights and its LoRA expert under its type weight) and
 the routing is cpp/route_row.cc, as in the per-op decode kernels, so the numbers are those of the op-by-op
 layer. On a GPU (switch.gpu_kernels_on) the same two ops (the same inputs and declarations) run
-cuda/layer_input.cu and cuda/layer_output.cu, which launch cuda/decode_layer.cuh's kernels: one pass over each base matrix for
-all the rows, the expert added in it, the bf16 KV cache read in place. A Qwen3 layer norms each query
-and key head (q_norm, k_norm) between the projections and RoPE; its prompt expert's keys come normed
-from Attention.prompt_keys_values. That layer is the plain side of the Kernel (LLM.layer_step, `when` =
-fuses_decode_step) and serves everything else: training, scoring, mixtures of several experts per family
-and the baselines.
+cuda/layer_input.cu and cuda/layer_output.cu, which launch cuda/decode_layer.cuh's kernels: one pass over
+each base matrix for all the rows, the expert added in it, the bf16 KV cache read in place. A Qwen3 layer
+norms each query and key head (q_norm, k_norm) between the projections and RoPE; its prompt expert's
+keys come normed from Attention.prompt_keys_values. The op-by-op layer is the plain side of the Kernel
+(LLM.layer_step, `when` = fuses_decode_step) and serves everything else: training, scoring, mixtures of
+several experts per family and the baselines.
 """
 import math
 

@@ -22,8 +22,9 @@ DECODE_ROWS = constant("bf16_rows.h", "DECODE_ROWS")
 
 def gpu_kernels_on() -> bool:
     """Whether the fused ops' CUDA forms (the decode layer's, Models/kernels/cuda/) run: a GPU run with
-    MOA_GPU_KERNELS=1. They are compiled here but have not yet been checked on a GPU (docs/gpu.md:
-    `scripts/gpu_check.sh decode` sets it); until then a GPU run takes the checked plain path by default."""
+    MOA_GPU_KERNELS=1. They are compiled and run through a CPU emulation of their CUDA here
+    (tests/test_cuda_sources.py) but not yet checked on a GPU (docs/gpu.md: `scripts/gpu_check.sh` sets it);
+    until then a GPU run takes the checked plain path by default."""
     return bool(jt.flags.use_cuda) and os.environ.get("MOA_GPU_KERNELS") == "1"
 
 

@@ -126,12 +126,16 @@ struct Expert {
 template <Storage S>
 __device__ __forceinline__ void load8(const void *values, int64_t at, float *w) {
     if (S == FP32) {
-        const float4 a = *(const float4 *)((const float *)values + at), b = *(const float4 *)((const float *)values + at + 4);
+        const float4 *row = (const float4 *)((const float *)values + at);
+        const float4 a = row[0], b = row[1];
         w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
     } else if (S == BF16) {
         const uint4 bits = *(const uint4 *)((const uint16_t *)values + at);
         const uint32_t pairs[4] = {bits.x, bits.y, bits.z, bits.w};
-        for (int i = 0; i < 4; i++) { w[2 * i] = __uint_as_float(pairs[i] << 16); w[2 * i + 1] = __uint_as_float(pairs[i] & 0xffff0000u); }
+        for (int i = 0; i < 4; i++) {
+            w[2 * i] = __uint_as_float(pairs[i] << 16);  // the lower address is the lower half
+            w[2 * i + 1] = __uint_as_float(pairs[i] & 0xffff0000u);
+        }
     } else {
         const uint2 bytes = *(const uint2 *)((const int8_t *)values + at);
         const uint32_t quads[2] = {bytes.x, bytes.y};
@@ -173,7 +177,8 @@ __global__ void product_rows(int64_t M, int64_t N, int64_t K, const float *x, Ba
                 load8<S>(W.values, row + k, w);
                 #pragma unroll
                 for (int m = 0; m < MR; m++) {
-                    const float4 a = *(const float4 *)(xs + m * chunk + k), b = *(const float4 *)(xs + m * chunk + k + 4);
+                    const float4 *staged = (const float4 *)(xs + m * chunk + k);
+                    const float4 a = staged[0], b = staged[1];
                     sums[m] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z
                              + w[7] * b.w;
                 }

@@ -15,7 +15,8 @@ norm_rows<<<M, BLOCK>>>(h, x, h, FFN_NORM, D, eps, hn);  // h = O(att) + x, hn =
 lora_project(M, F, D, R, hn, W1, A_GATE, B_GATE, COL_GATE < 0 ? nullptr : probs + COL_GATE, NT, lora_scale, gate, u);
 lora_project(M, F, D, R, hn, W3, A_UP, B_UP, COL_UP < 0 ? nullptr : probs + COL_UP, NT, lora_scale, up, u);
 swiglu_into<<<blocks_for(M * F), BLOCK>>>(gate, up, M * F);
-lora_project(M, D, F, R, gate, W2, A_DOWN, B_DOWN, COL_DOWN < 0 ? nullptr : probs + COL_DOWN, NT, lora_scale, out0_p, u);
+lora_project(M, D, F, R, gate, W2, A_DOWN, B_DOWN, COL_DOWN < 0 ? nullptr : probs + COL_DOWN, NT, lora_scale, out0_p,
+             u);
 float *adapter = nullptr, *z = nullptr;
 if (P > 0) {  // the parallel adapter on the FFN's input: up(silu(down(hn) + b) + b), weighted
     adapter = scratch_floats(M * P);
