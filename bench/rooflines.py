@@ -8,20 +8,16 @@
   (oneDNN's gemm_bf16bf16f32; on a GPU Jittor's bf16 matmul, cuBLAS);
 - units_issue_gflops(): the CPU's bf16 units' issue rate from registers (NaN on a GPU or without the units).
 """
-import os
-import sys
 import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-import Utils.jittor_env  # noqa: E402,F401
-import jittor as jt  # noqa: E402
-from jittor import nn  # noqa: E402
+import Utils.jittor_env  # noqa: F401  (the importer, eval_scale.py or a test, puts the repository on the path)
+import jittor as jt
+from jittor import nn
 
-from Models.kernels import cpp  # noqa: E402
-from Models.kernels.precision import cpu_has_bf16_units, matrix_code  # noqa: E402
+from Models.kernels import cpp
+from Models.kernels.precision import cpu_has_bf16_units, matrix_code
 
 BASE_MATRIX_HEADER = cpp.source("base_matrix.h")
 GPU_HEADER = cpp.source("decode_layer.cuh")

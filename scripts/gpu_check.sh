@@ -60,7 +60,9 @@ step() {
 
 status_of() { cut -d' ' -f1 < "$STATUS_DIR/$1" 2>/dev/null || echo "not_run"; }
 # pytest's counts at the end of step NAME's log: 12_passed,1_failed
-counts_of() { tail -3 "$LOG_DIR/$1.log" 2>/dev/null | grep -oE '[0-9]+ (passed|failed|errors?)' | tr ' ' '_' | paste -sd, -; }
+counts_of() {
+  tail -3 "$LOG_DIR/$1.log" 2>/dev/null | grep -oE '[0-9]+ (passed|failed|errors?)' | tr ' ' '_' | paste -sd, -
+}
 
 prepare() {
   note "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1)"
@@ -97,22 +99,28 @@ begin() {
 # the decode layer's CUDA form against the plain layer, and generation through it (greedy vs no cache, batched);
 # MOA_GPU_KERNELS=1 turns it on (off by default until this has passed on a GPU)
 decode_tests() {
-  step gpu_decode 150 env use_cuda=1 MOA_GPU_KERNELS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rf tests/test_infer.py \
-    -k "decode_layer_equals or greedy_cache or batch_of_4 or records_match"
+  step gpu_decode 150 env use_cuda=1 MOA_GPU_KERNELS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rf \
+    tests/test_infer.py -k "decode_layer_equals or greedy_cache or batch_of_4 or records_match"
+}
+
+# side_by_side NAME SECONDS ARGS...: bench/side_by_side.py beside the authors' code on the GPU in bf16, as step NAME
+side_by_side() {
+  local name="$1" limit="$2"; shift 2
+  step "$name" "$limit" env use_cuda=1 REFPYTHON=python3 "$VENV/bin/python" bench/side_by_side.py --device cuda \
+    --precisions bf16 "$@"
 }
 
 run() {
   begin "$@" || return 1
   decode_tests
   local py="$VENV/bin/python"
-  local sbs=(env use_cuda=1 REFPYTHON=python3 "$py" bench/side_by_side.py --device cuda --precisions bf16)
-  step side_by_side 130 "${sbs[@]}" --configs medium --variants sparse
+  side_by_side side_by_side 130 --configs medium --variants sparse
   step demo 400 env MOA_RUN_DIR=/tmp/demo bash demo.sh &
   step golden 400 env use_cuda=1 "$py" -m pytest -q -p no:cacheprovider -rf \
     tests/test_golden.py tests/test_precision.py tests/test_hf.py &
   wait
-  step side_by_side_8b 150 "${sbs[@]}" --configs 8b --n_layers 8 --variants sparse
-  step side_by_side_soft 120 "${sbs[@]}" --configs medium --variants soft
+  side_by_side side_by_side_8b 150 --configs 8b --n_layers 8 --variants sparse
+  side_by_side side_by_side_soft 120 --configs medium --variants soft
   if command -v mpirun >/dev/null; then step mpi 120 bash test.sh tests/test_mpi.py; fi
 
   local demo_acc
@@ -137,8 +145,7 @@ decode() {
   decode_tests
   step bench_medium 120 env use_cuda=1 "$py" bench/bench.py --config medium --precision bf16
   step eval_8b 240 env use_cuda=1 "$py" bench/eval_scale.py --n_layers 8 --batch_sizes 1 8 32 --new_tokens 16
-  step side_by_side 130 env use_cuda=1 REFPYTHON=python3 "$py" bench/side_by_side.py --device cuda --precisions bf16 \
-    --configs medium --variants sparse
+  side_by_side side_by_side 130 --configs medium --variants sparse
   echo "gpu_check=decode seconds=$(( $(date +%s) - START )) gpu_decode=$(status_of gpu_decode)" \
        "gpu_decode_tests=$(counts_of gpu_decode) bench_medium=$(status_of bench_medium) eval_8b=$(status_of eval_8b)" \
        "side_by_side=$(status_of side_by_side)"
