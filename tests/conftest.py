@@ -390,6 +390,13 @@ def randomize_adapters(model, seed, scale):
         var.assign(jt.array((scale * rng.standard_normal(var.shape)).astype(np.float32)))
 
 
+# MoA on the tiny bases' three layers: Sparse with LoRA on every target and the parallel adapter; Soft with the
+# adapter in two layers and prompt experts in two (the decode layer's tests: every expert it fuses)
+MOA = {"sparse": dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2",
+                      lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"),
+       "soft": dict(variant="soft", lora_layers="0-2", p_adapter_layers="0-1", prompt_layers="1-2")}
+
+
 def kv_logits(llama, tokens: np.ndarray, prefill: int) -> np.ndarray:
     """Prefill, then one token at a time; row j = last-position logits of step j."""
     llama.reset_cache()

@@ -12,17 +12,13 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import kv_logits, randomize_adapters
+from conftest import MOA, kv_logits, randomize_adapters
 import jittor as jt
 from Models import LLM
 from Models.formats.base_model import base_args, build_model
 from Models.kernels.precision import set_base_precision, to_bf16
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# a Sparse MoA with LoRA on every target and the parallel adapter; a Soft one with prompt experts besides
-SPARSE = dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2",
-              lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN")
-SOFT = dict(variant="soft", lora_layers="0-2", p_adapter_layers="0-1", prompt_layers="1-2")
 C_TYPES = {"float32": "float", "float64": "double", "uint64": "uint64_t"}
 EMULATION = open(os.path.join(REPO, "tests", "cuda_emulation.h")).read()
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler (nvcc) on this machine")
@@ -67,8 +63,8 @@ def test_decode_layer_sources_compile(cuda_sources, tiny_base, tiny_qwen3, tmp_p
     """The decode layer's CUDA form (Models/kernels/cuda/) for LLaMA Sparse with a bf16 base and cache, and Qwen3
     Soft with a prompt expert in fp32: its numbers are tests/test_infer.py::test_decode_layer_equals_op_by_op's
     on a GPU."""
-    for path, precision, experts in ((tiny_base, "bf16", SPARSE), (tiny_qwen3, "fp32", SOFT)):
-        model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=2, **experts))
+    for path, precision, variant in ((tiny_base, "bf16", "sparse"), (tiny_qwen3, "fp32", "soft")):
+        model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=2, **MOA[variant]))
         set_base_precision(model, precision)
         model.eval()
         with jt.no_grad():
@@ -115,8 +111,7 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
             kwargs.update(cpu_header=EMULATION + emulated(kwargs["cuda_header"]), cpu_src=emulated(kwargs["cuda_src"]))
         return code(shapes, dtypes, inputs, **kwargs)
     path = tiny_base if arch == "llama" else tiny_qwen3
-    model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **(SPARSE if variant == "sparse"
-                                                                                       else SOFT)))
+    model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **MOA[variant]))
     randomize_adapters(model, seed=5, scale=0.1)
     rng = np.random.default_rng(4)
     for name, var in model.base_parameters().items():  # Qwen3's per-head norms, drawn so that they matter

@@ -11,7 +11,7 @@ import pickle
 import numpy as np
 import pytest
 
-from conftest import DATA, MPIRUN, assert_refused, kv_logits, mpirun, randomize_adapters
+from conftest import DATA, MOA, MPIRUN, assert_refused, kv_logits, mpirun, randomize_adapters
 import jittor as jt
 from matplotlib import image as mpimg
 
@@ -27,9 +27,6 @@ from Models.generate import generate, prefill_length
 from Models.kernels.precision import set_base_precision
 from Utils import plots
 
-MOA = {"sparse": dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2",
-                      lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"),
-       "soft": dict(variant="soft", lora_layers="0-2", p_adapter_layers="0-1", prompt_layers="1-2")}
 TEXTS = ["Tom had 3 apples.", "Mary had 12 marbles and lost 5 of them. How many are left?", "Hi",
          "Sam picked 4 books and Leo picked 7 books. They shared them equally."]
 GEN = 12
