@@ -91,24 +91,22 @@ def first_sum_block(n: int) -> int:
     return n
 
 
-def sample_top_p(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> np.ndarray:
-    """Nucleus sampling on the host: probs [B,V] -> token ids [B]. Each row keeps its most probable tokens
-    (ties in token order) up to the first at which the mass before it exceeds top_p, renormalises them and
-    draws one with rng, as rng.choice(V, p=...) does on the sorted row. A row whose nucleus lies within its
-    NUCLEUS_CANDIDATES most probable tokens (ahead of any tie with the others) is drawn from them alone: the
-    same numbers, sums and draw as from the whole sorted row (nucleus_of_sorted_rows), without sorting all V."""
+def sample_top_p(probs, top_p: float, rng: np.random.Generator) -> np.ndarray:
+    """Nucleus sampling: probs [B,V] -> token ids [B]. Each row keeps its most probable tokens (ties in token
+    order) up to the first at which the mass before it exceeds top_p, renormalises them and draws one with rng,
+    as rng.choice(V, p=...) does on the sorted row. A row whose nucleus lies within its NUCLEUS_CANDIDATES most
+    probable tokens (ahead of any tie with the others) is drawn from them alone: the same numbers, sums and
+    draw as from the whole sorted row (nucleus_of_sorted_rows), without sorting all V. probs is a numpy array,
+    or a jt.Var left where it was computed (a GPU): then only the candidates, and the rows they do not settle,
+    come to the host (most_probable)."""
     B, V = probs.shape
     uniforms = rng.random(B)  # rng.choice's one draw per row, in row order
     block = first_sum_block(V)
     k = min(NUCLEUS_CANDIDATES, block)
     picks = np.empty(B, np.int64)
     inside = np.zeros(B, bool)
-    # the k-1 most probable tokens hold at most k-1 times the largest probability: a row where that is not
-    # above top_p has a nucleus longer than k-1 (the exact test below would find so, at a higher cost)
-    rows = np.flatnonzero((k - 1) * probs.max(-1).astype(np.float64) * (1 + 1e-9) > top_p) if k < V else np.arange(B)
+    rows, candidates, candidate_probs = most_probable(probs, k, top_p)
     if len(rows):
-        candidates = np.argpartition(-probs[rows], k - 1, axis=-1)[:, :k] if k < V else np.tile(np.arange(V), (B, 1))
-        candidate_probs = np.take_along_axis(probs[rows], candidates, axis=-1)
         order = np.lexsort((candidates, -candidate_probs), axis=-1)  # by probability, ties by token id
         candidates = np.take_along_axis(candidates, order, axis=-1)
         sorted_probs = np.take_along_axis(candidate_probs, order, axis=-1).astype(np.float64)
@@ -124,9 +122,35 @@ def sample_top_p(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> n
             inside[rows[fits]] = True
     outside = np.flatnonzero(~inside)
     for rows in np.array_split(outside, -(-len(outside) // 16)) if len(outside) else []:  # bounded temporaries
-        order, p = nucleus_of_sorted_rows(probs[rows], top_p)
+        order, p = nucleus_of_sorted_rows(rows_on_host(probs, rows), top_p)
         picks[rows] = np.take_along_axis(order, inverse_cdf(p, uniforms[rows]), -1)[:, 0]
     return picks
+
+
+def most_probable(probs, k: int, top_p: float) -> tuple:
+    """The rows of probs [B,V] whose nucleus may lie within their k most probable tokens, those tokens and their
+    probabilities: (rows [R], tokens [R,k], probabilities [R,k]), each row's k in any order. The k-1 most
+    probable tokens hold at most k-1 times the largest probability: a row where that is not above top_p has a
+    nucleus longer than k-1 (the exact test in sample_top_p would find so, at a higher cost). On the host an
+    argpartition of those rows; for a jt.Var a sort of every row where it lies, and k per row to the host."""
+    B, V = probs.shape
+    if k >= V:
+        return np.arange(B), np.tile(np.arange(V), (B, 1)), rows_on_host(probs, np.arange(B))
+    if isinstance(probs, jt.Var):
+        tokens, values = jt.argsort(probs, dim=-1, descending=True)
+        tokens, values = tokens[:, :k].numpy().astype(np.int64), values[:, :k].numpy()
+        rows = np.flatnonzero((k - 1) * values[:, 0].astype(np.float64) * (1 + 1e-9) > top_p)
+        return rows, tokens[rows], values[rows]
+    rows = np.flatnonzero((k - 1) * probs.max(-1).astype(np.float64) * (1 + 1e-9) > top_p)
+    tokens = np.argpartition(-probs[rows], k - 1, axis=-1)[:, :k]
+    return rows, tokens, np.take_along_axis(probs[rows], tokens, axis=-1)
+
+
+def rows_on_host(probs, rows: np.ndarray) -> np.ndarray:
+    """probs[rows] as a numpy array, gathered where probs lies (a jt.Var: only those rows are copied)."""
+    if isinstance(probs, jt.Var):
+        return probs[jt.array(rows.astype(np.int32))].numpy()
+    return probs[rows]
 
 
 def inverse_cdf(p: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
@@ -156,15 +180,15 @@ def nucleus_of_sorted_rows(probs: np.ndarray, top_p: float) -> tuple:
 
 def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random.Generator,
                 n_words: int = None) -> np.ndarray:
-    """Greedy (argmax on the device) when temperature == 0, else temperature + nucleus sampling, among the ids
-    below n_words (the tokenizer's): an embedding table may have more rows than the tokenizer has tokens (Qwen3's
+    """Greedy (argmax on the device) when temperature == 0, else temperature + nucleus sampling (on a GPU its
+    candidates are found there: sample_top_p), among the ids below n_words (the tokenizer's): an embedding table may have more rows than the tokenizer has tokens (Qwen3's
     151,936 for 151,669), and those padding rows are no tokens, whatever the weights give them."""
     if n_words is not None and n_words < logits.shape[-1]:
         logits = logits[:, :n_words]
     if temperature == 0:
         return jt.argmax(logits, dim=-1)[0].numpy().astype(np.int64)
-    probs = nn.softmax(logits / temperature, dim=-1).numpy()
-    return sample_top_p(probs, top_p, rng)
+    probs = nn.softmax(logits / temperature, dim=-1)
+    return sample_top_p(probs if jt.flags.use_cuda else probs.numpy(), top_p, rng)
 
 
 def fetch_records(step_records: list, store: list):

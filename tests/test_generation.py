@@ -61,10 +61,12 @@ def full_sort_sampling(probs, top_p, rng):
 
 
 @pytest.mark.filterwarnings("ignore:The value of the smallest subnormal")
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("V", [50, 384, 128256, 151936])
-def test_nucleus_sampling_equals_sorting_whole_rows(V):
+def test_nucleus_sampling_equals_sorting_whole_rows(V, where):
     """Rows whose nucleus lies among their 64 most probable tokens are drawn from those alone, the others from
-    the whole sorted row: the same token for every row as sorting every row, and the same random stream after."""
+    the whole sorted row: the same token for every row as sorting every row, and the same random stream after;
+    with the probabilities left where they were computed (a jt.Var, as on a GPU: its rows sorted there) too."""
     rng = np.random.default_rng(V)
     for temperature in (0.1, 1.0, 3.0):  # peaked rows (small nuclei) and flat ones (the whole-row path)
         logits = rng.standard_normal((12, V)) * 3 / temperature
@@ -74,7 +76,8 @@ def test_nucleus_sampling_equals_sorting_whole_rows(V):
         probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
         for top_p in (0.3, 0.75, 0.9):
             ours, reference = np.random.default_rng(1), np.random.default_rng(1)
-            np.testing.assert_array_equal(sample_top_p(probs, top_p, ours), full_sort_sampling(probs, top_p, reference))
+            given = probs if where == "host" else jt.array(probs)
+            np.testing.assert_array_equal(sample_top_p(given, top_p, ours), full_sort_sampling(probs, top_p, reference))
             assert ours.random() == reference.random()
 
 
