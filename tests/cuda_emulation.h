@@ -4,7 +4,9 @@
 // block's threads, a warp shuffle an exchange through memory between two barriers of the warp's 32 threads,
 // __shared__ memory a static of the kernel (one block runs at a time). The test rewrites `kernel<<<config>>>(args)`
 // as `emu_launch(emu_config(config), kernel, args)` and `extern __shared__ T name[];` as
-// `T *name = (T *)emu_dynamic_shared();`.
+// `T *name = (T *)emu_dynamic_shared();`. With EMU_REVERSED defined 1, blocks and threads run in the reverse order:
+// a source that reads what another warp writes without a barrier between gets another value in one of the two
+// orders (a race on a GPU).
 #ifndef MOA_CUDA_EMULATION_H
 #define MOA_CUDA_EMULATION_H
 #include <algorithm>
@@ -18,6 +20,9 @@
 #include <ucontext.h>
 #include <vector>
 
+#ifndef EMU_REVERSED
+#define EMU_REVERSED 0
+#endif
 #define __global__
 #define __device__
 #define __host__
@@ -38,6 +43,8 @@ inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return
 // or its warp's for a shuffle) or ends; the last to arrive at a barrier releases the others, and a block is done
 // when all its threads are. Blocks run one after another. A coroutine starts on its own stack through ucontext and
 // switches with _setjmp/_longjmp, which keep the signal mask as it is (swapcontext makes a system call each time).
+// The first runnable thread in index order runs next (the reverse order with EMU_REVERSED, blocks too): a warp
+// runs until all its threads wait at the block's barrier before the next one starts, as unfair as a GPU may be.
 struct EmuThread {
     ucontext_t context;
     jmp_buf resume;
@@ -54,10 +61,14 @@ struct EmuLaunch {
     std::function<void()> kernel;
     ucontext_t scheduler;
     jmp_buf back;  // the scheduler, where a coroutine that waits or ends returns
+    int finished = 0;   // threads of the block done
+    int scan_from = 0;  // no thread earlier in the order is runnable
 };
 static EmuLaunch *emu_now = nullptr;
 static dim3 threadIdx, blockIdx, blockDim, gridDim;
 static int emu_thread = 0;
+// the thread at position i of the scheduling order, and the position of thread t (the order reverses itself)
+inline int emu_order(int i) { return EMU_REVERSED ? (int)emu_now->threads.size() - 1 - i : i; }
 
 inline void emu_wait(int group, int size) {
     EmuLaunch &l = *emu_now;
@@ -65,7 +76,12 @@ inline void emu_wait(int group, int size) {
     l.threads[me].waiting = group;
     if (++l.arrived[group] == size) {
         l.arrived[group] = 0;
-        for (auto &thread : l.threads) if (thread.waiting == group) thread.waiting = -1;
+        const int first = group == 0 ? 0 : 32 * (group - 1), end = group == 0 ? (int)l.threads.size() : first + 32;
+        for (int t = first; t < end; t++) {
+            if (l.threads[t].waiting != group) continue;
+            l.threads[t].waiting = -1;
+            l.scan_from = std::min(l.scan_from, emu_order(t));
+        }
         return;
     }
     if (!_setjmp(l.threads[me].resume)) _longjmp(l.back, 1);
@@ -93,6 +109,7 @@ inline unsigned long long atomicXor(unsigned long long *at, unsigned long long v
 inline void emu_entry() {
     emu_now->kernel();
     emu_now->threads[emu_thread].done = true;
+    emu_now->finished++;
     _longjmp(emu_now->back, 1);
 }
 struct EmuConfig { dim3 grid, block; size_t shared_bytes; };
@@ -108,10 +125,10 @@ void emu_launch(EmuConfig c, Kernel kernel, Args... args) {
     l.kernel = [&] { kernel(args...); };
     EmuLaunch *outer = emu_now;
     emu_now = &l, blockDim = c.block, gridDim = c.grid;
-    for (unsigned z = 0; z < c.grid.z; z++)
-    for (unsigned y = 0; y < c.grid.y; y++)
-    for (unsigned x = 0; x < c.grid.x; x++) {
-        blockIdx = dim3(x, y, z);
+    const unsigned blocks = c.grid.x * c.grid.y * c.grid.z;
+    for (unsigned i = 0; i < blocks; i++) {
+        const unsigned block = EMU_REVERSED ? blocks - 1 - i : i;
+        blockIdx = dim3(block % c.grid.x, block / c.grid.x % c.grid.y, block / (c.grid.x * c.grid.y));
         for (auto &thread : l.threads) {
             thread.done = false, thread.waiting = -1, thread.started = false;
             thread.stack.resize(1 << 16);
@@ -121,25 +138,22 @@ void emu_launch(EmuConfig c, Kernel kernel, Args... args) {
             thread.context.uc_link = &l.scheduler;
             makecontext(&thread.context, emu_entry, 0);
         }
-        for (bool running = true; running;) {
-            running = false;
-            bool moved = false;
-            for (int t = 0; t < threads; t++) {
-                if (l.threads[t].done) continue;
-                running = true;
-                if (l.threads[t].waiting != -1) continue;
-                emu_thread = t;
-                threadIdx = dim3(t % c.block.x, t / c.block.x % c.block.y, t / (c.block.x * c.block.y));
-                if (!_setjmp(l.back)) {
-                    if (l.threads[t].started) _longjmp(l.threads[t].resume, 1);
-                    l.threads[t].started = true;
-                    swapcontext(&l.scheduler, &l.threads[t].context);
-                }
-                moved = true;
-            }
-            if (running && !moved) {
+        l.finished = 0, l.scan_from = 0;
+        while (l.finished < threads) {
+            int i = l.scan_from;
+            while (i < threads && (l.threads[emu_order(i)].done || l.threads[emu_order(i)].waiting != -1)) i++;
+            if (i == threads) {
                 std::fprintf(stderr, "cuda_emulation: threads wait at a barrier that not all reach\n");
                 std::abort();
+            }
+            l.scan_from = i;  // the first runnable thread in the order runs next
+            const int t = emu_order(i);
+            emu_thread = t;
+            threadIdx = dim3(t % c.block.x, t / c.block.x % c.block.y, t / (c.block.x * c.block.y));
+            if (!_setjmp(l.back)) {
+                if (l.threads[t].started) _longjmp(l.threads[t].resume, 1);
+                l.threads[t].started = true;
+                swapcontext(&l.scheduler, &l.threads[t].context);
             }
         }
     }

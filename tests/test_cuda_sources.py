@@ -93,22 +93,25 @@ def emulated(cuda: str) -> str:
     return re.sub(r"(\b\w+(?:<[^<>;()]*>)?)<<<(.*?)>>>\(", r"emu_launch(emu_config(\2), \1, ", text)
 
 
+@pytest.mark.parametrize("order", ["forward", "reversed"])
 @pytest.mark.parametrize("arch, variant, precision, batch",
                          [("llama", "sparse", "bf16", 12), ("qwen3", "soft", "fp32", 2), ("llama", "soft", "int8", 2)])
 def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, tiny_qwen3, arch, variant, precision,
-                                                       batch):
+                                                       batch, order):
     """The decode layer's CUDA form (Models/kernels/cuda/), emulated on the CPU, against the plain layer through
     the KV cache, as tests/test_infer.py::test_decode_layer_equals_op_by_op compares the CPU form: a prefill of 3
     positions, then steps; LLaMA Sparse with a bf16 base and cache at 12 rows a step (36 in the prefill: two
     passes of product_rows, 32 rows and 4), Qwen3 Soft (per-head norms, a prompt expert) in fp32 at 2 (6 in the
-    prefill), LLaMA Soft with an int8 base."""
+    prefill), LLaMA Soft with an int8 base. Each with the emulation's threads and blocks in index order and in the
+    reverse order, so that a missing barrier (a race on a GPU) gives other numbers in one of the two."""
     code = jt.code
     emulations = []
 
     def emulating(shapes, dtypes, inputs, **kwargs):
         if "cuda_src" in kwargs:
             emulations.append(1)
-            kwargs.update(cpu_header=EMULATION + emulated(kwargs["cuda_header"]), cpu_src=emulated(kwargs["cuda_src"]))
+            header = f"#define EMU_REVERSED {int(order == 'reversed')}\n" + EMULATION + emulated(kwargs["cuda_header"])
+            kwargs.update(cpu_header=header, cpu_src=emulated(kwargs["cuda_src"]))
         return code(shapes, dtypes, inputs, **kwargs)
     path = tiny_base if arch == "llama" else tiny_qwen3
     model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **MOA[variant]))
