@@ -93,6 +93,11 @@ def emulated(cuda: str) -> str:
     return re.sub(r"(\b\w+(?:<[^<>;()]*>)?)<<<(.*?)>>>\(", r"emu_launch(emu_config(\2), \1, ", text)
 
 
+# floats of x staged per product_rows chunk in the emulation (8192 on a GPU): rows of 16 take chunks of 48, rows of
+# 32 chunks of 24, so that K = 64 and 256 end in a partial one
+STAGED = 768
+
+
 @pytest.mark.parametrize("order", ["forward", "reversed"])
 @pytest.mark.parametrize("arch, variant, precision, batch",
                          [("llama", "sparse", "bf16", 12), ("qwen3", "soft", "fp32", 2), ("llama", "soft", "int8", 2)])
@@ -103,14 +108,17 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
     positions, then steps; LLaMA Sparse with a bf16 base and cache at 12 rows a step (36 in the prefill: two
     passes of product_rows, 32 rows and 4), Qwen3 Soft (per-head norms, a prompt expert) in fp32 at 2 (6 in the
     prefill), LLaMA Soft with an int8 base. Each with the emulation's threads and blocks in index order and in the
-    reverse order, so that a missing barrier (a race on a GPU) gives other numbers in one of the two."""
+    reverse order, so that a missing barrier (a race on a GPU) gives other numbers in one of the two; x is staged
+    STAGED floats at a time, so that these sizes take several chunks of K, the last one partial, as 8B's do."""
     code = jt.code
     emulations = []
 
     def emulating(shapes, dtypes, inputs, **kwargs):
         if "cuda_src" in kwargs:
             emulations.append(1)
-            header = f"#define EMU_REVERSED {int(order == 'reversed')}\n" + EMULATION + emulated(kwargs["cuda_header"])
+            header, staged = re.subn(r"\bSTAGED = \d+;", f"STAGED = {STAGED};", emulated(kwargs["cuda_header"]))
+            assert staged == 1, "decode_layer.cuh's STAGED"
+            header = f"#define EMU_REVERSED {int(order == 'reversed')}\n" + EMULATION + header
             kwargs.update(cpu_header=header, cpu_src=emulated(kwargs["cuda_src"]))
         return code(shapes, dtypes, inputs, **kwargs)
     path = tiny_base if arch == "llama" else tiny_qwen3
