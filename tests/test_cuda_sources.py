@@ -99,17 +99,21 @@ STAGED = 768
 
 
 @pytest.mark.parametrize("order", ["forward", "reversed"])
-@pytest.mark.parametrize("arch, variant, precision, batch",
-                         [("llama", "sparse", "bf16", 12), ("qwen3", "soft", "fp32", 2), ("llama", "soft", "int8", 2)])
+@pytest.mark.parametrize("arch, variant, precision, batch, router",
+                         [("llama", "sparse", "bf16", 12, {}), ("qwen3", "soft", "fp32", 2, {}),
+                          ("llama", "soft", "int8", 2, {}),
+                          ("llama", "sparse", "fp32", 3, dict(swi_x=0, const_threshold=True))],
+                         ids=["llama-sparse-bf16", "qwen3-soft-fp32", "llama-soft-int8", "llama-sparse-linear-router"])
 def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, tiny_qwen3, arch, variant, precision,
-                                                       batch, order):
+                                                       batch, router, order):
     """The decode layer's CUDA form (Models/kernels/cuda/), emulated on the CPU, against the plain layer through
     the KV cache, as tests/test_infer.py::test_decode_layer_equals_op_by_op compares the CPU form: a prefill of 3
     positions, then steps; LLaMA Sparse with a bf16 base and cache at 12 rows a step (36 in the prefill: two
     passes of product_rows, 32 rows and 4), Qwen3 Soft (per-head norms, a prompt expert) in fp32 at 2 (6 in the
-    prefill), LLaMA Soft with an int8 base. Each with the emulation's threads and blocks in index order and in the
-    reverse order, so that a missing barrier (a race on a GPU) gives other numbers in one of the two; x is staged
-    STAGED floats at a time, so that these sizes take several chunks of K, the last one partial, as 8B's do."""
+    prefill), LLaMA Soft with an int8 base, LLaMA Sparse with a Linear type router and a constant Gamma. Each
+    with the emulation's threads and blocks in index order and in the reverse order, so that a missing barrier
+    (a race on a GPU) gives other numbers in one of the two; x is staged STAGED floats at a time, so that these
+    sizes take several chunks of K, the last one partial, as 8B's do."""
     code = jt.code
     emulations = []
 
@@ -122,21 +126,42 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
             kwargs.update(cpu_header=header, cpu_src=emulated(kwargs["cuda_src"]))
         return code(shapes, dtypes, inputs, **kwargs)
     path = tiny_base if arch == "llama" else tiny_qwen3
-    model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **MOA[variant]))
+    model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **MOA[variant], **router))
     randomize_adapters(model, seed=5, scale=0.1)
     rng = np.random.default_rng(4)
     for name, var in model.base_parameters().items():  # Qwen3's per-head norms, drawn so that they matter
         if "q_norm" in name or "k_norm" in name:
             var.assign(jt.array((1 + 0.5 * rng.standard_normal(var.shape)).astype(np.float32)))
+    for layer in model.llama.layers:  # Sparse: types far below and above Gamma, whose learned bias matters
+        if layer.adapter_threshold_fn is not None:
+            router = layer.adapter_type_router
+            types = (router.w2 if hasattr(router, "w2") else router).bias
+            types.assign(jt.array(np.where(np.arange(types.shape[0]) % 2 == 0, 2.5, -2.5).astype(np.float32)))
+            if not layer.adapter_threshold_fn.const:
+                layer.adapter_threshold_fn.bias.assign(jt.array([1.0], dtype="float32"))
     set_base_precision(model, precision)
     model.eval()
     tokens = rng.integers(1, model.llama.args.vocab_size, (batch, 6)).astype(np.int32)
+
+    def logits_and_routing():
+        logits = kv_logits(model.llama, tokens, prefill=3)
+        model.llama.reset_cache()
+        records = []
+        model.llama(jt.array(tokens[:, :3]), start_pos=0, records=records)  # the prefill's type weights and Gammas
+        return logits, [r[key].numpy() for r in records for key in ("type_weight", "threshold") if r[key] is not None]
     with jt.no_grad():
         monkeypatch.setattr(jt, "code", emulating)
-        got = kv_logits(model.llama, tokens, prefill=3)
-        assert len(emulations) == 2 * 4 * len(model.llama.layers)  # two ops a layer, the prefill and 3 steps
+        got, got_routing = logits_and_routing()
+        assert len(emulations) == 2 * 5 * len(model.llama.layers)  # two ops a layer, the prefill, 3 steps, the prefill
         monkeypatch.setattr(LLM.layer_step, "when", lambda *a: False)
-        want = kv_logits(model.llama, tokens, prefill=3)
+        want, want_routing = logits_and_routing()
+    tolerance = 2e-5 if precision == "fp32" else 2e-2
     assert np.abs(want).max() > 1.0
-    np.testing.assert_allclose(got, want, atol=2e-5 if precision == "fp32" else 2e-2)
+    np.testing.assert_allclose(got, want, atol=tolerance)
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
+    assert len(got_routing) == len(want_routing) == len(model.llama.layers) * (2 if variant == "sparse" else 1)
+    for ours, plain in zip(got_routing, want_routing):
+        np.testing.assert_allclose(ours, plain, atol=tolerance)
+    if variant == "sparse":  # Gamma switched types off and left others on
+        weights = np.concatenate(want_routing[::2])
+        assert (weights == 0).any() and (weights > 0.5).any()

@@ -58,11 +58,6 @@ __device__ float block_max(float v, float *scratch) {
     __syncthreads();
     return top;
 }
-__device__ float block_dot(const float *a, const float *b, int64_t n, float *scratch) {
-    float s = 0.f;
-    for (int64_t i = threadIdx.x; i < n; i += BLOCK) s += a[i] * b[i];
-    return block_sum(s, scratch);
-}
 
 // y [M,D] = RMSNorm(x + add) with the weights w, one block per row; add (the residual) and sum (where
 // x + add is kept; it may be x) may be null
@@ -79,38 +74,6 @@ __global__ void norm_rows(const float *x, const float *add, float *sum, const fl
     const float inv = 1.f / sqrtf(block_sum(squares, scratch) / D + eps);
     for (int64_t i = threadIdx.x; i < D; i += BLOCK)
         y[row + i] = (sum ? sum[row + i] : x[row + i] + (add ? add[row + i] : 0.f)) * inv * w[i];
-}
-
-// The type router of a layer (routing.declare_router's names): SwiGLU (HIDDEN > 0) or Linear, then the
-// sigmoid, and under Sparse Gamma (learned, or its maximum) and the selection
-struct Router {
-    const float *W1, *B1, *W3, *B3, *W2, *B2, *GW, *GB;
-    int64_t D, NT, HIDDEN;
-    bool SPARSE, LEARNED;
-    float MAX_THRESHOLD;
-};
-// x [M,D] -> probs [M,NT], gammas [M] (Sparse), one block per row as cpp/route_row.cc; shared: HIDDEN floats
-__global__ void route_rows(const float *x, Router r, float *probs, float *gammas) {
-    extern __shared__ float hidden[];
-    __shared__ float scratch[WARPS];
-    const int64_t m = blockIdx.x;
-    const float *xm = x + m * r.D;
-    for (int64_t j = 0; j < r.HIDDEN; j++) {
-        const float g = block_dot(xm, r.W1 + j * r.D, r.D, scratch) + r.B1[j];
-        const float u = block_dot(xm, r.W3 + j * r.D, r.D, scratch) + r.B3[j];
-        if (threadIdx.x == 0) hidden[j] = swiglu(g, u);
-    }
-    __syncthreads();
-    float gamma = 0.f;
-    if (r.SPARSE) gamma = r.LEARNED ? r.MAX_THRESHOLD * sigmoid(block_dot(xm, r.GW, r.D, scratch) + r.GB[0])
-                                    : r.MAX_THRESHOLD;
-    for (int64_t i = 0; i < r.NT; i++) {
-        float p = sigmoid(r.HIDDEN > 0 ? block_dot(hidden, r.W2 + i * r.HIDDEN, r.HIDDEN, scratch) + r.B2[i]
-                                       : block_dot(xm, r.W2 + i * r.D, r.D, scratch) + r.B2[i]);
-        if (r.SPARSE && p - gamma < 0.f) p = 0.f;
-        if (threadIdx.x == 0) probs[m * r.NT + i] = p;
-    }
-    if (r.SPARSE && threadIdx.x == 0) gammas[m] = gamma;
 }
 
 // A LoRA expert's share of a projection, added where the pass writes: y[m,n] += scale w[m] (U[m] . B[n]),
@@ -227,13 +190,125 @@ static void product(int64_t M, int64_t N, int64_t K, const float *x, const BaseM
     }
 }
 static const Expert NO_EXPERT = {nullptr, nullptr, 0, nullptr, 0, 0.f};
+static unsigned blocks_for(int64_t n) { return (unsigned)std::min<int64_t>((n + BLOCK - 1) / BLOCK, 4096); }
+// scratch memory for one op's launches, in stream order
+static float *scratch_floats(int64_t n) {
+    void *p = nullptr;
+    cudaMallocAsync(&p, (size_t)std::max<int64_t>(n, 1) * sizeof(float), 0);
+    return (float *)p;
+}
+
+// y [M,N] = x [M,K] W^T for an fp32 W of few rows (an expert's A, a router's matrices, the adapter's down
+// projection), M <= MR: one block per column n, its threads across K (a warp per column would read such a
+// short matrix one long row at a time); W's row read once for all the rows, summed across the block.
+template <int MR>
+__global__ void product_columns(int64_t M, int64_t N, int64_t K, const float *x, const float *W, float *y) {
+    __shared__ float partial[WARPS][MR];
+    const int64_t n = blockIdx.x;
+    const float *w = W + n * K;
+    float sums[MR];
+    #pragma unroll
+    for (int m = 0; m < MR; m++) sums[m] = 0.f;
+    if (K % 4 == 0) {  // rows 16-byte aligned
+        for (int64_t k = 4 * threadIdx.x; k < K; k += 4 * BLOCK) {
+            const float4 a = *(const float4 *)(w + k);
+            #pragma unroll
+            for (int m = 0; m < MR; m++) {
+                if (m >= M) break;
+                const float4 b = *(const float4 *)(x + m * K + k);
+                sums[m] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+            }
+        }
+    } else {
+        for (int64_t k = threadIdx.x; k < K; k += BLOCK) {
+            const float a = w[k];
+            #pragma unroll
+            for (int m = 0; m < MR; m++) {
+                if (m >= M) break;
+                sums[m] += a * x[m * K + k];
+            }
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < MR; m++) {
+        const float sum = warp_sum(sums[m]);
+        if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32][m] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x < M) {
+        float total = 0.f;
+        for (int w = 0; w < WARPS; w++) total += partial[w][threadIdx.x];
+        y[threadIdx.x * N + n] = total;
+    }
+}
+// the same in passes of at most PASS_ROWS rows
+static void product_by_columns(int64_t M, int64_t N, int64_t K, const float *x, const float *W, float *y) {
+    for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
+        const int64_t rows = M - m0 < PASS_ROWS ? M - m0 : PASS_ROWS;
+        const float *xm = x + m0 * K;
+        float *ym = y + m0 * N;
+        const dim3 grid((unsigned)N);
+        if (rows <= 1) product_columns<1><<<grid, BLOCK>>>(rows, N, K, xm, W, ym);
+        else if (rows <= 2) product_columns<2><<<grid, BLOCK>>>(rows, N, K, xm, W, ym);
+        else if (rows <= 4) product_columns<4><<<grid, BLOCK>>>(rows, N, K, xm, W, ym);
+        else if (rows <= 8) product_columns<8><<<grid, BLOCK>>>(rows, N, K, xm, W, ym);
+        else if (rows <= 16) product_columns<16><<<grid, BLOCK>>>(rows, N, K, xm, W, ym);
+        else product_columns<PASS_ROWS><<<grid, BLOCK>>>(rows, N, K, xm, W, ym);
+    }
+}
+
 // cpp/lora_project.h's projection: y [M,N] = x W^T + scale w[m] (x A^T) B^T (A [R,K], B [N,R]; A null: no
 // expert); u: scratch for x A^T [M,R]
 static void lora_project(int64_t M, int64_t N, int64_t K, int64_t R, const float *x, const BaseMatrix &W,
                          const float *A, const float *Bw, const float *w, int64_t w_stride, float scale, float *y,
                          float *u) {
-    if (A) product(M, R, K, x, BaseMatrix{A, nullptr, FP32}, NO_EXPERT, u);
+    if (A) product_by_columns(M, R, K, x, A, u);
     product(M, N, K, x, W, A ? Expert{u, Bw, R, w, w_stride, scale} : NO_EXPERT, y);
+}
+
+// The type router of a layer (routing.declare_router's names): SwiGLU (HIDDEN > 0) or Linear, then the
+// sigmoid, and under Sparse Gamma (learned, or its maximum) and the selection
+struct Router {
+    const float *W1, *B1, *W3, *B3, *W2, *B2, *GW, *GB;
+    int64_t D, NT, HIDDEN;
+    bool SPARSE, LEARNED;
+    float MAX_THRESHOLD;
+};
+// g [n] = swiglu(g + b1, u + b3), the router's hidden (HIDDEN per row)
+__global__ void router_hidden(float *g, const float *b1, const float *u, const float *b3, int64_t n,
+                              int64_t HIDDEN) {
+    for (int64_t i = (int64_t)blockIdx.x * BLOCK + threadIdx.x; i < n; i += (int64_t)gridDim.x * BLOCK)
+        g[i] = swiglu(g[i] + b1[i % HIDDEN], u[i] + b3[i % HIDDEN]);
+}
+// probs [M,NT] = sigmoid(logits + B2), under Sparse 0 below Gamma; gammas [M] (Sparse) = Gamma, from the gate's
+// logit gate [M] when learned
+__global__ void router_tail(const float *logits, const float *gate, Router r, int64_t M, float *probs,
+                            float *gammas) {
+    for (int64_t i = (int64_t)blockIdx.x * BLOCK + threadIdx.x; i < M * r.NT; i += (int64_t)gridDim.x * BLOCK) {
+        const int64_t m = i / r.NT, type = i % r.NT;
+        const float gamma = !r.SPARSE ? 0.f
+                          : r.LEARNED ? r.MAX_THRESHOLD * sigmoid(gate[m] + r.GB[0]) : r.MAX_THRESHOLD;
+        float p = sigmoid(logits[i] + r.B2[type]);
+        if (r.SPARSE && p - gamma < 0.f) p = 0.f;
+        probs[i] = p;
+        if (r.SPARSE && type == 0) gammas[m] = gamma;
+    }
+}
+// x [M,D] -> probs [M,NT], gammas [M] (Sparse): cpp/route_row.cc's steps, its products by product_columns
+static void route(int64_t M, const float *x, const Router &r, float *probs, float *gammas) {
+    float *logits = scratch_floats(M * r.NT), *gate = scratch_floats(M), *g = nullptr, *u = nullptr;
+    if (r.HIDDEN > 0) {
+        g = scratch_floats(M * r.HIDDEN), u = scratch_floats(M * r.HIDDEN);
+        product_by_columns(M, r.HIDDEN, r.D, x, r.W1, g);
+        product_by_columns(M, r.HIDDEN, r.D, x, r.W3, u);
+        router_hidden<<<blocks_for(M * r.HIDDEN), BLOCK>>>(g, r.B1, u, r.B3, M * r.HIDDEN, r.HIDDEN);
+        product_by_columns(M, r.NT, r.HIDDEN, g, r.W2, logits);
+    } else {
+        product_by_columns(M, r.NT, r.D, x, r.W2, logits);
+    }
+    if (r.SPARSE && r.LEARNED) product_by_columns(M, 1, r.D, x, r.GW, gate);
+    router_tail<<<blocks_for(M * r.NT), BLOCK>>>(logits, gate, r, M, probs, gammas);
+    for (float *buffer : {logits, gate, g, u}) if (buffer) cudaFreeAsync(buffer, 0);
 }
 
 // Each head vector of x [rows*nh, hd] RMS-normed with w (Qwen3's q_norm and k_norm; null: none), then rotated by
@@ -329,12 +404,5 @@ __global__ void layer_tail(float *y, const float *h, const float *z, const float
         if (clamp) v = fminf(fmaxf(v, -limit), limit);
         y[i] = v;
     }
-}
-static unsigned blocks_for(int64_t n) { return (unsigned)std::min<int64_t>((n + BLOCK - 1) / BLOCK, 4096); }
-// scratch memory for one op's launches, in stream order
-static float *scratch_floats(int64_t n) {
-    void *p = nullptr;
-    cudaMallocAsync(&p, (size_t)std::max<int64_t>(n, 1) * sizeof(float), 0);
-    return (float *)p;
 }
 #endif

@@ -4,8 +4,7 @@
 float *xn = scratch_floats(M * D), *u = scratch_floats(M * R);
 norm_rows<<<M, BLOCK>>>(x, nullptr, nullptr, ATTENTION_NORM, D, eps, xn);
 if (NT > 0)
-    route_rows<<<M, BLOCK, HIDDEN * sizeof(float)>>>(
-        x, Router{W1, B1, W3, B3, W2, B2, GW, GB, D, NT, HIDDEN, SPARSE, LEARNED, MAX_THRESHOLD}, PROBS, GAMMAS);
+    route(M, x, Router{W1, B1, W3, B3, W2, B2, GW, GB, D, NT, HIDDEN, SPARSE, LEARNED, MAX_THRESHOLD}, PROBS, GAMMAS);
 lora_project(M, H * hd, D, R, xn, WQ, A_Q, B_Q, COL_Q < 0 ? nullptr : PROBS + COL_Q, NT, scale, out0_p, u);
 lora_project(M, Hkv * hd, D, R, xn, WK, A_K, B_K, COL_K < 0 ? nullptr : PROBS + COL_K, NT, scale, out1_p, u);
 lora_project(M, Hkv * hd, D, R, xn, WV, A_V, B_V, COL_V < 0 ? nullptr : PROBS + COL_V, NT, scale, out2_p, u);

@@ -21,7 +21,7 @@ float *adapter = nullptr, *z = nullptr;
 if (P > 0) {  // the parallel adapter on the FFN's input: up(silu(down(hn) + b) + b), weighted
     adapter = scratch_floats(M * P);
     z = scratch_floats(M * D);
-    product(M, P, D, hn, BaseMatrix{PA_DOWN_W, nullptr, FP32}, NO_EXPERT, adapter);
+    product_by_columns(M, P, D, hn, PA_DOWN_W, adapter);
     adapter_hidden<<<blocks_for(M * P), BLOCK>>>(adapter, PA_DOWN_B, M * P, P);
     product(M, D, P, adapter, BaseMatrix{PA_UP_W, nullptr, FP32}, NO_EXPERT, z);
 }
