@@ -333,36 +333,65 @@ __global__ void norm_rotate_heads(float *x, int64_t nh, int64_t hd, int64_t T, c
 }
 
 // out [hd] += gain softmax_s(q . k_s scale) v_s over n keys and values (row stride ld) of one head, by one
-// block (cpp/decode_layer.h's attend); C: the cache's element type (float, or bf16 bits); scores: n floats
-// of shared memory
+// block (cpp/decode_layer.h's attend): a thread per key for the scores; for the values the warps split the
+// positions, each lane LANE_VALUES elements of the vector, summed over the warps at the end (a thread per
+// element would read the values one position after another). C: the cache's element type (float, or bf16
+// bits); scores: n floats, partial: WARPS * VALUES_PASS floats of shared memory
+static const int LANE_VALUES = 8, VALUES_PASS = 32 * LANE_VALUES;
 template <typename C>
 __device__ void attend(const float *q, const C *k, const C *v, int64_t n, int64_t ld, int64_t hd, float scale,
-                       float gain, float *out, float *scores, float *scratch) {
+                       float gain, float *out, float *scores, float *partial, float *scratch) {
     if (n == 0) return;
-    const int lane = threadIdx.x % 32;
-    for (int64_t s = threadIdx.x / 32; s < n; s += WARPS) {
+    constexpr Storage storage = std::is_same<C, float>::value ? FP32 : BF16;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int64_t s = threadIdx.x; s < n; s += BLOCK) {
         float d = 0.f;
-        for (int64_t i = lane; i < hd; i += 32) d += q[i] * load1(k[s * ld + i]);
-        d = warp_sum(d);
-        if (lane == 0) scores[s] = d * scale;
+        if (hd % 8 == 0) {  // rows 16-byte aligned
+            for (int64_t i = 0; i < hd; i += 8) {
+                float key[8];
+                load8<storage>(k, s * ld + i, key);
+                #pragma unroll
+                for (int j = 0; j < 8; j++) d += q[i + j] * key[j];
+            }
+        } else {
+            for (int64_t i = 0; i < hd; i++) d += q[i] * load1(k[s * ld + i]);
+        }
+        scores[s] = d * scale;
     }
-    __syncthreads();
-    float top = -INFINITY;
+    float top = -INFINITY;  // each thread reads back the scores it wrote until block_max's barrier
     for (int64_t s = threadIdx.x; s < n; s += BLOCK) top = fmaxf(top, scores[s]);
     top = block_max(top, scratch);
     float total = 0.f;
     for (int64_t s = threadIdx.x; s < n; s += BLOCK) { scores[s] = expf(scores[s] - top); total += scores[s]; }
     total = block_sum(total, scratch);
-    for (int64_t i = threadIdx.x; i < hd; i += BLOCK) {
-        float a = 0.f;
-        for (int64_t s = 0; s < n; s++) a += scores[s] * load1(v[s * ld + i]);
-        out[i] += gain * a / total;
+    for (int64_t i0 = 0; i0 < hd; i0 += VALUES_PASS) {
+        float sums[LANE_VALUES];
+        #pragma unroll
+        for (int j = 0; j < LANE_VALUES; j++) sums[j] = 0.f;
+        for (int64_t s = warp; s < n; s += WARPS) {
+            const float p = scores[s];
+            #pragma unroll
+            for (int j = 0; j < LANE_VALUES; j++)
+                if (i0 + lane + 32 * j < hd) sums[j] += p * load1(v[s * ld + i0 + lane + 32 * j]);
+        }
+        #pragma unroll
+        for (int j = 0; j < LANE_VALUES; j++) partial[warp * VALUES_PASS + lane + 32 * j] = sums[j];
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < VALUES_PASS && i0 + i < hd; i += BLOCK) {
+            float a = 0.f;
+            for (int w = 0; w < WARPS; w++) a += partial[w * VALUES_PASS + i];
+            out[i0 + i] += gain * a / total;
+        }
+        __syncthreads();
     }
-    __syncthreads();
+}
+// attention_rows' shared memory: q [hd], the scores [max(S, L)], the values' partial sums [WARPS, VALUES_PASS]
+static size_t attention_shared_bytes(int64_t hd, int64_t S, int64_t L) {
+    return (size_t)(hd + std::max(S, L) + WARPS * VALUES_PASS) * sizeof(float);
 }
 // att [M,H,hd]: each row's heads over its span of the cache [B,S,Hkv,hd] (the keys its mask [T,S] row allows)
 // and, weighted by the prompt gate and the prompt type's weight, over the prompt expert's L keys and
-// values; one block per (row, head); shared: max(S, L) + hd floats
+// values; one block per (row, head); shared: attention_shared_bytes
 template <typename C>
 __global__ void attention_rows(const float *q, const C *cache_k, const C *cache_v, const float *mask, int64_t T,
                                int64_t S, int64_t H, int64_t Hkv, int64_t hd, float scale, const float *prompt_k,
@@ -370,7 +399,7 @@ __global__ void attention_rows(const float *q, const C *cache_k, const C *cache_
                                int64_t NT, int64_t col_prompt, float *att) {
     extern __shared__ float shared[];
     __shared__ float scratch[WARPS];
-    float *qs = shared, *scores = shared + hd;
+    float *qs = shared, *scores = shared + hd, *partial = scores + (S > L ? S : L);
     const int64_t m = blockIdx.x, head = blockIdx.y, b = m / T, t = m % T, g = head / (H / Hkv);
     float *out = att + (m * H + head) * hd;
     for (int64_t i = threadIdx.x; i < hd; i += BLOCK) { qs[i] = q[(m * H + head) * hd + i]; out[i] = 0.f; }
@@ -378,9 +407,9 @@ __global__ void attention_rows(const float *q, const C *cache_k, const C *cache_
     for (int64_t s = threadIdx.x; s < S; s += BLOCK) if (mask[t * S + s] > -1e30f) last = fmaxf(last, (float)(s + 1));
     const int64_t span = (int64_t)block_max(last, scratch);
     const int64_t at = b * S * Hkv * hd + g * hd;
-    attend(qs, cache_k + at, cache_v + at, span, Hkv * hd, hd, scale, 1.f, out, scores, scratch);
+    attend(qs, cache_k + at, cache_v + at, span, Hkv * hd, hd, scale, 1.f, out, scores, partial, scratch);
     if (L > 0) attend(qs, prompt_k + g * hd, prompt_v + g * hd, L, Hkv * hd, hd, scale,
-                      prompt_gate[head] * column(probs, NT, m, col_prompt), out, scores, scratch);
+                      prompt_gate[head] * column(probs, NT, m, col_prompt), out, scores, partial, scratch);
 }
 
 __global__ void swiglu_into(float *gate, const float *up, int64_t n) {

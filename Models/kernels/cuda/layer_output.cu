@@ -5,7 +5,7 @@
 float *att = scratch_floats(M * H * hd), *h = scratch_floats(M * D), *hn = scratch_floats(M * D),
       *gate = scratch_floats(M * F), *up = scratch_floats(M * F), *u = scratch_floats(M * R);
 using CacheType = std::remove_const_t<std::remove_pointer_t<decltype(cache_k)>>;  // float, or bf16 bits
-const size_t attention_shared = (size_t)(hd + std::max(S, L)) * sizeof(float);
+const size_t attention_shared = attention_shared_bytes(hd, S, L);
 if (attention_shared > 48 * 1024)
     cudaFuncSetAttribute(attention_rows<CacheType>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)attention_shared);
 attention_rows<CacheType><<<dim3((unsigned)M, (unsigned)H), BLOCK, attention_shared>>>(
