@@ -70,6 +70,7 @@ class TransformerBlock(nn.Module):
             if on["PADAPTER"]:
                 self.p_adapter_gate = Linear(args.dim, 1, bias=True)  # never read, see Routing.UNIPEFT_GATES
         self.router_columns = self.type_names or self.gate_names  # the families routed, in the router's order
+        self.routes_sequences = self.method in INSTANCE_METHODS and bool(self.router_columns)
         # the bound of the authors' fp16 guard: every folder but Sparse MoA's clamps in fp32, and none
         # in their bf16 mode (`if not self.bf16`), which --precision bf16 is, as is int8 with its bf16 products
         # (None: no clamp)
@@ -86,7 +87,7 @@ class TransformerBlock(nn.Module):
         weighs no family); fills `record`."""
         if self.method == "moa" and self.type_names:
             return self.route_tokens(x, record)
-        if self.method in INSTANCE_METHODS and self.router_columns:
+        if self.routes_sequences:
             return self.route_sequence(x, start_pos, record)
         return {}
 
@@ -98,6 +99,13 @@ class TransformerBlock(nn.Module):
         return dict(zip(self.type_names, columns))
 
     def route_sequence(self, x: jt.Var, start_pos, record) -> dict:
+        gates = self.sequence_gates(x, start_pos, record)  # [B,T,n_columns]
+        B, T, _ = x.shape
+        return {family: gates[:, :, column].broadcast((B, T)) for family, column in self.family_columns().items()}
+
+    def sequence_gates(self, x: jt.Var, start_pos, record) -> jt.Var:
+        """The instance-level gates [B,T,n_columns] (router_columns' order) of the sequences x [B,T,D] or, in
+        the decode steps after a prefill, the prefill's; fills `record`."""
         B, T, _ = x.shape
         if start_pos is None or start_pos == 0:  # a whole sequence or a prefill decides
             pooled = sequence_mean(x)  # [B,1,D]
@@ -112,14 +120,20 @@ class TransformerBlock(nn.Module):
                 record.update(pooled=pooled, router_logits=logits)
         else:
             gates = self._sequence_gates
+        per_token = gates.broadcast((B, T, len(self.router_columns)))
         if record is not None:  # type_weight: what each token's families were weighted by
-            record.update(sequence_gates=gates, type_weight=gates.broadcast((B, T, len(self.router_columns))))
-        per_column = {name: gates[:, :, i].broadcast((B, T)) for i, name in enumerate(self.router_columns)}
-        if self.method == "instance":
-            return per_column
-        weights = {target: per_column["LORA"] for target in self.lora_targets}  # one gate for every LoRA
-        weights.update({name: per_column[name] for name in ("PROMPT", "PADAPTER") if name in per_column})
-        return weights
+            record.update(sequence_gates=gates, type_weight=per_token)
+        return per_token
+
+    def family_columns(self) -> dict:
+        """Each weighted family's column of the layer's router (router_columns); families not in it weigh 1.
+        UniPEFT's one LoRA gate weighs every LoRA target."""
+        if self.method == "unipeft":
+            columns = {target: self.gate_names.index("LORA") for target in self.lora_targets}
+            columns.update({name: self.gate_names.index(name) for name in ("PROMPT", "PADAPTER")
+                            if name in self.gate_names})
+            return columns
+        return {name: i for i, name in enumerate(self.type_names)}
 
     def execute(self, x, cos, sin, mask, start_pos=None, records=None, aux=None):
         # x [B,T,D] -> [B,T,D]
@@ -147,7 +161,7 @@ class TransformerBlock(nn.Module):
         return out
 
 
-# One layer's forward: a decode step of a MoA layer with one expert per family as two ops
+# One layer's forward: a decode step of a layer with one expert per family as two ops
 # (Models/kernels/decode_layer.py; on a CPU or a GPU), else op by op, which is the fused side's plain reference
 layer_step = Kernel(decode_layer, TransformerBlock.op_by_op, when=fuses_decode_step, gpu=True)
 

@@ -395,6 +395,13 @@ def randomize_adapters(model, seed, scale):
 MOA = {"sparse": dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2",
                       lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"),
        "soft": dict(variant="soft", lora_layers="0-2", p_adapter_layers="0-1", prompt_layers="1-2")}
+# The baselines with one expert per family, whose decode steps the decode layer takes too: LoRA (every target,
+# weight 1), instance (Soft's experts, weighed by the type router on the sequence mean) and UniPEFT (a gate per
+# family from the sequence mean; its adapter layers must be among its prompt layers)
+BASELINES = {"lora": dict(method="moe", expert_num=1, lora_layers="0-2", lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"),
+             "instance": dict(method="instance", **MOA["soft"]),
+             "unipeft": dict(method="unipeft", variant="soft", lora_layers="0-2", prompt_layers="0-2",
+                             p_adapter_layers="1-2")}
 
 
 def kv_logits(llama, tokens: np.ndarray, prefill: int) -> np.ndarray:

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import MOA, kv_logits, randomize_adapters
+from conftest import BASELINES, MOA, kv_logits, randomize_adapters
 import jittor as jt
 from Models import LLM
 from Models.formats.base_model import base_args, build_model
@@ -61,15 +61,16 @@ def assert_nvcc_compiles(sources: dict, folder):
 @needs_nvcc
 def test_decode_layer_sources_compile(cuda_sources, tiny_base, tiny_qwen3, tmp_path):
     """The decode layer's CUDA form (Models/kernels/cuda/) for LLaMA Sparse with a bf16 base and cache, and Qwen3
-    Soft with a prompt expert in fp32: its numbers are tests/test_infer.py::test_decode_layer_equals_op_by_op's
-    on a GPU."""
-    for path, precision, variant in ((tiny_base, "bf16", "sparse"), (tiny_qwen3, "fp32", "soft")):
-        model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=2, **MOA[variant]))
+    Soft with a prompt expert in fp32, UniPEFT's gates given: its numbers are
+    tests/test_infer.py::test_decode_layer_equals_op_by_op's on a GPU."""
+    for path, precision, variant in ((tiny_base, "bf16", "sparse"), (tiny_qwen3, "fp32", "soft"),
+                                     (tiny_qwen3, "fp32", "unipeft")):
+        model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=2, **{**MOA, **BASELINES}[variant]))
         set_base_precision(model, precision)
         model.eval()
         with jt.no_grad():
             kv_logits(model.llama, np.ones((2, 3), np.int32), prefill=2)
-    assert len(cuda_sources) >= 4, "each model's two ops"
+    assert len(cuda_sources) >= 6, "each model's two ops"
     assert_nvcc_compiles(cuda_sources, tmp_path)
 
 
@@ -102,15 +103,18 @@ STAGED = 768
 @pytest.mark.parametrize("arch, variant, precision, batch, router",
                          [("llama", "sparse", "bf16", 12, {}), ("qwen3", "soft", "fp32", 2, {}),
                           ("llama", "soft", "int8", 2, {}),
-                          ("llama", "sparse", "fp32", 3, dict(swi_x=0, const_threshold=True))],
-                         ids=["llama-sparse-bf16", "qwen3-soft-fp32", "llama-soft-int8", "llama-sparse-linear-router"])
+                          ("llama", "sparse", "fp32", 3, dict(swi_x=0, const_threshold=True)),
+                          ("llama", "lora", "fp32", 3, {}), ("qwen3", "unipeft", "bf16", 2, {})],
+                         ids=["llama-sparse-bf16", "qwen3-soft-fp32", "llama-soft-int8", "llama-sparse-linear-router",
+                              "llama-lora-fp32", "qwen3-unipeft-bf16"])
 def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, tiny_qwen3, arch, variant, precision,
                                                        batch, router, order):
     """The decode layer's CUDA form (Models/kernels/cuda/), emulated on the CPU, against the plain layer through
     the KV cache, as tests/test_infer.py::test_decode_layer_equals_op_by_op compares the CPU form: a prefill of 3
     positions, then steps; LLaMA Sparse with a bf16 base and cache at 12 rows a step (36 in the prefill: two
     passes of product_rows, 32 rows and 4), Qwen3 Soft (per-head norms, a prompt expert) in fp32 at 2 (6 in the
-    prefill), LLaMA Soft with an int8 base, LLaMA Sparse with a Linear type router and a constant Gamma. Each
+    prefill), LLaMA Soft with an int8 base, LLaMA Sparse with a Linear type router and a constant Gamma, and two
+    baselines: LoRA (experts of weight 1) and UniPEFT on Qwen3 (gates given per sequence, one for every LoRA). Each
     with the emulation's threads and blocks in index order and in the reverse order, so that a missing barrier
     (a race on a GPU) gives other numbers in one of the two; x is staged STAGED floats at a time, so that these
     sizes take several chunks of K, the last one partial, as 8B's do."""
@@ -126,7 +130,8 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
             kwargs.update(cpu_header=header, cpu_src=emulated(kwargs["cuda_src"]))
         return code(shapes, dtypes, inputs, **kwargs)
     path = tiny_base if arch == "llama" else tiny_qwen3
-    model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **MOA[variant], **router))
+    experts = {**MOA, **BASELINES}[variant]
+    model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **experts, **router))
     randomize_adapters(model, seed=5, scale=0.1)
     rng = np.random.default_rng(4)
     for name, var in model.base_parameters().items():  # Qwen3's per-head norms, drawn so that they matter
@@ -159,7 +164,8 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=tolerance)
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
-    assert len(got_routing) == len(want_routing) == len(model.llama.layers) * (2 if variant == "sparse" else 1)
+    routed_layers = len(model.llama.layers) if variant != "lora" else 0
+    assert len(got_routing) == len(want_routing) == routed_layers * (2 if variant == "sparse" else 1)
     for ours, plain in zip(got_routing, want_routing):
         np.testing.assert_allclose(ours, plain, atol=tolerance)
     if variant == "sparse":  # Gamma switched types off and left others on

@@ -2,6 +2,7 @@
 (logits, loss and its parts, every router output, every gradient, the KV-cache path, their adapter files both
 ways) and the base models alone (Meta's tiny base, transformers' LLaMA-3.1 and Qwen3: logits and KV cache through
 the fused kernels and the plain path, bf16). A new golden file is one line in one of the lists below."""
+import contextlib
 import json
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from conftest import GOLDEN, golden_forward, golden_model, golden_params, kv_logits, load_golden, max_abs
 import jittor as jt
-from Models import Routing, load_base_model
+from Models import LLM, Routing, load_base_model
 from Models.formats.adapters import load_adapter, read_adapter_config
 from Models.kernels import switch
 from Models.kernels.adamw import build_optimizer
@@ -150,13 +151,22 @@ def test_parameters_without_gradient_keep_their_values(stem):
     assert moved == set(adapter) - set(meta["grad_none"]), sorted(moved ^ (set(adapter) - set(meta["grad_none"])))
 
 
+@pytest.mark.parametrize("generating", [False, True], ids=["gradients", "no_grad"])
 @pytest.mark.parametrize("stem", ADAPTED)
-def test_kv_cache(stem):
+def test_kv_cache(stem, generating, monkeypatch):
     """Token-level methods: the KV path equals the full forward. Sequence-level ones: the gates of
-    the 6-token prefill are kept for every decode step, so the KV logits are the authors' KV logits."""
+    the 6-token prefill are kept for every decode step, so the KV logits are the authors' KV logits. With
+    gradients on the layers run op by op; under no_grad, as generation runs, a layer with one expert per
+    family takes the decode layer (LLM.layer_step's fused side, where it is on)."""
     model, data, meta = golden_model(stem)
     model.eval()
-    got = kv_logits(model.llama, data["tokens"].astype(np.int32), meta["kv_prefill"])
+    calls = []
+    fused = LLM.layer_step.fused
+    monkeypatch.setattr(LLM.layer_step, "fused", lambda *a: calls.append(1) or fused(*a))
+    with jt.no_grad() if generating else contextlib.nullcontext():
+        got = kv_logits(model.llama, data["tokens"].astype(np.int32), meta["kv_prefill"])
+    one_expert = model.llama.layers[0].attention.expert_num == 1
+    assert bool(calls) == (generating and one_expert and LLM.layer_step.on())
     assert max_abs(got, data["kv_logits"]) <= 1e-4
     if LEVELS.get(meta["variant"]) == "sequence":
         assert max_abs(got, data["logits"][:, meta["kv_prefill"] - 1:]) > 0.1  # the prefill's gates, not the full mean's

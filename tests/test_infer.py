@@ -11,7 +11,7 @@ import pickle
 import numpy as np
 import pytest
 
-from conftest import DATA, MOA, MPIRUN, assert_refused, kv_logits, mpirun, randomize_adapters
+from conftest import BASELINES, DATA, MOA, MPIRUN, assert_refused, kv_logits, mpirun, randomize_adapters
 import jittor as jt
 from matplotlib import image as mpimg
 
@@ -123,16 +123,19 @@ def test_records_match_full_forward(models, tok, prompts, variant):
                     reason="the fused decode layer is off here (a CPU without libdnnl, a GPU without MOA_GPU_KERNELS=1)")
 @pytest.mark.parametrize("arch, variant, precision", [(arch, variant, precision) for arch in ("llama", "qwen3")
                                                       for variant in ("sparse", "soft") for precision in ("fp32", "bf16")]
-                         + [("llama", "sparse", "int8"), ("qwen3", "soft", "int8")])
+                         + [("llama", "sparse", "int8"), ("qwen3", "soft", "int8"), ("llama", "lora", "fp32"),
+                            ("qwen3", "lora", "bf16"), ("llama", "instance", "bf16"), ("qwen3", "instance", "fp32"),
+                            ("llama", "unipeft", "fp32"), ("qwen3", "unipeft", "int8")])
 def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tiny_qwen3, arch, variant, precision):
     """A decode step's layer in two ops (Models/kernels/decode_layer.py) against the op-by-op layer, its plain
     reference, through the KV cache: a prefill of 2 x 3 rows (causal within it) and 2-row steps; layers
     with and without prompt and adapter, grouped kv heads; Qwen3 (head_dim 32 of a 64-wide model, its
     per-head q_norm and k_norm, with weights drawn so that they matter). fp32: the same numbers to float
     rounding; bf16 and int8: a last-bit difference can round a projection's input to the neighbouring bf16
-    value, so a looser bound."""
+    value, so a looser bound. The baselines with one expert per family too: LoRA, and instance and UniPEFT, whose
+    gates the prefill decides."""
     path = base_dir if arch == "llama" else tiny_qwen3
-    model = build_model(path, base_args(path, max_seq_len=64, max_batch_size=2, **MOA[variant]))
+    model = build_model(path, base_args(path, max_seq_len=64, max_batch_size=2, **{**MOA, **BASELINES}[variant]))
     randomize_adapters(model, seed=7, scale=0.1)
     rng = np.random.default_rng(3)
     for name, var in model.base_parameters().items():

@@ -1,4 +1,4 @@
-"""A decode step's MoA layer in two ops: the layer's input side (routing, Q/K/V, RoPE) and its
+"""A decode step's layer in two ops: the layer's input side (routing, Q/K/V, RoPE) and its
 output side (attention over the cache and the prompt, O, the FFN, the parallel adapter).
 
 A decode step has at most DECODE_ROWS rows, so a layer's cost is its ops, not their arithmetic:
@@ -11,9 +11,11 @@ layer. On a GPU (switch.gpu_kernels_on) the same two ops (the same inputs and de
 cuda/layer_input.cu and cuda/layer_output.cu, which launch cuda/decode_layer.cuh's kernels: one pass over
 each base matrix for all the rows, the expert added in it, the bf16 KV cache read in place. A Qwen3 layer
 norms each query and key head (q_norm, k_norm) between the projections and RoPE; its prompt expert's
-keys come normed from Attention.prompt_keys_values. The op-by-op layer is the plain side of the Kernel
-(LLM.layer_step, `when` = fuses_decode_step) and serves everything else: training, scoring, mixtures of
-several experts per family and the baselines.
+keys come normed from Attention.prompt_keys_values. The layers are MoA's and those of the baselines with
+one expert per family: LoRA (weight 1), instance and UniPEFT (gates decided on the prefill, given to the
+ops). The op-by-op layer is the plain side of the Kernel (LLM.layer_step, `when` = fuses_decode_step) and
+serves everything else: training, scoring, and the mixtures of several experts per family (MoLoRA,
+HydraLoRA, top-k, AdaMoLE).
 """
 import math
 
@@ -34,9 +36,9 @@ GPU_LAYER_OUTPUT = cpp.source("layer_output.cu")
 
 
 def declare_columns(inputs: cpp.CodeInputs, block, families: dict):
-    """COL_<name> = the type router's column of each family (-1: not routed, weight 1)."""
-    inputs.declare(**{f"COL_{name}": block.type_names.index(f) if f in block.type_names else -1
-                      for name, f in families.items()})
+    """COL_<name> = the column of each family's weight in the layer's router (-1: not weighted, weight 1)."""
+    columns = block.family_columns()
+    inputs.declare(**{f"COL_{name}": columns.get(f, -1) for name, f in families.items()})
 
 
 def lora_scaling_rank(block) -> tuple:
@@ -48,9 +50,9 @@ def lora_scaling_rank(block) -> tuple:
 
 
 def fuses_decode_step(block, x: jt.Var, cos, sin, mask, start_pos, record, aux) -> bool:
-    """A decode step (KV cache, no gradient, few rows) of a MoA layer with one expert per family."""
-    return (start_pos is not None and block.method == "moa" and block.attention.expert_num == 1
-            and decoding(x, block.attention.wq.weight))
+    """A decode step (KV cache, no gradient, few rows) of a layer with one expert per family: MoA, and the
+    baselines LoRA (moe with one expert), instance and UniPEFT (their gates given per sequence)."""
+    return start_pos is not None and block.attention.expert_num == 1 and decoding(x, block.attention.wq.weight)
 
 
 def declare_matrix(inputs: cpp.CodeInputs, name: str, base):
@@ -58,15 +60,19 @@ def declare_matrix(inputs: cpp.CodeInputs, name: str, base):
     inputs.code += f"const BaseMatrix {name} = {matrix_code(inputs, base.weight, base.weight_scale)};\n"
 
 
-def layer_input(block, x, cos, sin):
-    # x [B,T,D] -> q [M,H*hd], k, v [M,Hkv*hd], probs [M,NT], gamma [M,1] or None; M = B*T
+def layer_input(block, x, cos, sin, gates=None):
+    """gates [M,NC]: the families' weights given (instance-level routing), else the type router's per token."""
+    # x [B,T,D] -> q [M,H*hd], k, v [M,Hkv*hd], weights [M,NW] (gates or the router's), gamma [M,1] or None; M = B*T
     B, T, D = x.shape
     M, attn = B * T, block.attention
     H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
     inputs = cpp.CodeInputs()
     inputs.add("x", x.float32().reshape(M, D))
     inputs.add("ATTENTION_NORM", block.attention_norm.weight)
-    n_types = declare_router(inputs, block.adapter_type_router, block.adapter_threshold_fn, D)
+    routed = gates is None
+    n_types = declare_router(inputs, block.adapter_type_router if routed else None,
+                             block.adapter_threshold_fn if routed else None, D)
+    inputs.add("GATES", gates)
     for name, base in (("WQ", attn.wq), ("WK", attn.wk), ("WV", attn.wv)):
         declare_matrix(inputs, name, base)
     for target, lora in (("Q", attn.lora_Q), ("K", attn.lora_K), ("V", attn.lora_V)):
@@ -75,22 +81,23 @@ def layer_input(block, x, cos, sin):
     inputs.add("SIN", sin)
     inputs.add("Q_NORM", None if attn.q_norm is None else attn.q_norm.weight)
     inputs.add("K_NORM", None if attn.k_norm is None else attn.k_norm.weight)
-    sparse = block.adapter_threshold_fn is not None
+    sparse = routed and block.adapter_threshold_fn is not None
     scale, R = lora_scaling_rank(block)
-    inputs.declare(M=M, T=T, H=H, Hkv=Hkv, hd=hd, R=R)
+    inputs.declare(M=M, T=T, H=H, Hkv=Hkv, hd=hd, R=R, NW=n_types if routed else gates.shape[1])
     inputs.declare("float", eps=block.attention_norm.eps, scale=scale,
                    head_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0)
     declare_columns(inputs, block, dict(Q="Q", K="K", V="V"))
     inputs.code += f"float *PROBS = out3_p, *GAMMAS = {'out4_p' if sparse else 'nullptr'};\n"
+    inputs.code += f"const float *WEIGHTS = {'PROBS' if routed else 'GATES'};\n"
     shapes = [(M, H * hd), (M, Hkv * hd), (M, Hkv * hd), (M, max(n_types, 1))] + ([(M, 1)] if sparse else [])
     outputs = jt.code(shapes, ["float32"] * len(shapes), inputs.vars, cpu_header=LAYER_HEADER,
                       cpu_src=inputs.code + LAYER_INPUT, cuda_header=GPU_LAYER_HEADER,
                       cuda_src=inputs.code + GPU_LAYER_INPUT, data=inputs.numbers.data)
-    return outputs[0], outputs[1], outputs[2], outputs[3], (outputs[4] if sparse else None)
+    return outputs[0], outputs[1], outputs[2], outputs[3] if routed else gates, (outputs[4] if sparse else None)
 
 
 def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
-    # x [B,T,D], q [M,H*hd], cache [B,S,Hkv,hd], mask [T,S], probs [M,NT] -> [B,T,D]
+    # x [B,T,D], q [M,H*hd], cache [B,S,Hkv,hd], mask [T,S], probs [M,NT] (the families' weights) -> [B,T,D]
     B, T, D = x.shape
     M, attn, ffn = B * T, block.attention, block.feed_forward
     H, Hkv, hd, S = attn.n_heads, attn.n_kv_heads, attn.head_dim, cache_k.shape[1]
@@ -134,13 +141,14 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
 
 
 def decode_layer(block, x, cos, sin, mask, start_pos, record, aux):
-    """block(x) for one decode step through the KV cache, in two ops and the two cache writes (aux: a MoA
-    layer adds no load-balancing term)."""
+    """block(x) for one decode step through the KV cache, in two ops and the two cache writes (aux: a layer
+    with one expert per family adds no load-balancing term)."""
     # x [B,T,D] -> [B,T,D]
     B, T, _ = x.shape
     attn = block.attention
-    q, k, v, probs, gamma = layer_input(block, x, cos, sin)
-    if record is not None and block.type_names:
+    gates = block.sequence_gates(x, start_pos, record).float32().reshape(B * T, -1) if block.routes_sequences else None
+    q, k, v, probs, gamma = layer_input(block, x, cos, sin, gates)
+    if record is not None and gates is None and block.type_names:
         record.update(type_weight=probs.reshape(B, T, -1), threshold=None if gamma is None else gamma.reshape(B, T, 1))
     cache_k, cache_v = attn.update_cache(k.reshape(B, T, attn.n_kv_heads, attn.head_dim),
                                          v.reshape(B, T, attn.n_kv_heads, attn.head_dim), start_pos)

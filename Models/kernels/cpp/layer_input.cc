@@ -1,6 +1,7 @@
 // The layer's input side: x [M,D] -> q [M,H*hd], k, v [M,Hkv*hd] (q and k rotated), the type weights
-// PROBS [M,NT] and Gamma GAMMAS [M,1] (Sparse). Qwen3 (Q_NORM, K_NORM not null): each query and key head
-// RMS-normed after its projection and expert, before RoPE. Names and sizes: decode_layer.layer_input's
+// PROBS [M,NT] and Gamma GAMMAS [M,1] (Sparse); the experts weighted by WEIGHTS [M,NW]: PROBS, or GATES given
+// per sequence (instance-level routing: no router here). Qwen3 (Q_NORM, K_NORM not null): each query and key
+// head RMS-normed after its projection and expert, before RoPE. Names and sizes: decode_layer.layer_input's
 // declarations.
 std::vector<float> xn(M * D);
 for (int64_t m = 0; m < M; m++) {
@@ -13,9 +14,9 @@ for (int64_t m = 0; m < M; m++) {
 #include "route_row.cc"
     if (SPARSE) GAMMAS[m] = gamma;
 }
-lora_project(M, H * hd, D, R, xn.data(), WQ, A_Q, B_Q, COL_Q < 0 ? nullptr : PROBS + COL_Q, NT, scale, out0_p);
-lora_project(M, Hkv * hd, D, R, xn.data(), WK, A_K, B_K, COL_K < 0 ? nullptr : PROBS + COL_K, NT, scale, out1_p);
-lora_project(M, Hkv * hd, D, R, xn.data(), WV, A_V, B_V, COL_V < 0 ? nullptr : PROBS + COL_V, NT, scale, out2_p);
+lora_project(M, H * hd, D, R, xn.data(), WQ, A_Q, B_Q, COL_Q < 0 ? nullptr : WEIGHTS + COL_Q, NW, scale, out0_p);
+lora_project(M, Hkv * hd, D, R, xn.data(), WK, A_K, B_K, COL_K < 0 ? nullptr : WEIGHTS + COL_K, NW, scale, out1_p);
+lora_project(M, Hkv * hd, D, R, xn.data(), WV, A_V, B_V, COL_V < 0 ? nullptr : WEIGHTS + COL_V, NW, scale, out2_p);
 if (Q_NORM) head_norms(out0_p, M * H, hd, Q_NORM, head_eps);
 if (K_NORM) head_norms(out1_p, M * Hkv, hd, K_NORM, head_eps);
 for (int64_t m = 0; m < M; m++) {

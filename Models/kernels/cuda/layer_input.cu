@@ -1,13 +1,14 @@
 // The layer's input side on a GPU, cpp/layer_input.cc's steps as kernels (cuda/decode_layer.cuh): x [M,D] ->
 // q [M,H*hd], k, v [M,Hkv*hd] (normed per head for Qwen3, rotated), the type weights PROBS [M,NT] and Gamma
-// GAMMAS [M,1] (Sparse). Names and sizes: decode_layer.layer_input's declarations.
+// GAMMAS [M,1] (Sparse); the experts weighted by WEIGHTS [M,NW] (PROBS, or GATES given per sequence). Names
+// and sizes: decode_layer.layer_input's declarations.
 float *xn = scratch_floats(M * D), *u = scratch_floats(M * R);
 norm_rows<<<M, BLOCK>>>(x, nullptr, nullptr, ATTENTION_NORM, D, eps, xn);
 if (NT > 0)
     route(M, x, Router{W1, B1, W3, B3, W2, B2, GW, GB, D, NT, HIDDEN, SPARSE, LEARNED, MAX_THRESHOLD}, PROBS, GAMMAS);
-lora_project(M, H * hd, D, R, xn, WQ, A_Q, B_Q, COL_Q < 0 ? nullptr : PROBS + COL_Q, NT, scale, out0_p, u);
-lora_project(M, Hkv * hd, D, R, xn, WK, A_K, B_K, COL_K < 0 ? nullptr : PROBS + COL_K, NT, scale, out1_p, u);
-lora_project(M, Hkv * hd, D, R, xn, WV, A_V, B_V, COL_V < 0 ? nullptr : PROBS + COL_V, NT, scale, out2_p, u);
+lora_project(M, H * hd, D, R, xn, WQ, A_Q, B_Q, COL_Q < 0 ? nullptr : WEIGHTS + COL_Q, NW, scale, out0_p, u);
+lora_project(M, Hkv * hd, D, R, xn, WK, A_K, B_K, COL_K < 0 ? nullptr : WEIGHTS + COL_K, NW, scale, out1_p, u);
+lora_project(M, Hkv * hd, D, R, xn, WV, A_V, B_V, COL_V < 0 ? nullptr : WEIGHTS + COL_V, NW, scale, out2_p, u);
 norm_rotate_heads<<<M * H, BLOCK>>>(out0_p, H, hd, T, Q_NORM, head_eps, COS, SIN);
 norm_rotate_heads<<<M * Hkv, BLOCK>>>(out1_p, Hkv, hd, T, K_NORM, head_eps, COS, SIN);
 cudaFreeAsync(xn, 0);
