@@ -181,8 +181,9 @@ def nucleus_of_sorted_rows(probs: np.ndarray, top_p: float) -> tuple:
 def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random.Generator,
                 n_words: int = None) -> np.ndarray:
     """Greedy (argmax on the device) when temperature == 0, else temperature + nucleus sampling (on a GPU its
-    candidates are found there: sample_top_p), among the ids below n_words (the tokenizer's): an embedding table may have more rows than the tokenizer has tokens (Qwen3's
-    151,936 for 151,669), and those padding rows are no tokens, whatever the weights give them."""
+    candidates are found there: sample_top_p), among the ids below n_words (the tokenizer's): an embedding
+    table may have more rows than the tokenizer has tokens (Qwen3's 151,936 for 151,669), and those padding
+    rows are no tokens, whatever the weights give them."""
     if n_words is not None and n_words < logits.shape[-1]:
         logits = logits[:, :n_words]
     if temperature == 0:
