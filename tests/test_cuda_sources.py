@@ -14,6 +14,7 @@ import pytest
 
 from conftest import BASELINES, MOA, kv_logits, randomize_adapters
 import jittor as jt
+from Data.tiny_base import write_random_hf_base
 from Models import LLM
 from Models.formats.base_model import base_args, build_model
 from Models.kernels.precision import set_base_precision, to_bf16
@@ -94,6 +95,15 @@ def emulated(cuda: str) -> str:
     return re.sub(r"(\b\w+(?:<[^<>;()]*>)?)<<<(.*?)>>>\(", r"emu_launch(emu_config(\2), \1, ", text)
 
 
+@pytest.fixture(scope="module")
+def odd_qwen3(tmp_path_factory):
+    """A random Qwen3 whose sizes take the kernels' general paths: K % 8 != 0 (dim 36, FFN 44: a row of
+    weights read one element at a time) and head_dim 260 (not a multiple of 8, and above the 256 elements
+    one pass over the values covers)."""
+    return write_random_hf_base(str(tmp_path_factory.mktemp("odd_qwen3")), "qwen3", dim=36, n_heads=2, n_kv_heads=1,
+                                head_dim=260, ffn_dim=44)
+
+
 # floats of x staged per product_rows chunk in the emulation (8192 on a GPU): rows of 16 take chunks of 48, rows of
 # 32 chunks of 24, so that K = 64 and 256 end in a partial one
 STAGED = 768
@@ -104,17 +114,19 @@ STAGED = 768
                          [("llama", "sparse", "bf16", 12, {}), ("qwen3", "soft", "fp32", 2, {}),
                           ("llama", "soft", "int8", 2, {}),
                           ("llama", "sparse", "fp32", 3, dict(swi_x=0, const_threshold=True)),
-                          ("llama", "lora", "fp32", 3, {}), ("qwen3", "unipeft", "bf16", 2, {})],
+                          ("llama", "lora", "fp32", 3, {}), ("qwen3", "unipeft", "bf16", 2, {}),
+                          ("odd", "soft", "fp32", 2, {})],
                          ids=["llama-sparse-bf16", "qwen3-soft-fp32", "llama-soft-int8", "llama-sparse-linear-router",
-                              "llama-lora-fp32", "qwen3-unipeft-bf16"])
-def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, tiny_qwen3, arch, variant, precision,
-                                                       batch, router, order):
+                              "llama-lora-fp32", "qwen3-unipeft-bf16", "odd-qwen3-soft-fp32"])
+def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, tiny_qwen3, odd_qwen3, arch, variant,
+                                                       precision, batch, router, order):
     """The decode layer's CUDA form (Models/kernels/cuda/), emulated on the CPU, against the plain layer through
     the KV cache, as tests/test_infer.py::test_decode_layer_equals_op_by_op compares the CPU form: a prefill of 3
     positions, then steps; LLaMA Sparse with a bf16 base and cache at 12 rows a step (36 in the prefill: two
     passes of product_rows, 32 rows and 4), Qwen3 Soft (per-head norms, a prompt expert) in fp32 at 2 (6 in the
     prefill), LLaMA Soft with an int8 base, LLaMA Sparse with a Linear type router and a constant Gamma, and two
-    baselines: LoRA (experts of weight 1) and UniPEFT on Qwen3 (gates given per sequence, one for every LoRA). Each
+    baselines: LoRA (experts of weight 1) and UniPEFT on Qwen3 (gates given per sequence, one for every LoRA), and
+    Soft on a Qwen3 of sizes no real model has, for the kernels' general paths (odd_qwen3). Each
     with the emulation's threads and blocks in index order and in the reverse order, so that a missing barrier
     (a race on a GPU) gives other numbers in one of the two; x is staged STAGED floats at a time, so that these
     sizes take several chunks of K, the last one partial, as 8B's do."""
@@ -129,7 +141,7 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
             header = f"#define EMU_REVERSED {int(order == 'reversed')}\n" + EMULATION + header
             kwargs.update(cpu_header=header, cpu_src=emulated(kwargs["cuda_src"]))
         return code(shapes, dtypes, inputs, **kwargs)
-    path = tiny_base if arch == "llama" else tiny_qwen3
+    path = {"llama": tiny_base, "qwen3": tiny_qwen3, "odd": odd_qwen3}[arch]
     experts = {**MOA, **BASELINES}[variant]
     model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **experts, **router))
     randomize_adapters(model, seed=5, scale=0.1)
