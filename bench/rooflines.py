@@ -17,7 +17,7 @@ import jittor as jt
 from jittor import nn
 
 from Models.kernels import cpp
-from Models.kernels.precision import cpu_has_bf16_units, matrix_code
+from Models.kernels.precision import STORAGES, cpu_has_bf16_units, matrix_code
 
 BASE_MATRIX_HEADER = cpp.source("base_matrix.h")
 GPU_HEADER = cpp.source("decode_layer.cuh")
@@ -120,7 +120,7 @@ cudaEventCreate(&stop);
 double times[2] = {1e30, 1e30};
 for (int r = 0; DECODE && r < REPS; r++) {
     cudaEventRecord(start, 0);
-    product(M, N, K, x, W, NO_EXPERT, y);
+    product<W_STORAGE>(M, N, K, x, W, NO_EXPERT, y);
     cudaEventRecord(stop, 0);
     cudaEventSynchronize(stop);
     float ms = 0.f;
@@ -175,7 +175,8 @@ def product_gflops(rows: int, weight: jt.Var, scale, reps: int, decode: bool) ->
              f"const bool UNITS = {str(cpu_has_bf16_units()).lower()}, DECODE = {str(decode).lower()};\n")
     seconds = jt.code((2,), "float64", inputs.vars, cpu_header=BASE_MATRIX_HEADER + "#include <chrono>\n",
                       cpu_src=inputs.code + sizes + PRODUCT_TIMES, cuda_header=GPU_HEADER,
-                      cuda_src=inputs.code + sizes + GPU_PRODUCT_TIMES).numpy()
+                      cuda_src=inputs.code + sizes + f"constexpr Storage W_STORAGE = {STORAGES[str(weight.dtype)]};\n"
+                      + GPU_PRODUCT_TIMES).numpy()
     if jt.flags.use_cuda:
         seconds[1] = gpu_gemm_seconds(x, weight, reps)
     return 2 * rows * N * K / float(seconds.min()) / 1e9

@@ -23,7 +23,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from . import cpp
-from .precision import matrix_code
+from .precision import STORAGES, matrix_code
 from .routing import declare_router
 from .switch import decoding
 
@@ -56,8 +56,10 @@ def fuses_decode_step(block, x: jt.Var, cos, sin, mask, start_pos, record, aux) 
 
 
 def declare_matrix(inputs: cpp.CodeInputs, name: str, base):
-    """`name` as the C++ BaseMatrix of the base projection `base` (a BaseLinear)."""
-    inputs.code += f"const BaseMatrix {name} = {matrix_code(inputs, base.weight, base.weight_scale)};\n"
+    """`name` as the C++ BaseMatrix of the base projection `base` (a BaseLinear), and its storage as the
+    constant <name>_STORAGE (the CUDA form's products are templates on it: an op compiles one storage's)."""
+    inputs.code += (f"const BaseMatrix {name} = {matrix_code(inputs, base.weight, base.weight_scale)};\n"
+                    f"[[maybe_unused]] constexpr Storage {name}_STORAGE = {STORAGES[str(base.weight.dtype)]};\n")
 
 
 def layer_input(block, x, cos, sin, gates=None):

@@ -177,16 +177,16 @@ static void product_pass(int64_t M, int64_t N, int64_t K, const float *x, const 
     else if (M <= 16) product_rows<16, S><<<grid, BLOCK>>>(M, N, K, x, W, e, y);
     else product_rows<PASS_ROWS, S><<<grid, BLOCK>>>(M, N, K, x, W, e, y);
 }
-// y [M,N] = x [M,K] W^T + e's share, in passes of at most PASS_ROWS rows
+// y [M,N] = x [M,K] W^T + e's share, in passes of at most PASS_ROWS rows; W's storage S is the op's constant
+// (decode_layer.declare_matrix), so that an op compiles the product's kernels for one storage only
+template <Storage S>
 static void product(int64_t M, int64_t N, int64_t K, const float *x, const BaseMatrix &W, const Expert &e, float *y) {
     for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
         const int64_t rows = M - m0 < PASS_ROWS ? M - m0 : PASS_ROWS;
         Expert pass = e;
         if (pass.U) pass.U += m0 * e.R;
         if (pass.w) pass.w += m0 * e.w_stride;
-        if (W.storage == BF16) product_pass<BF16>(rows, N, K, x + m0 * K, W, pass, y + m0 * N);
-        else if (W.storage == INT8) product_pass<INT8>(rows, N, K, x + m0 * K, W, pass, y + m0 * N);
-        else product_pass<FP32>(rows, N, K, x + m0 * K, W, pass, y + m0 * N);
+        product_pass<S>(rows, N, K, x + m0 * K, W, pass, y + m0 * N);
     }
 }
 static const Expert NO_EXPERT = {nullptr, nullptr, 0, nullptr, 0, 0.f};
@@ -258,12 +258,13 @@ static void product_by_columns(int64_t M, int64_t N, int64_t K, const float *x, 
 }
 
 // cpp/lora_project.h's projection: y [M,N] = x W^T + scale w[m] (x A^T) B^T (A [R,K], B [N,R]; A null: no
-// expert); u: scratch for x A^T [M,R]
+// expert), W stored as S; u: scratch for x A^T [M,R]
+template <Storage S>
 static void lora_project(int64_t M, int64_t N, int64_t K, int64_t R, const float *x, const BaseMatrix &W,
                          const float *A, const float *Bw, const float *w, int64_t w_stride, float scale, float *y,
                          float *u) {
     if (A) product_by_columns(M, R, K, x, A, u);
-    product(M, N, K, x, W, A ? Expert{u, Bw, R, w, w_stride, scale} : NO_EXPERT, y);
+    product<S>(M, N, K, x, W, A ? Expert{u, Bw, R, w, w_stride, scale} : NO_EXPERT, y);
 }
 
 // The type router of a layer (routing.declare_router's names): SwiGLU (HIDDEN > 0) or Linear, then the

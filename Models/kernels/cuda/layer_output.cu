@@ -10,12 +10,12 @@ if (attention_shared > 48 * 1024)
     cudaFuncSetAttribute(attention_rows<CacheType>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)attention_shared);
 attention_rows<CacheType><<<dim3((unsigned)M, (unsigned)H), BLOCK, attention_shared>>>(
     q, cache_k, cache_v, mask, T, S, H, Hkv, hd, scale, PROMPT_K, PROMPT_V, PROMPT_GATE, L, probs, NT, COL_PROMPT, att);
-lora_project(M, D, H * hd, R, att, WO, A_O, B_O, COL_O < 0 ? nullptr : probs + COL_O, NT, lora_scale, h, u);
+lora_project<WO_STORAGE>(M, D, H * hd, R, att, WO, A_O, B_O, COL_O < 0 ? nullptr : probs + COL_O, NT, lora_scale, h, u);
 norm_rows<<<M, BLOCK>>>(h, x, h, FFN_NORM, D, eps, hn);  // h = O(att) + x, hn = its norm
-lora_project(M, F, D, R, hn, W1, A_GATE, B_GATE, COL_GATE < 0 ? nullptr : probs + COL_GATE, NT, lora_scale, gate, u);
-lora_project(M, F, D, R, hn, W3, A_UP, B_UP, COL_UP < 0 ? nullptr : probs + COL_UP, NT, lora_scale, up, u);
+lora_project<W1_STORAGE>(M, F, D, R, hn, W1, A_GATE, B_GATE, COL_GATE < 0 ? nullptr : probs + COL_GATE, NT, lora_scale, gate, u);
+lora_project<W3_STORAGE>(M, F, D, R, hn, W3, A_UP, B_UP, COL_UP < 0 ? nullptr : probs + COL_UP, NT, lora_scale, up, u);
 swiglu_into<<<blocks_for(M * F), BLOCK>>>(gate, up, M * F);
-lora_project(M, D, F, R, gate, W2, A_DOWN, B_DOWN, COL_DOWN < 0 ? nullptr : probs + COL_DOWN, NT, lora_scale, out0_p,
+lora_project<W2_STORAGE>(M, D, F, R, gate, W2, A_DOWN, B_DOWN, COL_DOWN < 0 ? nullptr : probs + COL_DOWN, NT, lora_scale, out0_p,
              u);
 float *adapter = nullptr, *z = nullptr;
 if (P > 0) {  // the parallel adapter on the FFN's input: up(silu(down(hn) + b) + b), weighted
@@ -23,7 +23,7 @@ if (P > 0) {  // the parallel adapter on the FFN's input: up(silu(down(hn) + b) 
     z = scratch_floats(M * D);
     product_by_columns(M, P, D, hn, PA_DOWN_W, adapter);
     adapter_hidden<<<blocks_for(M * P), BLOCK>>>(adapter, PA_DOWN_B, M * P, P);
-    product(M, D, P, adapter, BaseMatrix{PA_UP_W, nullptr, FP32}, NO_EXPERT, z);
+    product_by_columns(M, D, P, adapter, PA_UP_W, z);
 }
 layer_tail<<<blocks_for(M * D), BLOCK>>>(out0_p, h, z, PA_UP_B, probs, NT, COL_PADAPTER, M * D, D, CLAMP, CLAMP_LIMIT);
 for (float *buffer : {att, h, hn, gate, up, u, adapter, z}) if (buffer) cudaFreeAsync(buffer, 0);
