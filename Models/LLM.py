@@ -100,8 +100,7 @@ class TransformerBlock(nn.Module):
 
     def route_sequence(self, x: jt.Var, start_pos, record) -> dict:
         gates = self.sequence_gates(x, start_pos, record)  # [B,T,n_columns]
-        B, T, _ = x.shape
-        return {family: gates[:, :, column].broadcast((B, T)) for family, column in self.family_columns().items()}
+        return {family: gates[:, :, column] for family, column in self.family_columns().items()}
 
     def sequence_gates(self, x: jt.Var, start_pos, record) -> jt.Var:
         """The instance-level gates [B,T,n_columns] (router_columns' order) of the sequences x [B,T,D] or, in

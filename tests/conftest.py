@@ -33,6 +33,7 @@ import jittor as jt  # noqa: E402
 from Data.synthetic import make_splits  # noqa: E402
 from Models.formats.authors import args_from_authors  # noqa: E402
 from Models.formats.adapters import assign_strict  # noqa: E402
+from Models import LLM  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Data.tiny_base import write_random_base, write_random_hf_base  # noqa: E402
 
@@ -402,6 +403,14 @@ BASELINES = {"lora": dict(method="moe", expert_num=1, lora_layers="0-2", lora_ta
              "instance": dict(method="instance", **MOA["soft"]),
              "unipeft": dict(method="unipeft", variant="soft", lora_layers="0-2", prompt_layers="0-2",
                              p_adapter_layers="1-2")}
+DECODE_EXPERTS = {**MOA, **BASELINES}  # every kind of layer the decode layer takes
+
+
+def fused_layer_steps(monkeypatch) -> list:
+    """The batch size of each layer step that LLM.layer_step's fused side (the decode layer) runs from now on."""
+    fused, steps = LLM.layer_step.fused, []
+    monkeypatch.setattr(LLM.layer_step, "fused", lambda *a: steps.append(a[1].shape[0]) or fused(*a))
+    return steps
 
 
 def kv_logits(llama, tokens: np.ndarray, prefill: int) -> np.ndarray:

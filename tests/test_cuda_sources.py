@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import BASELINES, MOA, kv_logits, randomize_adapters
+from conftest import DECODE_EXPERTS, kv_logits, randomize_adapters
 import jittor as jt
 from Data.tiny_base import write_random_hf_base
 from Models import LLM
@@ -66,7 +66,7 @@ def test_decode_layer_sources_compile(cuda_sources, tiny_base, tiny_qwen3, tmp_p
     tests/test_infer.py::test_decode_layer_equals_op_by_op's on a GPU."""
     for path, precision, variant in ((tiny_base, "bf16", "sparse"), (tiny_qwen3, "fp32", "soft"),
                                      (tiny_qwen3, "fp32", "unipeft")):
-        model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=2, **{**MOA, **BASELINES}[variant]))
+        model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=2, **DECODE_EXPERTS[variant]))
         set_base_precision(model, precision)
         model.eval()
         with jt.no_grad():
@@ -142,8 +142,8 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
             kwargs.update(cpu_header=header, cpu_src=emulated(kwargs["cuda_src"]))
         return code(shapes, dtypes, inputs, **kwargs)
     path = {"llama": tiny_base, "qwen3": tiny_qwen3, "odd": odd_qwen3}[arch]
-    experts = {**MOA, **BASELINES}[variant]
-    model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **experts, **router))
+    model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **DECODE_EXPERTS[variant],
+                                        **router))
     randomize_adapters(model, seed=5, scale=0.1)
     rng = np.random.default_rng(4)
     for name, var in model.base_parameters().items():  # Qwen3's per-head norms, drawn so that they matter

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import DATA, infer_base_alone, kv_logits, one_error_line, randomize_adapters
+from conftest import DATA, fused_layer_steps, infer_base_alone, kv_logits, one_error_line, randomize_adapters
 import jittor as jt
 
 import Infer
@@ -151,9 +151,7 @@ def test_decode_layer_above_gemv_rows(tiny_base, monkeypatch):
     model = tiny_model(tiny_base, "soft")
     set_base_precision(model, "bf16")
     tokens = np.random.default_rng(8).integers(1, 300, (20, 6)).astype(np.int32)
-    calls = []
-    fused = LLM.layer_step.fused
-    monkeypatch.setattr(LLM.layer_step, "fused", lambda *a: calls.append(a[1].shape[0]) or fused(*a))
+    calls = fused_layer_steps(monkeypatch)
     with jt.no_grad():
         got = kv_logits(model.llama, tokens, prefill=2)
         assert calls.count(20) == 5 * len(model.llama.layers) and 20 > GEMV_ROWS  # the prefill and 4 steps

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from conftest import GOLDEN, golden_forward, golden_model, golden_params, kv_logits, load_golden, max_abs
+from conftest import GOLDEN, fused_layer_steps, golden_forward, golden_model, golden_params, kv_logits, load_golden, \
+    max_abs
 import jittor as jt
 from Models import LLM, Routing, load_base_model
 from Models.formats.adapters import load_adapter, read_adapter_config
@@ -160,9 +161,7 @@ def test_kv_cache(stem, generating, monkeypatch):
     family takes the decode layer (LLM.layer_step's fused side, where it is on)."""
     model, data, meta = golden_model(stem)
     model.eval()
-    calls = []
-    fused = LLM.layer_step.fused
-    monkeypatch.setattr(LLM.layer_step, "fused", lambda *a: calls.append(1) or fused(*a))
+    calls = fused_layer_steps(monkeypatch)
     with jt.no_grad() if generating else contextlib.nullcontext():
         got = kv_logits(model.llama, data["tokens"].astype(np.int32), meta["kv_prefill"])
     one_expert = model.llama.layers[0].attention.expert_num == 1

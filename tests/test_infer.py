@@ -11,7 +11,8 @@ import pickle
 import numpy as np
 import pytest
 
-from conftest import BASELINES, DATA, MOA, MPIRUN, assert_refused, kv_logits, mpirun, randomize_adapters
+from conftest import DATA, DECODE_EXPERTS, MOA, MPIRUN, assert_refused, fused_layer_steps, kv_logits, mpirun, \
+    randomize_adapters
 import jittor as jt
 from matplotlib import image as mpimg
 
@@ -135,7 +136,7 @@ def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tiny_qwen3, arch, v
     value, so a looser bound. The baselines with one expert per family too: LoRA, and instance and UniPEFT, whose
     gates the prefill decides."""
     path = base_dir if arch == "llama" else tiny_qwen3
-    model = build_model(path, base_args(path, max_seq_len=64, max_batch_size=2, **{**MOA, **BASELINES}[variant]))
+    model = build_model(path, base_args(path, max_seq_len=64, max_batch_size=2, **DECODE_EXPERTS[variant]))
     randomize_adapters(model, seed=7, scale=0.1)
     rng = np.random.default_rng(3)
     for name, var in model.base_parameters().items():
@@ -144,9 +145,7 @@ def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tiny_qwen3, arch, v
     set_base_precision(model, precision)
     model.eval()
     tokens = rng.integers(1, model.llama.args.vocab_size, (2, 8)).astype(np.int32)
-    calls = []
-    fused = LLM.layer_step.fused
-    monkeypatch.setattr(LLM.layer_step, "fused", lambda *a: calls.append(1) or fused(*a))
+    calls = fused_layer_steps(monkeypatch)
     with jt.no_grad():
         got = kv_logits(model.llama, tokens, prefill=3)
         assert len(calls) == 6 * len(model.llama.layers)  # the prefill and 5 steps, every layer
