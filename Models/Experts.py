@@ -17,6 +17,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import init, nn
 
+from .kernels.decode_layer import LoraExperts
 from .kernels.experts import add_projected, add_weighted
 from .kernels.linear import Linear, linear
 from .kernels.projections import ExpertTerm
@@ -98,6 +99,13 @@ class MOELoraLayer(nn.Module):
         """The single expert (expert_num 1) as its projection's term: route_weight [B,T] (None: weight 1)
         * scaling * B(A x)."""
         return ExpertTerm(self.lora_A.weight, self.lora_B.weight, route_weight, self.scaling)
+
+    def decode_experts(self) -> LoraExperts:
+        """The experts as the decode layer takes them: one, or the softmax mixture (one A with hydra)."""
+        if self.expert_num == 1:
+            return LoraExperts([self.lora_A.weight], [self.lora_B.weight], self.scaling)
+        A = [self.lora_A.weight] if self.hydra else [a.weight for a in self.lora_A_l]
+        return LoraExperts(A, [b.weight for b in self.lora_B_l], self.scaling, "SOFTMAX", self.router.weight)
 
     def execute(self, base: jt.Var, x: jt.Var, route, family: str) -> jt.Var:
         """base + the experts (expert_num > 1) on x mixed by the expert router, times route.weight(family)."""

@@ -14,6 +14,7 @@ import jittor as jt
 from jittor import nn
 
 from .Experts import add_expert, mix_low_rank, zero_linear
+from .kernels.decode_layer import LoraExperts
 from .kernels.linear import Linear
 
 
@@ -85,6 +86,15 @@ class SparseLoRAMoE(nn.Module):
                      thresholds=threshold, margin=margin, selected=chosen)
         route.add_aux(family, load_balancing(chosen, margin))
         return weights
+
+    def decode_experts(self) -> LoraExperts:
+        """The mixture as the decode layer takes them: route()'s weights, computed in its op."""
+        A, B = [e.lora_A.weight for e in self.experts], [e.lora_B.weight for e in self.experts]
+        if self.method == "topk":
+            linear = self.router.topkroute_linear
+            return LoraExperts(A, B, self.scaling, "TOP_K", linear.weight, linear.bias, top_k=self.top_k)
+        return LoraExperts(A, B, self.scaling, "THRESHOLD", self.router.weight, self.router.bias,
+                           self.threshold_fn.weight, self.threshold_fn.bias)
 
     def execute(self, base: jt.Var, x: jt.Var, route, family: str) -> jt.Var:
         # base [B,T,out] + the mixture's output on x [B,T,in] -> [B,T,out]

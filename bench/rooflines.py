@@ -20,7 +20,7 @@ from Models.kernels import cpp
 from Models.kernels.precision import STORAGES, cpu_has_bf16_units, matrix_code
 
 BASE_MATRIX_HEADER = cpp.source("base_matrix.h")
-GPU_HEADER = cpp.source("decode_layer.cuh")
+GPU_HEADER = cpp.source("products.cuh")
 
 STREAM = """// the XOR of a matrix's 64-byte lines, four lines a step, prefetched 1 KB ahead: a streaming read of it
 // (summing its 16-bit words, or leaving the stream to the hardware prefetcher, reads markedly slower here)

@@ -399,11 +399,18 @@ MOA = {"sparse": dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2
 # The baselines with one expert per family, whose decode steps the decode layer takes too: LoRA (every target,
 # weight 1), instance (Soft's experts, weighed by the type router on the sequence mean) and UniPEFT (a gate per
 # family from the sequence mean; its adapter layers must be among its prompt layers)
-BASELINES = {"lora": dict(method="moe", expert_num=1, lora_layers="0-2", lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"),
+EVERY_TARGET = dict(lora_layers="0-2", lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN")
+BASELINES = {"lora": dict(method="moe", expert_num=1, **EVERY_TARGET),
              "instance": dict(method="instance", **MOA["soft"]),
              "unipeft": dict(method="unipeft", variant="soft", lora_layers="0-2", prompt_layers="0-2",
                              p_adapter_layers="1-2")}
-DECODE_EXPERTS = {**MOA, **BASELINES}  # every kind of layer the decode layer takes
+# The baselines mixing several LoRA experts per target, which the decode layer gates per row: MoLoRA and HydraLoRA
+# (softmax), top-k and AdaMoLE (sparse), four experts each on every target
+MIXTURES = {"molora": dict(method="moe", expert_num=4, **EVERY_TARGET),
+            "hydralora": dict(method="moe", expert_num=4, hydra_moe=True, **EVERY_TARGET),
+            "topk": dict(method="topk", expert_num=4, top_k=2, **EVERY_TARGET),
+            "adamole": dict(method="adamole", expert_num=4, **EVERY_TARGET)}
+DECODE_EXPERTS = {**MOA, **BASELINES, **MIXTURES}  # every kind of layer the decode layer takes
 
 
 def fused_layer_steps(monkeypatch) -> list:

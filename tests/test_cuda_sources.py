@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DECODE_EXPERTS, kv_logits, randomize_adapters
+from conftest import DECODE_EXPERTS, MIXTURES, kv_logits, randomize_adapters
 import jittor as jt
 from Data.tiny_base import write_random_hf_base
 from Models import LLM
@@ -62,16 +62,16 @@ def assert_nvcc_compiles(sources: dict, folder):
 @needs_nvcc
 def test_decode_layer_sources_compile(cuda_sources, tiny_base, tiny_qwen3, tmp_path):
     """The decode layer's CUDA form (Models/kernels/cuda/) for LLaMA Sparse with a bf16 base and cache, and Qwen3
-    Soft with a prompt expert in fp32, UniPEFT's gates given: its numbers are
+    Soft with a prompt expert in fp32, UniPEFT's gates given, AdaMoLE's mixtures gated in the op: its numbers are
     tests/test_infer.py::test_decode_layer_equals_op_by_op's on a GPU."""
     for path, precision, variant in ((tiny_base, "bf16", "sparse"), (tiny_qwen3, "fp32", "soft"),
-                                     (tiny_qwen3, "fp32", "unipeft")):
+                                     (tiny_qwen3, "fp32", "unipeft"), (tiny_base, "bf16", "adamole")):
         model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=2, **DECODE_EXPERTS[variant]))
         set_base_precision(model, precision)
         model.eval()
         with jt.no_grad():
             kv_logits(model.llama, np.ones((2, 3), np.int32), prefill=2)
-    assert len(cuda_sources) >= 6, "each model's two ops"
+    assert len(cuda_sources) >= 8, "each model's two ops"
     assert_nvcc_compiles(cuda_sources, tmp_path)
 
 
@@ -109,15 +109,23 @@ def odd_qwen3(tmp_path_factory):
 STAGED = 768
 
 
-@pytest.mark.parametrize("order", ["forward", "reversed"])
-@pytest.mark.parametrize("arch, variant, precision, batch, router",
-                         [("llama", "sparse", "bf16", 12, {}), ("qwen3", "soft", "fp32", 2, {}),
-                          ("llama", "soft", "int8", 2, {}),
-                          ("llama", "sparse", "fp32", 3, dict(swi_x=0, const_threshold=True)),
-                          ("llama", "lora", "fp32", 3, {}), ("qwen3", "unipeft", "bf16", 2, {}),
-                          ("odd", "soft", "fp32", 2, {})],
-                         ids=["llama-sparse-bf16", "qwen3-soft-fp32", "llama-soft-int8", "llama-sparse-linear-router",
-                              "llama-lora-fp32", "qwen3-unipeft-bf16", "odd-qwen3-soft-fp32"])
+# (id, arch, variant, precision, rows a step, router settings)
+DECODE_CASES = [("llama-sparse-bf16", "llama", "sparse", "bf16", 12, {}),
+                ("qwen3-soft-fp32", "qwen3", "soft", "fp32", 2, {}),
+                ("llama-soft-int8", "llama", "soft", "int8", 2, {}),
+                ("llama-sparse-linear-router", "llama", "sparse", "fp32", 3, dict(swi_x=0, const_threshold=True)),
+                ("llama-lora-fp32", "llama", "lora", "fp32", 3, {}),
+                ("qwen3-unipeft-bf16", "qwen3", "unipeft", "bf16", 2, {}),
+                ("odd-qwen3-soft-fp32", "odd", "soft", "fp32", 2, {}),
+                ("llama-topk-fp32", "llama", "topk", "fp32", 3, {}),
+                ("qwen3-adamole-bf16", "qwen3", "adamole", "bf16", 2, {}),
+                ("llama-hydralora-fp32", "llama", "hydralora", "fp32", 2, {})]
+# each in both orders but the mixtures: their gates are a thread per row (no barrier), their products the others'
+ORDERED_CASES = [pytest.param(*case[1:], order, id=f"{case[0]}-{order}") for case in DECODE_CASES
+                 for order in (("forward",) if case[2] in MIXTURES else ("forward", "reversed"))]
+
+
+@pytest.mark.parametrize("arch, variant, precision, batch, router, order", ORDERED_CASES)
 def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, tiny_qwen3, odd_qwen3, arch, variant,
                                                        precision, batch, router, order):
     """The decode layer's CUDA form (Models/kernels/cuda/), emulated on the CPU, against the plain layer through
@@ -125,7 +133,8 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
     positions, then steps; LLaMA Sparse with a bf16 base and cache at 12 rows a step (36 in the prefill: two
     passes of product_rows, 32 rows and 4), Qwen3 Soft (per-head norms, a prompt expert) in fp32 at 2 (6 in the
     prefill), LLaMA Soft with an int8 base, LLaMA Sparse with a Linear type router and a constant Gamma, and two
-    baselines: LoRA (experts of weight 1) and UniPEFT on Qwen3 (gates given per sequence, one for every LoRA), and
+    baselines: LoRA (experts of weight 1) and UniPEFT on Qwen3 (gates given per sequence, one for every LoRA), the
+    mixtures of LoRA experts top-k, AdaMoLE and HydraLoRA (gated per row in the op), and
     Soft on a Qwen3 of sizes no real model has, for the kernels' general paths (odd_qwen3). Each
     with the emulation's threads and blocks in index order and in the reverse order, so that a missing barrier
     (a race on a GPU) gives other numbers in one of the two; x is staged STAGED floats at a time, so that these
@@ -169,14 +178,15 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
     with jt.no_grad():
         monkeypatch.setattr(jt, "code", emulating)
         got, got_routing = logits_and_routing()
-        assert len(emulations) == 2 * 5 * len(model.llama.layers)  # two ops a layer, the prefill, 3 steps, the prefill
+        # two ops a layer, the prefill, 3 steps and the recorded prefill (op by op for mixtures: records)
+        assert len(emulations) == 2 * (4 if variant in MIXTURES else 5) * len(model.llama.layers)
         monkeypatch.setattr(LLM.layer_step, "when", lambda *a: False)
         want, want_routing = logits_and_routing()
     tolerance = 2e-5 if precision == "fp32" else 2e-2
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=tolerance)
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
-    routed_layers = len(model.llama.layers) if variant != "lora" else 0
+    routed_layers = len(model.llama.layers) if variant in ("sparse", "soft", "instance", "unipeft") else 0
     assert len(got_routing) == len(want_routing) == routed_layers * (2 if variant == "sparse" else 1)
     for ours, plain in zip(got_routing, want_routing):
         np.testing.assert_allclose(ours, plain, atol=tolerance)

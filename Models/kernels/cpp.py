@@ -83,11 +83,6 @@ class CodeInputs:
         pointer = self.pointer(var)
         self.code += f"{ctype}{name} = {pointer if var is None else f'(const {ctype.split()[1]} *){pointer}'};\n"
 
-    def lora_expert(self, target: str, lora):
-        """A_<target> and B_<target>: a single LoRA expert's matrices, or nullptr without one."""
-        self.add(f"A_{target}", None if lora is None else lora.lora_A.weight)
-        self.add(f"B_{target}", None if lora is None else lora.lora_B.weight)
-
 
 class CodeOutputs:
     """A jt.code op's outputs in order (`shapes`): `pointer(shape)` is the next one's out<i>_p."""

@@ -4,20 +4,24 @@ output side (attention over the cache and the prompt, O, the FFN, the parallel a
 A decode step has at most DECODE_ROWS rows, so a layer's cost is its ops, not their arithmetic:
 built op by op it is about 25 ops, each a few microseconds of Python and of Jittor's executor, and on a
 GPU a few kernel launches each. Here it is four: these two, and the two cache writes between them. On
-a CPU the two ops are cpp/layer_input.cc and cpp/layer_output.cc: each projection is lora_project
-(cpp/lora_project.h: a GEMV pass over the base's weights and its LoRA expert under its type weight) and
+a CPU the two ops are cpp/layer_input.cc and cpp/layer_output.cc: each projection is experts_project
+(cpp/lora_project.h: a GEMV pass over the base's weights and its LoRA experts under their type weight) and
 the routing is cpp/route_row.cc, as in the per-op decode kernels, so the numbers are those of the op-by-op
 layer. On a GPU (switch.gpu_kernels_on) the same two ops (the same inputs and declarations) run
 cuda/layer_input.cu and cuda/layer_output.cu, which launch cuda/decode_layer.cuh's kernels: one pass over
-each base matrix for all the rows, the expert added in it, the bf16 KV cache read in place. A Qwen3 layer
-norms each query and key head (q_norm, k_norm) between the projections and RoPE; its prompt expert's
-keys come normed from Attention.prompt_keys_values. The layers are MoA's and those of the baselines with
-one expert per family: LoRA (weight 1), instance and UniPEFT (gates decided on the prefill, given to the
-ops). The op-by-op layer is the plain side of the Kernel (LLM.layer_step, `when` = fuses_decode_step) and
-serves everything else: training, scoring, and the mixtures of several experts per family (MoLoRA,
-HydraLoRA, top-k, AdaMoLE).
+each base matrix for all the rows, the experts added in it (cuda/products.cuh), the bf16 KV cache read in
+place. A Qwen3 layer norms each query and key head (q_norm, k_norm) between the projections and RoPE; its
+prompt expert's keys come normed from Attention.prompt_keys_values. The layers are MoA's and the baselines':
+one expert per family (LoRA, weight 1; instance and UniPEFT, gates decided on the prefill, given to the ops),
+or mixtures of LoRA experts on the projections (MoLoRA, HydraLoRA, top-k, AdaMoLE), each projection's
+gates computed in its op from its input (cpp/lora_experts.h: each expert's A, B and the router as they are,
+LoraExperts). The op-by-op layer is the plain side of the Kernel (LLM.layer_step, `when` = fuses_decode_step)
+and serves everything else: training, scoring, prompt and adapter mixtures, and a mixture whose routers'
+outputs are recorded (Infer.py --save_weights).
 """
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
@@ -41,18 +45,50 @@ def declare_columns(inputs: cpp.CodeInputs, block, families: dict):
     inputs.declare(**{f"COL_{name}": columns.get(f, -1) for name, f in families.items()})
 
 
-def lora_scaling_rank(block) -> tuple:
-    """The layer's LoRA scaling alpha/r and rank r (the same for every target); (1, 1) without LoRA."""
-    loras = [lora for lora in (block.attention.lora_Q, block.attention.lora_K, block.attention.lora_V,
-                               block.attention.lora_O, block.feed_forward.lora_UP, block.feed_forward.lora_GATE,
-                               block.feed_forward.lora_DOWN) if lora is not None]
-    return (loras[0].scaling, loras[0].lora_A.weight.shape[0]) if loras else (1.0, 1)
+MAX_EXPERTS = cpp.constant("lora_experts.h", "MAX_EXPERTS")
+
+
+@dataclass(frozen=True)
+class LoraExperts:
+    """A projection's LoRA experts as the decode layer takes them (cpp/lora_experts.h's struct of that name):
+    one (mixing SINGLE), or E mixed per row by their router. A: E matrices [r,in], or one that every B reads
+    (HydraLoRA); B: E matrices [out,r]."""
+    A: list
+    B: list
+    scale: float  # alpha / r
+    mixing: str = "SINGLE"  # or SOFTMAX (MoLoRA, HydraLoRA), TOP_K, THRESHOLD (AdaMoLE)
+    router_w: Optional[jt.Var] = None  # [E,in]
+    router_b: Optional[jt.Var] = None  # [E]
+    threshold_w: Optional[jt.Var] = None  # [1,in]
+    threshold_b: Optional[jt.Var] = None  # [1]
+    top_k: int = 0
+
+
+def declare_experts(inputs: cpp.CodeInputs, target: str, lora):
+    """LORA_<target>: the LoraExperts of `lora` (its decode_experts()), or none when lora is None."""
+    if lora is None:
+        inputs.code += f"const LoraExperts LORA_{target} = {{0, 0, 1, 1.f, {{}}, {{}}, SINGLE}};\n"
+        return
+    ex, numbers = lora.decode_experts(), inputs.numbers
+    floats = lambda var: "nullptr" if var is None else f"(const float *){inputs.pointer(var)}"
+    matrices = lambda mats: "{" + ", ".join(map(floats, mats)) + "}"
+    fields = ([numbers.value(f"E_{target}", len(ex.B)), numbers.value(f"NA_{target}", len(ex.A)),
+               numbers.value(f"R_{target}", ex.B[0].shape[1]), numbers.value(f"SCALE_{target}", ex.scale, "float"),
+               matrices(ex.A), matrices(ex.B), ex.mixing]
+              + [floats(v) for v in (ex.router_w, ex.router_b, ex.threshold_w, ex.threshold_b)]
+              + [numbers.value(f"TOP_K_{target}", ex.top_k)])
+    inputs.code += f"const LoraExperts LORA_{target} = {{{', '.join(fields)}}};\n"
 
 
 def fuses_decode_step(block, x: jt.Var, cos, sin, mask, start_pos, record, aux) -> bool:
-    """A decode step (KV cache, no gradient, few rows) of a layer with one expert per family: MoA, and the
-    baselines LoRA (moe with one expert), instance and UniPEFT (their gates given per sequence)."""
-    return start_pos is not None and block.attention.expert_num == 1 and decoding(x, block.attention.wq.weight)
+    """A decode step (KV cache, no gradient, few rows) of a layer with one expert per family (MoA, and the
+    baselines LoRA, instance and UniPEFT, their gates given per sequence), or with mixtures of LoRA experts
+    and no prompt or adapter (MoLoRA, HydraLoRA, top-k, AdaMoLE) when nothing asks for their routers'
+    records or load-balancing terms."""
+    attn, E = block.attention, block.attention.expert_num
+    takes = E == 1 or (E <= MAX_EXPERTS and not attn.has_prompt and block.p_adapter is None
+                       and record is None and aux is None)
+    return start_pos is not None and takes and decoding(x, attn.wq.weight)
 
 
 def declare_matrix(inputs: cpp.CodeInputs, name: str, base):
@@ -78,15 +114,14 @@ def layer_input(block, x, cos, sin, gates=None):
     for name, base in (("WQ", attn.wq), ("WK", attn.wk), ("WV", attn.wv)):
         declare_matrix(inputs, name, base)
     for target, lora in (("Q", attn.lora_Q), ("K", attn.lora_K), ("V", attn.lora_V)):
-        inputs.lora_expert(target, lora)
+        declare_experts(inputs, target, lora)
     inputs.add("COS", cos)
     inputs.add("SIN", sin)
     inputs.add("Q_NORM", None if attn.q_norm is None else attn.q_norm.weight)
     inputs.add("K_NORM", None if attn.k_norm is None else attn.k_norm.weight)
     sparse = routed and block.adapter_threshold_fn is not None
-    scale, R = lora_scaling_rank(block)
-    inputs.declare(M=M, T=T, H=H, Hkv=Hkv, hd=hd, R=R, NW=n_types if routed else gates.shape[1])
-    inputs.declare("float", eps=block.attention_norm.eps, scale=scale,
+    inputs.declare(M=M, T=T, H=H, Hkv=Hkv, hd=hd, NW=n_types if routed else gates.shape[1])
+    inputs.declare("float", eps=block.attention_norm.eps,
                    head_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0)
     declare_columns(inputs, block, dict(Q="Q", K="K", V="V"))
     inputs.code += f"float *PROBS = out3_p, *GAMMAS = {'out4_p' if sparse else 'nullptr'};\n"
@@ -119,21 +154,19 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
     else:
         inputs.code += "const float *PROMPT_K = nullptr, *PROMPT_V = nullptr, *PROMPT_GATE = nullptr;\n"
     declare_matrix(inputs, "WO", attn.wo)
-    inputs.lora_expert("O", attn.lora_O)
+    declare_experts(inputs, "O", attn.lora_O)
     inputs.add("FFN_NORM", block.ffn_norm.weight)
     for name, base in (("W1", ffn.w1), ("W3", ffn.w3), ("W2", ffn.w2)):
         declare_matrix(inputs, name, base)
     for target, lora in (("GATE", ffn.lora_GATE), ("UP", ffn.lora_UP), ("DOWN", ffn.lora_DOWN)):
-        inputs.lora_expert(target, lora)
+        declare_experts(inputs, target, lora)
     adapter = block.p_adapter
     for name, layer, part in (("PA_DOWN_W", "down_proj", "weight"), ("PA_DOWN_B", "down_proj", "bias"),
                               ("PA_UP_W", "up_proj", "weight"), ("PA_UP_B", "up_proj", "bias")):
         inputs.add(name, None if adapter is None else getattr(getattr(adapter, layer), part))
-    scale, R = lora_scaling_rank(block)
-    inputs.declare(M=M, T=T, S=S, D=D, H=H, Hkv=Hkv, hd=hd, n_rep=H // Hkv, L=L, F=ffn.w1.weight.shape[0], R=R,
+    inputs.declare(M=M, T=T, S=S, D=D, H=H, Hkv=Hkv, hd=hd, n_rep=H // Hkv, L=L, F=ffn.w1.weight.shape[0],
                    NT=probs.shape[1], P=0 if adapter is None else adapter.down_proj.weight.shape[0])
-    inputs.declare("float", eps=block.ffn_norm.eps, scale=1.0 / math.sqrt(hd), lora_scale=scale,
-                   CLAMP_LIMIT=block.clamp or 0.0)
+    inputs.declare("float", eps=block.ffn_norm.eps, scale=1.0 / math.sqrt(hd), CLAMP_LIMIT=block.clamp or 0.0)
     inputs.declare("bool", CLAMP=block.clamp is not None)
     declare_columns(inputs, block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
                                         PADAPTER="PADAPTER"))

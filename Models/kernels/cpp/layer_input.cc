@@ -14,9 +14,9 @@ for (int64_t m = 0; m < M; m++) {
 #include "route_row.cc"
     if (SPARSE) GAMMAS[m] = gamma;
 }
-lora_project(M, H * hd, D, R, xn.data(), WQ, A_Q, B_Q, COL_Q < 0 ? nullptr : WEIGHTS + COL_Q, NW, scale, out0_p);
-lora_project(M, Hkv * hd, D, R, xn.data(), WK, A_K, B_K, COL_K < 0 ? nullptr : WEIGHTS + COL_K, NW, scale, out1_p);
-lora_project(M, Hkv * hd, D, R, xn.data(), WV, A_V, B_V, COL_V < 0 ? nullptr : WEIGHTS + COL_V, NW, scale, out2_p);
+experts_project(M, H * hd, D, xn.data(), WQ, LORA_Q, COL_Q < 0 ? nullptr : WEIGHTS + COL_Q, NW, out0_p);
+experts_project(M, Hkv * hd, D, xn.data(), WK, LORA_K, COL_K < 0 ? nullptr : WEIGHTS + COL_K, NW, out1_p);
+experts_project(M, Hkv * hd, D, xn.data(), WV, LORA_V, COL_V < 0 ? nullptr : WEIGHTS + COL_V, NW, out2_p);
 if (Q_NORM) head_norms(out0_p, M * H, hd, Q_NORM, head_eps);
 if (K_NORM) head_norms(out1_p, M * Hkv, hd, K_NORM, head_eps);
 for (int64_t m = 0; m < M; m++) {

@@ -16,17 +16,17 @@ for (int64_t head = 0; head < H; head++) {
     if (L > 0) attend(qh, PROMPT_K + g * hd, PROMPT_V + g * hd, L, Hkv * hd, hd, scale,
                       PROMPT_GATE[head] * column(probs, NT, m, COL_PROMPT), out, scores.data());
 }
-lora_project(M, D, H * hd, R, att.data(), WO, A_O, B_O, COL_O < 0 ? nullptr : probs + COL_O, NT, lora_scale, h.data());
+experts_project(M, D, H * hd, att.data(), WO, LORA_O, COL_O < 0 ? nullptr : probs + COL_O, NT, h.data());
 for (int64_t m = 0; m < M; m++) {
     for (int64_t i = 0; i < D; i++) h[m * D + i] += x[m * D + i];
     const float inv = rms_inverse(h.data() + m * D, D, eps);
     for (int64_t i = 0; i < D; i++) hn[m * D + i] = h[m * D + i] * inv * FFN_NORM[i];
 }
-lora_project(M, F, D, R, hn.data(), W1, A_GATE, B_GATE, COL_GATE < 0 ? nullptr : probs + COL_GATE, NT, lora_scale, gate.data());
-lora_project(M, F, D, R, hn.data(), W3, A_UP, B_UP, COL_UP < 0 ? nullptr : probs + COL_UP, NT, lora_scale, up.data());
+experts_project(M, F, D, hn.data(), W1, LORA_GATE, COL_GATE < 0 ? nullptr : probs + COL_GATE, NT, gate.data());
+experts_project(M, F, D, hn.data(), W3, LORA_UP, COL_UP < 0 ? nullptr : probs + COL_UP, NT, up.data());
 for (int64_t i = 0; i < M * F; i++) gate[i] = swiglu(gate[i], up[i]);
 float *y = out0_p;
-lora_project(M, D, F, R, gate.data(), W2, A_DOWN, B_DOWN, COL_DOWN < 0 ? nullptr : probs + COL_DOWN, NT, lora_scale, y);
+experts_project(M, D, F, gate.data(), W2, LORA_DOWN, COL_DOWN < 0 ? nullptr : probs + COL_DOWN, NT, y);
 for (int64_t i = 0; i < M * D; i++) y[i] += h[i];
 if (P > 0) {  // the parallel adapter on the FFN's input: up(silu(down(hn) + b) + b), weighted
     std::vector<float> a(M * P), z(M * D);

@@ -2,14 +2,13 @@
 // q [M,H*hd], k, v [M,Hkv*hd] (normed per head for Qwen3, rotated), the type weights PROBS [M,NT] and Gamma
 // GAMMAS [M,1] (Sparse); the experts weighted by WEIGHTS [M,NW] (PROBS, or GATES given per sequence). Names
 // and sizes: decode_layer.layer_input's declarations.
-float *xn = scratch_floats(M * D), *u = scratch_floats(M * R);
+float *xn = scratch_floats(M * D);
 norm_rows<<<M, BLOCK>>>(x, nullptr, nullptr, ATTENTION_NORM, D, eps, xn);
 if (NT > 0)
     route(M, x, Router{W1, B1, W3, B3, W2, B2, GW, GB, D, NT, HIDDEN, SPARSE, LEARNED, MAX_THRESHOLD}, PROBS, GAMMAS);
-lora_project<WQ_STORAGE>(M, H * hd, D, R, xn, WQ, A_Q, B_Q, COL_Q < 0 ? nullptr : WEIGHTS + COL_Q, NW, scale, out0_p, u);
-lora_project<WK_STORAGE>(M, Hkv * hd, D, R, xn, WK, A_K, B_K, COL_K < 0 ? nullptr : WEIGHTS + COL_K, NW, scale, out1_p, u);
-lora_project<WV_STORAGE>(M, Hkv * hd, D, R, xn, WV, A_V, B_V, COL_V < 0 ? nullptr : WEIGHTS + COL_V, NW, scale, out2_p, u);
+experts_project<WQ_STORAGE>(M, H * hd, D, xn, WQ, LORA_Q, COL_Q < 0 ? nullptr : WEIGHTS + COL_Q, NW, out0_p);
+experts_project<WK_STORAGE>(M, Hkv * hd, D, xn, WK, LORA_K, COL_K < 0 ? nullptr : WEIGHTS + COL_K, NW, out1_p);
+experts_project<WV_STORAGE>(M, Hkv * hd, D, xn, WV, LORA_V, COL_V < 0 ? nullptr : WEIGHTS + COL_V, NW, out2_p);
 norm_rotate_heads<<<M * H, BLOCK>>>(out0_p, H, hd, T, Q_NORM, head_eps, COS, SIN);
 norm_rotate_heads<<<M * Hkv, BLOCK>>>(out1_p, Hkv, hd, T, K_NORM, head_eps, COS, SIN);
 cudaFreeAsync(xn, 0);
-cudaFreeAsync(u, 0);
