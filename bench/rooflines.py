@@ -4,7 +4,7 @@
   reads each once, whatever the batch);
 - product_gflops(rows, weight, scale, reps, decode): the best rate of a product under the bf16 rule at a shape,
   the better of the model's own decode product on the base's storage (on a CPU the GEMV pass or the rows kernel,
-  cpp/base_matrix.h; on a GPU the decode layer's pass, cuda/decode_layer.cuh) and the vendor's bf16 gemm
+  cpp/base_matrix.h; on a GPU the decode layer's pass, cuda/products.cuh) and the vendor's bf16 gemm
   (oneDNN's gemm_bf16bf16f32; on a GPU Jittor's bf16 matmul, cuBLAS);
 - units_issue_gflops(): the CPU's bf16 units' issue rate from registers (NaN on a GPU or without the units).
 """
@@ -111,7 +111,7 @@ GPU_STREAM = """cudaMemsetAsync(out0_p, 0, sizeof(unsigned long long), 0);
 fold_words<<<1024, 512>>>((const uint4 *)in0_p, in0->size / 16, (unsigned long long *)out0_p);
 """
 GPU_PRODUCT_TIMES = """// best seconds of REPS products y [M,N] = x [M,K] W^T by the decode layer's pass
-// (cuda/decode_layer.cuh), each timed by CUDA events: out [0]; out [1] is left to Jittor's bf16 matmul, timed in
+// (cuda/products.cuh), each timed by CUDA events: out [0]; out [1] is left to Jittor's bf16 matmul, timed in
 // Python
 float *y = scratch_floats(M * N);
 cudaEvent_t start, stop;

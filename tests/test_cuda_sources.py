@@ -146,7 +146,7 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
         if "cuda_src" in kwargs:
             emulations.append(1)
             header, staged = re.subn(r"\bSTAGED = \d+;", f"STAGED = {STAGED};", emulated(kwargs["cuda_header"]))
-            assert staged == 1, "decode_layer.cuh's STAGED"
+            assert staged == 1, "products.cuh's STAGED"
             header = f"#define EMU_REVERSED {int(order == 'reversed')}\n" + EMULATION + header
             kwargs.update(cpu_header=header, cpu_src=emulated(kwargs["cuda_src"]))
         return code(shapes, dtypes, inputs, **kwargs)
