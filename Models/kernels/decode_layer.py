@@ -176,8 +176,8 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
 
 
 def decode_layer(block, x, cos, sin, mask, start_pos, record, aux):
-    """block(x) for one decode step through the KV cache, in two ops and the two cache writes (aux: a layer
-    with one expert per family adds no load-balancing term)."""
+    """block(x) for one decode step through the KV cache, in two ops and the two cache writes (aux: unused, a
+    mixture is taken only when no load-balancing term is asked for)."""
     # x [B,T,D] -> [B,T,D]
     B, T, _ = x.shape
     attn = block.attention
