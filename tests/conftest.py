@@ -405,11 +405,12 @@ BASELINES = {"lora": dict(method="moe", expert_num=1, **EVERY_TARGET),
              "unipeft": dict(method="unipeft", variant="soft", lora_layers="0-2", prompt_layers="0-2",
                              p_adapter_layers="1-2")}
 # The baselines mixing several LoRA experts per target, which the decode layer gates per row: MoLoRA and HydraLoRA
-# (softmax), top-k and AdaMoLE (sparse), four experts each on every target
+# (softmax), top-k and AdaMoLE (sparse), four experts each on every target; ranks 8, 12 and 4, so that the low-rank
+# pass takes its eight lanes, its lanes and the rest, and the rest alone
 MIXTURES = {"molora": dict(method="moe", expert_num=4, **EVERY_TARGET),
-            "hydralora": dict(method="moe", expert_num=4, hydra_moe=True, **EVERY_TARGET),
+            "hydralora": dict(method="moe", expert_num=4, hydra_moe=True, lora_rank=12, **EVERY_TARGET),
             "topk": dict(method="topk", expert_num=4, top_k=2, **EVERY_TARGET),
-            "adamole": dict(method="adamole", expert_num=4, **EVERY_TARGET)}
+            "adamole": dict(method="adamole", expert_num=4, lora_rank=4, **EVERY_TARGET)}
 DECODE_EXPERTS = {**MOA, **BASELINES, **MIXTURES}  # every kind of layer the decode layer takes
 
 
