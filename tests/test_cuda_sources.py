@@ -135,8 +135,8 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
     prefill), LLaMA Soft with an int8 base, LLaMA Sparse with a Linear type router and a constant Gamma, and two
     baselines: LoRA (experts of weight 1) and UniPEFT on Qwen3 (gates given per sequence, one for every LoRA), the
     mixtures of LoRA experts top-k, AdaMoLE and HydraLoRA (gated per row in the op), and
-    Soft on a Qwen3 of sizes no real model has, for the kernels' general paths (odd_qwen3). Each
-    with the emulation's threads and blocks in index order and in the reverse order, so that a missing barrier
+    Soft on a Qwen3 of sizes no real model has, for the kernels' general paths (odd_qwen3). Each but the
+    mixtures with the emulation's threads and blocks in index order and in the reverse order, so that a missing barrier
     (a race on a GPU) gives other numbers in one of the two; x is staged STAGED floats at a time, so that these
     sizes take several chunks of K, the last one partial, as 8B's do."""
     code = jt.code
