@@ -4,7 +4,8 @@
 //   TOP_K:      p = softmax(x W_r^T + b_r); gate = p where p >= the k-th largest p (ties kept), renormalised
 //   THRESHOLD (AdaMoLE): p as TOP_K, tau = sigmoid(x W_t^T + b_t) / E; kept = (p - tau) where p >= tau,
 //               gate = kept / sum(kept) (kept as it is when nothing clears tau)
-// Shared by the CPU's lora_project.h and the GPU's cuda/products.cuh: one home for the gates' arithmetic.
+// Shared by the CPU's lora_project.h and the GPU's cuda/products.cuh: one home for the gates' arithmetic and
+// the gated rows' layout.
 #ifndef MOA_LORA_EXPERTS_H
 #define MOA_LORA_EXPERTS_H
 #include <cmath>
@@ -55,5 +56,15 @@ MOA_HOST_DEVICE inline void mixture_gates(const LoraExperts &ex, float *logits, 
     }
     if (kept_total == 0.f) return;
     for (int64_t e = 0; e < E; e++) gate[e] /= kept_total;
+}
+// Row m of U [M,E*R] = factor * gate[m,e] * (x A_e^T)[m] for each expert e, from low [NA,M,R] = x A_a^T (NA 1:
+// every expert reads block 0), the row's router logits [E] and threshold logit as mixture_gates takes them
+MOA_HOST_DEVICE inline void mixture_row(const LoraExperts &ex, float *logits, float threshold_logit, const float *low,
+                                        int64_t M, int64_t m, float factor, float *U) {
+    float gate[MAX_EXPERTS];
+    mixture_gates(ex, logits, threshold_logit, gate);
+    for (int64_t e = 0; e < ex.E; e++)
+        for (int64_t r = 0; r < ex.R; r++)
+            U[(m * ex.E + e) * ex.R + r] = factor * gate[e] * low[((ex.NA == 1 ? 0 : e) * M + m) * ex.R + r];
 }
 #endif

@@ -52,17 +52,13 @@ static void experts_project(int64_t M, int64_t N, int64_t K, const float *x, con
     }
     base_product(M, N, K, x, base, true, 0.f, y, nullptr, true);
     const int64_t E = ex.E, R = ex.R;
-    std::vector<float> low(ex.NA * M * R), u(M * E * R), logits(M * E), threshold(M, 0.f), gate(E);
+    std::vector<float> low(ex.NA * M * R), u(M * E * R), logits(M * E), threshold(M, 0.f);
     for (int64_t a = 0; a < ex.NA; a++) gemv(M, R, K, x, ex.A[a], low.data() + a * M * R);  // [NA][M][R]
     gemv(M, E, K, x, ex.router_w, logits.data());
     if (ex.mixing == THRESHOLD) gemv(M, 1, K, x, ex.threshold_w, threshold.data());
-    for (int64_t m = 0; m < M; m++) {
-        mixture_gates(ex, logits.data() + m * E, threshold[m], gate.data());
-        const float row = ex.scale * (w ? w[m * w_stride] : 1.f);
-        for (int64_t e = 0; e < E; e++)
-            for (int64_t r = 0; r < R; r++)
-                u[(m * E + e) * R + r] = row * gate[e] * low[((ex.NA == 1 ? 0 : e) * M + m) * R + r];
-    }
+    for (int64_t m = 0; m < M; m++)
+        mixture_row(ex, logits.data() + m * E, threshold[m], low.data(), M, m, ex.scale * (w ? w[m * w_stride] : 1.f),
+                    u.data());
     add_low_rank(M, N, E, R, u.data(), ex.B, y);
 }
 #endif

@@ -212,16 +212,11 @@ static void product_by_columns(int64_t M, int64_t N, int64_t K, const float *x, 
     }
 }
 // U [M,E*R] = gate[m,e] (x A_e^T) of a mixture: low [NA,M,R] = x A_a^T, its router's logits [M,E] and AdaMoLE's
-// threshold logits [M] (null otherwise) to the gates (lora_experts.h's mixture_gates), a thread per row
+// threshold logits [M] (null otherwise) to the gated rows (lora_experts.h's mixture_row), a thread per row
 __global__ void gate_low_rank(LoraExperts ex, const float *low, float *logits, const float *threshold, int64_t M,
                               float *U) {
-    for (int64_t m = (int64_t)blockIdx.x * BLOCK + threadIdx.x; m < M; m += (int64_t)gridDim.x * BLOCK) {
-        float gate[MAX_EXPERTS];
-        mixture_gates(ex, logits + m * ex.E, threshold ? threshold[m] : 0.f, gate);
-        for (int64_t e = 0; e < ex.E; e++)
-            for (int64_t r = 0; r < ex.R; r++)
-                U[(m * ex.E + e) * ex.R + r] = gate[e] * low[((ex.NA == 1 ? 0 : e) * M + m) * ex.R + r];
-    }
+    for (int64_t m = (int64_t)blockIdx.x * BLOCK + threadIdx.x; m < M; m += (int64_t)gridDim.x * BLOCK)
+        mixture_row(ex, logits + m * ex.E, threshold ? threshold[m] : 0.f, low, M, m, 1.f, U);
 }
 // cpp/lora_project.h's experts_project: y [M,N] = x W^T + scale w[m] sum_e gate[m,e] (x A_e^T) B_e^T (one expert:
 // gate 1; none: x W^T), W stored as S
