@@ -65,10 +65,18 @@ class Numbers:
 class CodeInputs:
     """A jt.code op's inputs in order (`vars`), as its C++ names them: `pointer(var)` is var's in<i>_p,
     `add(name, var)` declares `name` as it in `code`. A None var is a nullptr and takes no input. `declare`
-    adds names read from the op's `numbers`, its data."""
+    adds names read from the op's `numbers`, its data. `storages`: those of the base matrices among the inputs
+    (cpp/storage.h's names), which `header` tells the op's C++."""
 
     def __init__(self):
         self.vars, self.code, self.numbers = [], "", Numbers()
+        self.storages = set()
+
+    def header(self, text: str) -> str:
+        """The op's header `text` after MOA_STORAGES, the storages of its base matrices: cpp/base_matrix.h
+        compiles their products only (bf16's and int8's kernels are most of an op's compile time)."""
+        storages = " | ".join(f"1 << {name}" for name in sorted(self.storages)) or "0"
+        return f"#define MOA_STORAGES ({storages})\n" + text
 
     def declare(self, ctype: str = "int64_t", **values):
         self.code += self.numbers.declaration(ctype, **values)

@@ -127,7 +127,7 @@ def layer_input(block, x, cos, sin, gates=None):
     inputs.code += f"float *PROBS = out3_p, *GAMMAS = {'out4_p' if sparse else 'nullptr'};\n"
     inputs.code += f"const float *WEIGHTS = {'PROBS' if routed else 'GATES'};\n"
     shapes = [(M, H * hd), (M, Hkv * hd), (M, Hkv * hd), (M, max(n_types, 1))] + ([(M, 1)] if sparse else [])
-    outputs = jt.code(shapes, ["float32"] * len(shapes), inputs.vars, cpu_header=LAYER_HEADER,
+    outputs = jt.code(shapes, ["float32"] * len(shapes), inputs.vars, cpu_header=inputs.header(LAYER_HEADER),
                       cpu_src=inputs.code + LAYER_INPUT, cuda_header=GPU_LAYER_HEADER,
                       cuda_src=inputs.code + GPU_LAYER_INPUT, data=inputs.numbers.data)
     return outputs[0], outputs[1], outputs[2], outputs[3] if routed else gates, (outputs[4] if sparse else None)
@@ -170,7 +170,7 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
     inputs.declare("bool", CLAMP=block.clamp is not None)
     declare_columns(inputs, block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
                                         PADAPTER="PADAPTER"))
-    out = jt.code((M, D), "float32", inputs.vars, cpu_header=LAYER_HEADER, cpu_src=inputs.code + LAYER_OUTPUT,
+    out = jt.code((M, D), "float32", inputs.vars, cpu_header=inputs.header(LAYER_HEADER), cpu_src=inputs.code + LAYER_OUTPUT,
                   cuda_header=GPU_LAYER_HEADER, cuda_src=inputs.code + GPU_LAYER_OUTPUT, data=inputs.numbers.data)
     return out.reshape(B, T, D)
 

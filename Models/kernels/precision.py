@@ -67,8 +67,10 @@ def bf16_rule(weight: jt.Var) -> bool:
 
 def matrix_code(inputs: cpp.CodeInputs, weight: jt.Var, scale=None) -> str:
     """The C++ BaseMatrix (cpp/storage.h) of a base weight and an int8 weight's row scales, their
-    Vars added to `inputs`."""
-    return f"BaseMatrix{{{inputs.pointer(weight)}, {inputs.pointer(scale)}, {STORAGES[str(weight.dtype)]}}}"
+    Vars and storage added to `inputs`."""
+    storage = STORAGES[str(weight.dtype)]
+    inputs.storages.add(storage)
+    return f"BaseMatrix{{{inputs.pointer(weight)}, {inputs.pointer(scale)}, {storage}}}"
 
 
 def rounding_op(x: jt.Var, dtype: str) -> jt.Var:
