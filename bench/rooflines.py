@@ -173,7 +173,8 @@ def product_gflops(rows: int, weight: jt.Var, scale, reps: int, decode: bool) ->
     inputs.code += f"const BaseMatrix W = {matrix_code(inputs, weight, scale)};\n"
     sizes = (f"const int64_t M = {rows}, N = {N}, K = {K}; const int REPS = {reps};\n"
              f"const bool UNITS = {str(cpu_has_bf16_units()).lower()}, DECODE = {str(decode).lower()};\n")
-    seconds = jt.code((2,), "float64", inputs.vars, cpu_header=inputs.header(BASE_MATRIX_HEADER) + "#include <chrono>\n",
+    seconds = jt.code((2,), "float64", inputs.vars,
+                      cpu_header=inputs.header(BASE_MATRIX_HEADER) + "#include <chrono>\n",
                       cpu_src=inputs.code + sizes + PRODUCT_TIMES, cuda_header=GPU_HEADER,
                       cuda_src=inputs.code + sizes + f"constexpr Storage W_STORAGE = {STORAGES[str(weight.dtype)]};\n"
                       + GPU_PRODUCT_TIMES).numpy()

@@ -170,7 +170,8 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
     inputs.declare("bool", CLAMP=block.clamp is not None)
     declare_columns(inputs, block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
                                         PADAPTER="PADAPTER"))
-    out = jt.code((M, D), "float32", inputs.vars, cpu_header=inputs.header(LAYER_HEADER), cpu_src=inputs.code + LAYER_OUTPUT,
+    out = jt.code((M, D), "float32", inputs.vars, cpu_header=inputs.header(LAYER_HEADER),
+                  cpu_src=inputs.code + LAYER_OUTPUT,
                   cuda_header=GPU_LAYER_HEADER, cuda_src=inputs.code + GPU_LAYER_OUTPUT, data=inputs.numbers.data)
     return out.reshape(B, T, D)
 

@@ -119,7 +119,8 @@ class LoRAProjections(jt.Function):
             N, R, scale = projection_numbers(self.numbers, i, p)
             code += f"project_forward(M, {N}, K, {R}, x, xb, {W}, units, {A}, {B}, {w}, {scale}, {y}, {u});\n"
         results = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
-                          cpu_header=inputs.header(PROJECTIONS_HEADER), cpu_src=self.numbers.code + code, data=self.numbers.data)
+                          cpu_header=inputs.header(PROJECTIONS_HEADER), cpu_src=self.numbers.code + code,
+                          data=self.numbers.data)
         kept = iter(results[len(projections):])
         self.us = [next(kept).detach() if p.expert else None for p in projections]
         return tuple(results[:len(projections)]) if len(projections) > 1 else results[0]
@@ -147,7 +148,8 @@ class LoRAProjections(jt.Function):
             code += (f"project_backward(M, {N}, K, {R}, x, {W}, units, {A}, {B}, {w}, {scale}, {u}, {g}, "
                      f"{'0.f' if i == 0 else '1.f'}, dx, {dA}, {dB}, {dw});\n")
         results = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
-                          cpu_header=inputs.header(PROJECTIONS_HEADER), cpu_src=self.numbers.code + code + end, data=self.numbers.data)
+                          cpu_header=inputs.header(PROJECTIONS_HEADER), cpu_src=self.numbers.code + code + end,
+                          data=self.numbers.data)
         # gradients in apply's argument order: projections, the inputs, then flat_vars (the experts' A, B,
         # w follow the inputs' gradients)
         return (None, *results[:n], *[None] * (len(xs) - n)) + (None,) * len(projections) + tuple(results[n:])

@@ -15,16 +15,20 @@ static constexpr bool compiled(Storage s) { return (MOA_STORAGES >> s) & 1; }
 // decode: a decode step's product (no gradient; at most DECODE_ROWS rows, GEMV_ROWS for fp32)
 static void base_product(int64_t M, int64_t N, int64_t K, const float *x, const BaseMatrix &W, bool units, float beta,
                          float *y, const uint16_t *xb = nullptr, bool decode = false) {
-    if (compiled(BF16) && W.storage == BF16) bf16_forward(M, N, K, x, (const uint16_t *)W.values, units, beta, y, xb, decode);
-    else if (compiled(INT8) && W.storage == INT8) int8_forward(M, N, K, x, (const int8_t *)W.values, W.scale, units, beta, y, xb, decode);
+    if (compiled(BF16) && W.storage == BF16)
+        bf16_forward(M, N, K, x, (const uint16_t *)W.values, units, beta, y, xb, decode);
+    else if (compiled(INT8) && W.storage == INT8)
+        int8_forward(M, N, K, x, (const int8_t *)W.values, W.scale, units, beta, y, xb, decode);
     else if (decode && beta == 0.f && M <= GEMV_ROWS) gemv(M, N, K, x, (const float *)W.values, y);
     else dnnl_sgemm('N', 'T', M, N, K, 1.f, x, K, (const float *)W.values, K, beta, y, N);
 }
 // dx [M,K] = beta dx + dy [M,N] W (under the storage's rule); the base is frozen: no weight gradient
 static void base_input_grad(int64_t M, int64_t N, int64_t K, const float *dy, const BaseMatrix &W, bool units, float beta,
                             float *dx) {
-    if (compiled(BF16) && W.storage == BF16) bf16_backward(M, N, K, dy, (const uint16_t *)W.values, units, beta, dx);
-    else if (compiled(INT8) && W.storage == INT8) int8_backward(M, N, K, dy, (const int8_t *)W.values, W.scale, units, beta, dx);
+    if (compiled(BF16) && W.storage == BF16)
+        bf16_backward(M, N, K, dy, (const uint16_t *)W.values, units, beta, dx);
+    else if (compiled(INT8) && W.storage == INT8)
+        int8_backward(M, N, K, dy, (const int8_t *)W.values, W.scale, units, beta, dx);
     else dnnl_sgemm('N', 'N', M, K, N, 1.f, dy, N, (const float *)W.values, K, beta, dx, K);
 }
 #endif
