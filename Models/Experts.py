@@ -17,7 +17,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import init, nn
 
-from .kernels.decode_layer import LoraExperts
+from .kernels.decode_layer import AdapterExperts, LoraExperts
 from .kernels.experts import add_projected, add_weighted
 from .kernels.linear import Linear, linear
 from .kernels.projections import ExpertTerm
@@ -155,6 +155,15 @@ class PAdapterLayer(nn.Module):
         else:
             outputs = [u(nn.silu(d(x))) for d, u in zip(self.down_proj_l, self.up_proj_l)]
         return mix_experts(gate, outputs)
+
+    def decode_experts(self) -> AdapterExperts:
+        """The experts as the decode layer takes them: one, or the softmax mixture (one down with hydra)."""
+        if self.expert_num == 1:
+            return AdapterExperts([self.down_proj.weight], [self.down_proj.bias], [self.up_proj.weight],
+                                  [self.up_proj.bias])
+        downs = [self.down_proj] if self.hydra else list(self.down_proj_l)
+        return AdapterExperts([d.weight for d in downs], [d.bias for d in downs], [u.weight for u in self.up_proj_l],
+                              [u.bias for u in self.up_proj_l], self.router.weight, self.router.bias)
 
     def execute(self, base: jt.Var, x: jt.Var, route) -> jt.Var:
         # base [B,T,D] + the adapter's output on x [B,T,D] (the normalised FFN input), weighted by route [B,T]

@@ -160,7 +160,7 @@ class TransformerBlock(nn.Module):
         return out
 
 
-# One layer's forward: a decode step of a layer with one expert per family or LoRA mixtures as two ops
+# One layer's forward: a decode step of a layer with one expert per family or mixtures of them as two ops
 # (Models/kernels/decode_layer.py; on a CPU or a GPU), else op by op, which is the fused side's plain reference
 layer_step = Kernel(decode_layer, TransformerBlock.op_by_op, when=fuses_decode_step, gpu=True)
 

@@ -97,7 +97,7 @@ begin() {
 
 # the decode layer's CUDA form against the plain layer, and generation through it (greedy vs no cache, batched);
 # MOA_GPU_KERNELS=1 turns it on (off by default until this has passed on a GPU). Compiling is most of it: about
-# 37 distinct CUDA ops with the LoRA mixtures' (each 7 s of nvcc on this project's 2-core CPU, a test model's ops
+# 44 distinct CUDA ops with the mixtures' (each 7 s of nvcc on this project's 2-core CPU, a test model's ops
 # in parallel)
 decode_tests() {
   step gpu_decode 340 env use_cuda=1 MOA_GPU_KERNELS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rf \

@@ -410,7 +410,14 @@ BASELINES = {"lora": dict(method="moe", expert_num=1, **EVERY_TARGET),
 MIXTURES = {"molora": dict(method="moe", expert_num=4, **EVERY_TARGET),
             "hydralora": dict(method="moe", expert_num=4, hydra_moe=True, lora_rank=12, **EVERY_TARGET),
             "topk": dict(method="topk", expert_num=4, top_k=2, **EVERY_TARGET),
-            "adamole": dict(method="adamole", expert_num=4, lora_rank=4, **EVERY_TARGET)}
+            "adamole": dict(method="adamole", expert_num=4, lora_rank=4, **EVERY_TARGET),
+            # and the mixtures of prompt and adapter experts, gated per row in the decode layer's ops too: Soft MoA
+            # with three experts a family (LoRA, prompt, adapter), and the prompt and adapter MoE with one down
+            # projection for its adapters' ups (p_adapter_hydra)
+            "moa_experts": dict(MOA["soft"], expert_num=3, p_adapter_layers="0-2", prompt_layers="1-2",
+                                lora_targets=EVERY_TARGET["lora_targets"]),
+            "prompt_adapter_moe": dict(method="moe", expert_num=2, p_adapter_hydra=True, prompt_layers="0-2",
+                                       p_adapter_layers="1-2", prompt_len=3)}
 DECODE_EXPERTS = {**MOA, **BASELINES, **MIXTURES}  # every kind of layer the decode layer takes
 
 

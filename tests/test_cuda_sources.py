@@ -119,7 +119,9 @@ DECODE_CASES = [("llama-sparse-bf16", "llama", "sparse", "bf16", 12, {}),
                 ("odd-qwen3-soft-fp32", "odd", "soft", "fp32", 2, {}),
                 ("llama-topk-fp32", "llama", "topk", "fp32", 3, {}),
                 ("qwen3-adamole-bf16", "qwen3", "adamole", "bf16", 2, {}),
-                ("llama-hydralora-fp32", "llama", "hydralora", "fp32", 2, {})]
+                ("llama-hydralora-fp32", "llama", "hydralora", "fp32", 2, {}),
+                ("llama-moa-experts-fp32", "llama", "moa_experts", "fp32", 3, {}),
+                ("qwen3-prompt-adapter-moe-bf16", "qwen3", "prompt_adapter_moe", "bf16", 2, {})]
 # in the reverse order too: two passes of rows, the SwiGLU router and Gamma; the prompt and per-head norms; the general
 # paths. The others' kernels have the same barriers (a barrier removed from product_rows' staging fails all seven cases
 # that ran reversed) or none (the mixtures' gates, a thread per row)
@@ -137,7 +139,8 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
     passes of product_rows, 32 rows and 4), Qwen3 Soft (per-head norms, a prompt expert) in fp32 at 2 (6 in the
     prefill), LLaMA Soft with an int8 base, LLaMA Sparse with a Linear type router and a constant Gamma, and two
     baselines: LoRA (experts of weight 1) and UniPEFT on Qwen3 (gates given per sequence, one for every LoRA), the
-    mixtures of LoRA experts top-k, AdaMoLE and HydraLoRA (gated per row in the op), and
+    mixtures of LoRA experts top-k, AdaMoLE and HydraLoRA, MoA's three experts a family, and the prompt and adapter
+    MoE (gated per row in the ops), and
     Soft on a Qwen3 of sizes no real model has, for the kernels' general paths (odd_qwen3). Each with the
     emulation's threads and blocks in index order, and three (REVERSED) in the reverse order, so that a missing barrier
     (a race on a GPU) gives other numbers in one of the two; x is staged STAGED floats at a time, so that these
@@ -189,7 +192,7 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=tolerance)
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
-    routed_layers = len(model.llama.layers) if variant in ("sparse", "soft", "instance", "unipeft") else 0
+    routed_layers = len(model.llama.layers) if variant in ("sparse", "soft", "instance", "unipeft", "moa_experts") else 0
     assert len(got_routing) == len(want_routing) == routed_layers * (2 if variant == "sparse" else 1)
     for ours, plain in zip(got_routing, want_routing):
         np.testing.assert_allclose(ours, plain, atol=tolerance)

@@ -82,12 +82,14 @@ def test_nucleus_sampling_equals_sorting_whole_rows(V, where):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", list(METHOD_PRESETS))
-def test_batched_greedy_equals_unbatched(tiny_base, method):
+@pytest.mark.parametrize("method, settings", [(method, {}) for method in METHOD_PRESETS]
+                         + [("soft", dict(expert_num=3))], ids=list(METHOD_PRESETS) + ["soft-3-experts"])
+def test_batched_greedy_equals_unbatched(tiny_base, method, settings):
     """fp32, greedy: a batch of prompts of different lengths gives each prompt the tokens it gets alone (the
     instance-level methods pool their prefill, so theirs are prompts of one length), padded to a larger batch
-    too; and a prefill in several chunks gives the tokens of a prefill followed by decode steps."""
-    model = tiny_model(tiny_base, method)
+    too; and a prefill in several chunks gives the tokens of a prefill followed by decode steps. Also Soft MoA
+    with three experts a family (mixtures of LoRA, prompt and adapter experts, gated per row)."""
+    model = tiny_model(tiny_base, method, **settings)
     rng = np.random.default_rng(5)
     lengths = [12] * 3 if method in INSTANCE_METHODS else [9, 30, 17]
     prompts = random_prompts(rng, lengths, model.llama.args.vocab_size)

@@ -157,18 +157,16 @@ def test_parameters_without_gradient_keep_their_values(stem):
 def test_kv_cache(stem, generating, monkeypatch):
     """Token-level methods: the KV path equals the full forward. Sequence-level ones: the gates of
     the 6-token prefill are kept for every decode step, so the KV logits are the authors' KV logits. With
-    gradients on the layers run op by op; under no_grad, as generation runs, a layer with one expert per
-    family or with mixtures of LoRA experts only takes the decode layer (LLM.layer_step's fused side, where it
+    gradients on the layers run op by op; under no_grad, as generation runs, every layer (one expert per family,
+    or mixtures of LoRA, prompt and adapter experts) takes the decode layer (LLM.layer_step's fused side, where it
     is on)."""
     model, data, meta = golden_model(stem)
     model.eval()
     calls = fused_layer_steps(monkeypatch)
     with jt.no_grad() if generating else contextlib.nullcontext():
         got = kv_logits(model.llama, data["tokens"].astype(np.int32), meta["kv_prefill"])
-    # a layer with one expert per family, or with mixtures of LoRA experts only
-    takes = [block.attention.expert_num == 1 or not (block.attention.has_prompt or block.p_adapter)
-             for block in model.llama.layers]
-    assert bool(calls) == (generating and any(takes) and LLM.layer_step.on())
+    assert len(calls) == (len(model.llama.layers) * (data["tokens"].shape[1] - meta["kv_prefill"] + 1)
+                          if generating and LLM.layer_step.on() else 0)
     assert max_abs(got, data["kv_logits"]) <= 1e-4
     if LEVELS.get(meta["variant"]) == "sequence":
         assert max_abs(got, data["logits"][:, meta["kv_prefill"] - 1:]) > 0.1  # the prefill's gates, not the full mean's

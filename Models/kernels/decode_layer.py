@@ -13,11 +13,13 @@ each base matrix for all the rows, the experts added in it (cuda/products.cuh), 
 place. A Qwen3 layer norms each query and key head (q_norm, k_norm) between the projections and RoPE; its
 prompt expert's keys come normed from Attention.prompt_keys_values. The layers are MoA's and the baselines':
 one expert per family (LoRA, weight 1; instance and UniPEFT, gates decided on the prefill, given to the ops),
-or mixtures of LoRA experts on the projections (MoLoRA, HydraLoRA, top-k, AdaMoLE), each projection's
-gates computed in its op from its input (cpp/lora_experts.h: each expert's A, B and the router as they are,
-LoraExperts). The op-by-op layer is the plain side of the Kernel (LLM.layer_step, `when` = fuses_decode_step)
-and serves everything else: training, scoring, prompt and adapter mixtures, and a mixture whose routers'
-outputs are recorded (Infer.py --save_weights).
+or mixtures: of LoRA experts on the projections (MoLoRA, HydraLoRA, top-k, AdaMoLE), each projection's gates
+computed in its op from its input (cpp/lora_experts.h: each expert's A, B and the router as they are,
+LoraExperts); of prompt experts (one softmax over all their rows, each expert's rows weighted by its share
+of the row, the shares from the input side); of parallel adapters (AdapterExperts, their shares in the output
+side): MoA with expert_num > 1, and the prompt and adapter MoE. The op-by-op layer is the plain side of the
+Kernel (LLM.layer_step, `when` = fuses_decode_step) and serves everything else: training, scoring, and a
+mixture whose routers' outputs are recorded (Infer.py --save_weights).
 """
 import math
 from dataclasses import dataclass
@@ -64,31 +66,62 @@ class LoraExperts:
     top_k: int = 0
 
 
+@dataclass(frozen=True)
+class AdapterExperts:
+    """The parallel adapter's experts as the decode layer takes them (cpp/layer_output.cc's PA_ names): one, or E
+    mixed per row by a softmax router; each up(silu(down(x) + b) + b), one down projection for every up when
+    down has one (p_adapter_hydra)."""
+    down_w: list  # [P,D] each
+    down_b: list  # [P]
+    up_w: list  # E of [D,P]
+    up_b: list  # [D]
+    router_w: Optional[jt.Var] = None  # [E,D], a mixture's
+    router_b: Optional[jt.Var] = None  # [E]
+
+
+def floats(inputs: cpp.CodeInputs, var) -> str:
+    """var as the op's `const float *` (None: nullptr)."""
+    return "nullptr" if var is None else f"(const float *){inputs.pointer(var)}"
+
+
+def float_array(inputs: cpp.CodeInputs, variables: list) -> str:
+    """A C++ initializer of `const float *`s, one per var ({nullptr} for none: C++ has no empty arrays)."""
+    return "{" + ", ".join(floats(inputs, var) for var in variables or [None]) + "}"
+
+
 def declare_experts(inputs: cpp.CodeInputs, target: str, lora):
     """LORA_<target>: the LoraExperts of `lora` (its decode_experts()), or none when lora is None."""
     if lora is None:
         inputs.code += f"const LoraExperts LORA_{target} = {{0, 0, 1, 1.f, {{}}, {{}}, SINGLE}};\n"
         return
     ex, numbers = lora.decode_experts(), inputs.numbers
-    floats = lambda var: "nullptr" if var is None else f"(const float *){inputs.pointer(var)}"
-    matrices = lambda mats: "{" + ", ".join(map(floats, mats)) + "}"
     fields = ([numbers.value(f"E_{target}", len(ex.B)), numbers.value(f"NA_{target}", len(ex.A)),
                numbers.value(f"R_{target}", ex.B[0].shape[1]), numbers.value(f"SCALE_{target}", ex.scale, "float"),
-               matrices(ex.A), matrices(ex.B), ex.mixing]
-              + [floats(v) for v in (ex.router_w, ex.router_b, ex.threshold_w, ex.threshold_b)]
+               float_array(inputs, ex.A), float_array(inputs, ex.B), ex.mixing]
+              + [floats(inputs, v) for v in (ex.router_w, ex.router_b, ex.threshold_w, ex.threshold_b)]
               + [numbers.value(f"TOP_K_{target}", ex.top_k)])
     inputs.code += f"const LoraExperts LORA_{target} = {{{', '.join(fields)}}};\n"
 
 
+def declare_adapters(inputs: cpp.CodeInputs, adapter):
+    """PA_*: the AdapterExperts of `adapter` (its decode_experts()): PA_E experts (0: no adapter), PA_ND down
+    projections, P wide."""
+    ex = adapter.decode_experts() if adapter is not None else AdapterExperts([], [], [], [])
+    inputs.code += "".join(f"const float *PA_{name.upper()}[] = {float_array(inputs, getattr(ex, name))};\n"
+                           for name in ("down_w", "down_b", "up_w", "up_b"))
+    inputs.add("PA_ROUTER_W", ex.router_w)
+    inputs.add("PA_ROUTER_B", ex.router_b)
+    inputs.declare(PA_E=len(ex.up_w), PA_ND=len(ex.down_w), P=ex.down_w[0].shape[0] if ex.down_w else 0)
+
+
 def fuses_decode_step(block, x: jt.Var, cos, sin, mask, start_pos, record, aux) -> bool:
     """A decode step (KV cache, no gradient, few rows) of a layer with one expert per family (MoA, and the
-    baselines LoRA, instance and UniPEFT, their gates given per sequence), or with mixtures of LoRA experts
-    and no prompt or adapter (MoLoRA, HydraLoRA, top-k, AdaMoLE) when nothing asks for their routers'
-    records or load-balancing terms."""
-    attn, E = block.attention, block.attention.expert_num
-    takes = E == 1 or (E <= MAX_EXPERTS and not attn.has_prompt and block.p_adapter is None
-                       and record is None and aux is None)
-    return start_pos is not None and takes and decoding(x, attn.wq.weight)
+    baselines LoRA, instance and UniPEFT, their gates given per sequence), or with mixtures of experts (MoA's
+    with expert_num > 1, MoLoRA, HydraLoRA, top-k, AdaMoLE, prompt and adapter MoE) when nothing asks for
+    their routers' records or load-balancing terms."""
+    E = block.attention.expert_num
+    takes = E == 1 or (E <= MAX_EXPERTS and record is None and aux is None)
+    return start_pos is not None and takes and decoding(x, block.attention.wq.weight)
 
 
 def declare_matrix(inputs: cpp.CodeInputs, name: str, base):
@@ -100,7 +133,8 @@ def declare_matrix(inputs: cpp.CodeInputs, name: str, base):
 
 def layer_input(block, x, cos, sin, gates=None):
     """gates [M,NC]: the families' weights given (instance-level routing), else the type router's per token."""
-    # x [B,T,D] -> q [M,H*hd], k, v [M,Hkv*hd], weights [M,NW] (gates or the router's), gamma [M,1] or None; M = B*T
+    # x [B,T,D] -> q [M,H*hd], k, v [M,Hkv*hd], weights [M,NW] (gates or the router's), gamma [M,1] or None,
+    # a prompt mixture's shares [M,E] or None; M = B*T
     B, T, D = x.shape
     M, attn = B * T, block.attention
     H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -119,22 +153,33 @@ def layer_input(block, x, cos, sin, gates=None):
     inputs.add("SIN", sin)
     inputs.add("Q_NORM", None if attn.q_norm is None else attn.q_norm.weight)
     inputs.add("K_NORM", None if attn.k_norm is None else attn.k_norm.weight)
+    prompt_router = getattr(attn, "prompt_router", None)  # a mixture of prompt experts' [E,D]
+    inputs.add("PROMPT_ROUTER_W", None if prompt_router is None else prompt_router.weight)
+    inputs.add("PROMPT_ROUTER_B", None if prompt_router is None else prompt_router.bias)
+    n_prompts = 0 if prompt_router is None else prompt_router.weight.shape[0]
     sparse = routed and block.adapter_threshold_fn is not None
-    inputs.declare(M=M, T=T, H=H, Hkv=Hkv, hd=hd, NW=n_types if routed else gates.shape[1])
+    inputs.declare(M=M, T=T, H=H, Hkv=Hkv, hd=hd, NW=n_types if routed else gates.shape[1], PROMPT_E=n_prompts)
     inputs.declare("float", eps=block.attention_norm.eps,
                    head_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0)
     declare_columns(inputs, block, dict(Q="Q", K="K", V="V"))
-    inputs.code += f"float *PROBS = out3_p, *GAMMAS = {'out4_p' if sparse else 'nullptr'};\n"
+    outputs = cpp.CodeOutputs()
+    for shape in ((M, H * hd), (M, Hkv * hd), (M, Hkv * hd)):  # out0_p, out1_p, out2_p: q, k, v
+        outputs.pointer(shape)
+    inputs.code += (f"float *PROBS = {outputs.pointer((M, max(n_types, 1)))}, "
+                    f"*GAMMAS = {outputs.pointer((M, 1)) if sparse else 'nullptr'}, "
+                    f"*PROMPT_MIX = {outputs.pointer((M, n_prompts)) if n_prompts else 'nullptr'};\n")
     inputs.code += f"const float *WEIGHTS = {'PROBS' if routed else 'GATES'};\n"
-    shapes = [(M, H * hd), (M, Hkv * hd), (M, Hkv * hd), (M, max(n_types, 1))] + ([(M, 1)] if sparse else [])
-    outputs = jt.code(shapes, ["float32"] * len(shapes), inputs.vars, cpu_header=inputs.header(LAYER_HEADER),
-                      cpu_src=inputs.code + LAYER_INPUT, cuda_header=GPU_LAYER_HEADER,
-                      cuda_src=inputs.code + GPU_LAYER_INPUT, data=inputs.numbers.data)
-    return outputs[0], outputs[1], outputs[2], outputs[3] if routed else gates, (outputs[4] if sparse else None)
+    q, k, v, probs, *rest = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
+                                    cpu_header=inputs.header(LAYER_HEADER), cpu_src=inputs.code + LAYER_INPUT,
+                                    cuda_header=GPU_LAYER_HEADER, cuda_src=inputs.code + GPU_LAYER_INPUT,
+                                    data=inputs.numbers.data)
+    gamma = rest.pop(0) if sparse else None
+    return q, k, v, probs if routed else gates, gamma, rest.pop(0) if n_prompts else None
 
 
-def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
-    # x [B,T,D], q [M,H*hd], cache [B,S,Hkv,hd], mask [T,S], probs [M,NT] (the families' weights) -> [B,T,D]
+def layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_pos):
+    # x [B,T,D], q [M,H*hd], cache [B,S,Hkv,hd], mask [T,S], probs [M,NT] (the families' weights), prompt_mix
+    # [M,E] (a prompt mixture's shares) or None -> [B,T,D]
     B, T, D = x.shape
     M, attn, ffn = B * T, block.attention, block.feed_forward
     H, Hkv, hd, S = attn.n_heads, attn.n_kv_heads, attn.head_dim, cache_k.shape[1]
@@ -153,6 +198,7 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
         inputs.add("PROMPT_GATE", attn.prompt_gate.reshape(H))
     else:
         inputs.code += "const float *PROMPT_K = nullptr, *PROMPT_V = nullptr, *PROMPT_GATE = nullptr;\n"
+    inputs.add("PROMPT_MIX", prompt_mix)
     declare_matrix(inputs, "WO", attn.wo)
     declare_experts(inputs, "O", attn.lora_O)
     inputs.add("FFN_NORM", block.ffn_norm.weight)
@@ -160,12 +206,9 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos):
         declare_matrix(inputs, name, base)
     for target, lora in (("GATE", ffn.lora_GATE), ("UP", ffn.lora_UP), ("DOWN", ffn.lora_DOWN)):
         declare_experts(inputs, target, lora)
-    adapter = block.p_adapter
-    for name, layer, part in (("PA_DOWN_W", "down_proj", "weight"), ("PA_DOWN_B", "down_proj", "bias"),
-                              ("PA_UP_W", "up_proj", "weight"), ("PA_UP_B", "up_proj", "bias")):
-        inputs.add(name, None if adapter is None else getattr(getattr(adapter, layer), part))
+    declare_adapters(inputs, block.p_adapter)
     inputs.declare(M=M, T=T, S=S, D=D, H=H, Hkv=Hkv, hd=hd, n_rep=H // Hkv, L=L, F=ffn.w1.weight.shape[0],
-                   NT=probs.shape[1], P=0 if adapter is None else adapter.down_proj.weight.shape[0])
+                   NT=probs.shape[1], PROMPT_E=1 if prompt_mix is None else prompt_mix.shape[1])
     inputs.declare("float", eps=block.ffn_norm.eps, scale=1.0 / math.sqrt(hd), CLAMP_LIMIT=block.clamp or 0.0)
     inputs.declare("bool", CLAMP=block.clamp is not None)
     declare_columns(inputs, block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
@@ -183,10 +226,10 @@ def decode_layer(block, x, cos, sin, mask, start_pos, record, aux):
     B, T, _ = x.shape
     attn = block.attention
     gates = block.sequence_gates(x, start_pos, record).float32().reshape(B * T, -1) if block.routes_sequences else None
-    q, k, v, probs, gamma = layer_input(block, x, cos, sin, gates)
+    q, k, v, probs, gamma, prompt_mix = layer_input(block, x, cos, sin, gates)
     if record is not None and gates is None and block.type_names:
         record.update(type_weight=probs.reshape(B, T, -1), threshold=None if gamma is None else gamma.reshape(B, T, 1))
     cache_k, cache_v = attn.update_cache(k.reshape(B, T, attn.n_kv_heads, attn.head_dim),
                                          v.reshape(B, T, attn.n_kv_heads, attn.head_dim), start_pos)
-    return layer_output(block, x, q, cache_k, cache_v, mask, probs, start_pos)
+    return layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_pos)
 

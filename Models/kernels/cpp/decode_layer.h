@@ -14,15 +14,16 @@ static inline float dot(const float *a, const uint16_t *b, int64_t n) {
     return s;
 }
 // out [hd] += gain * softmax_s(q . k_s * scale) v_s over the n keys/values k_s, v_s (row stride ld), T: the
-// cache's element type (float or bf16 bits)
+// cache's element type (float or bf16 bits). row_gates (a mixture of prompt experts, one softmax over all their
+// rows): v_s also times its expert's share row_gates[s / per_gate]; null: none.
 template <typename T>
-static void attend(const float *q, const T *k, const T *v, int64_t n, int64_t ld, int64_t hd,
-                   float scale, float gain, float *out, float *scores) {
+static void attend(const float *q, const T *k, const T *v, int64_t n, int64_t ld, int64_t hd, float scale,
+                   float gain, float *out, float *scores, const float *row_gates = nullptr, int64_t per_gate = 1) {
     float top = -INFINITY, total = 0.f;
     for (int64_t s = 0; s < n; s++) { scores[s] = dot(q, k + s * ld, hd) * scale; top = std::max(top, scores[s]); }
     for (int64_t s = 0; s < n; s++) { scores[s] = std::exp(scores[s] - top); total += scores[s]; }
     for (int64_t s = 0; s < n; s++) {
-        const float p = gain * scores[s] / total;
+        const float p = gain * scores[s] / total * (row_gates ? row_gates[s / per_gate] : 1.f);
         for (int64_t i = 0; i < hd; i++) out[i] += p * load1(v[s * ld + i]);
     }
 }

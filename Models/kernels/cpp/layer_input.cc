@@ -1,8 +1,8 @@
 // The layer's input side: x [M,D] -> q [M,H*hd], k, v [M,Hkv*hd] (q and k rotated), the type weights
-// PROBS [M,NT] and Gamma GAMMAS [M,1] (Sparse); the experts weighted by WEIGHTS [M,NW]: PROBS, or GATES given
-// per sequence (instance-level routing: no router here). Qwen3 (Q_NORM, K_NORM not null): each query and key
-// head RMS-normed after its projection and expert, before RoPE. Names and sizes: decode_layer.layer_input's
-// declarations.
+// PROBS [M,NT], Gamma GAMMAS [M,1] (Sparse) and a prompt mixture's shares PROMPT_MIX [M,PROMPT_E]; the experts
+// weighted by WEIGHTS [M,NW]: PROBS, or GATES given per sequence (instance-level routing: no router here). Qwen3
+// (Q_NORM, K_NORM not null): each query and key head RMS-normed after its projection and expert, before RoPE.
+// Names and sizes: decode_layer.layer_input's declarations.
 std::vector<float> xn(M * D);
 for (int64_t m = 0; m < M; m++) {
     const float inv = rms_inverse(x + m * D, D, eps);
@@ -14,6 +14,12 @@ for (int64_t m = 0; m < M; m++) {
 #include "route_row.cc"
     if (SPARSE) GAMMAS[m] = gamma;
 }
+if (PROMPT_E > 1)  // a mixture of prompt experts: each row's shares of them, softmax(router(xn)), for layer_output
+    for (int64_t m = 0; m < M; m++) {
+        float *shares = PROMPT_MIX + m * PROMPT_E;
+        for (int64_t e = 0; e < PROMPT_E; e++) shares[e] = dot(xn.data() + m * D, PROMPT_ROUTER_W + e * D, D);
+        softmax_gates(shares, PROMPT_ROUTER_B, PROMPT_E, shares);
+    }
 experts_project(M, H * hd, D, xn.data(), WQ, LORA_Q, COL_Q < 0 ? nullptr : WEIGHTS + COL_Q, NW, out0_p);
 experts_project(M, Hkv * hd, D, xn.data(), WK, LORA_K, COL_K < 0 ? nullptr : WEIGHTS + COL_K, NW, out1_p);
 experts_project(M, Hkv * hd, D, xn.data(), WV, LORA_V, COL_V < 0 ? nullptr : WEIGHTS + COL_V, NW, out2_p);

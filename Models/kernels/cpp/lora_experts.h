@@ -27,17 +27,22 @@ struct LoraExperts {
     const float *threshold_w, *threshold_b;  // [1,K], [1]: AdaMoLE's
     int64_t top_k;
 };
-// gate [E] of one row from its router's logits [E] (bias not yet added; overwritten) and, for THRESHOLD, the
-// threshold's logit (bias not yet added)
-MOA_HOST_DEVICE inline void mixture_gates(const LoraExperts &ex, float *logits, float threshold_logit, float *gate) {
-    const int64_t E = ex.E;
+// gate [E] = softmax(logits + bias) of one row (bias null: none; logits [E] overwritten, gate may be logits): the
+// experts' shares of a softmax router, the LoRA mixtures' and the decode layer's prompt and adapter mixtures'
+MOA_HOST_DEVICE inline void softmax_gates(float *logits, const float *bias, int64_t E, float *gate) {
     float top = -INFINITY, total = 0.f;
     for (int64_t e = 0; e < E; e++) {
-        logits[e] += ex.router_b ? ex.router_b[e] : 0.f;
+        logits[e] += bias ? bias[e] : 0.f;
         top = fmaxf(top, logits[e]);
     }
     for (int64_t e = 0; e < E; e++) total += (gate[e] = expf(logits[e] - top));
     for (int64_t e = 0; e < E; e++) gate[e] /= total;
+}
+// gate [E] of one row from its router's logits [E] (bias not yet added; overwritten) and, for THRESHOLD, the
+// threshold's logit (bias not yet added)
+MOA_HOST_DEVICE inline void mixture_gates(const LoraExperts &ex, float *logits, float threshold_logit, float *gate) {
+    const int64_t E = ex.E;
+    softmax_gates(logits, ex.router_b, E, gate);
     if (ex.mixing == SOFTMAX) return;
     float cut = 0.f;  // TOP_K: the k-th largest probability; THRESHOLD: tau
     if (ex.mixing == TOP_K) {

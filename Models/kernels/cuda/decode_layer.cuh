@@ -131,11 +131,13 @@ __global__ void norm_rotate_heads(float *x, int64_t nh, int64_t hd, int64_t T, c
 // block (cpp/decode_layer.h's attend): a thread per key for the scores; for the values the warps split the
 // positions, each lane LANE_VALUES elements of the vector, summed over the warps at the end (a thread per
 // element would read the values one position after another). C: the cache's element type (float, or bf16
-// bits); scores: n floats, partial: WARPS * VALUES_PASS floats of shared memory
+// bits); scores: n floats, partial: WARPS * VALUES_PASS floats of shared memory; row_gates, per_gate: a prompt
+// mixture's shares, as cpp/decode_layer.h's attend takes them
 static const int LANE_VALUES = 8, VALUES_PASS = 32 * LANE_VALUES;
 template <typename C>
 __device__ void attend(const float *q, const C *k, const C *v, int64_t n, int64_t ld, int64_t hd, float scale,
-                       float gain, float *out, float *scores, float *partial, float *scratch) {
+                       float gain, float *out, float *scores, float *partial, float *scratch,
+                       const float *row_gates = nullptr, int64_t per_gate = 1) {
     if (n == 0) return;
     constexpr Storage storage = std::is_same<C, float>::value ? FP32 : BF16;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -164,7 +166,7 @@ __device__ void attend(const float *q, const C *k, const C *v, int64_t n, int64_
         #pragma unroll
         for (int j = 0; j < LANE_VALUES; j++) sums[j] = 0.f;
         for (int64_t s = warp; s < n; s += WARPS) {
-            const float p = scores[s];
+            const float p = scores[s] * (row_gates ? row_gates[s / per_gate] : 1.f);
             #pragma unroll
             for (int j = 0; j < LANE_VALUES; j++)
                 if (i0 + lane + 32 * j < hd) sums[j] += p * load1(v[s * ld + i0 + lane + 32 * j]);
@@ -185,13 +187,14 @@ static size_t attention_shared_bytes(int64_t hd, int64_t S, int64_t L) {
     return (size_t)(hd + std::max(S, L) + WARPS * VALUES_PASS) * sizeof(float);
 }
 // att [M,H,hd]: each row's heads over its span of the cache [B,S,Hkv,hd] (the keys its mask [T,S] row allows)
-// and, weighted by the prompt gate and the prompt type's weight, over the prompt expert's L keys and
-// values; one block per (row, head); shared: attention_shared_bytes
+// and, weighted by the prompt gate and the prompt type's weight, over the prompt experts' L keys and
+// values (a mixture's rows by its shares prompt_mix [M,prompt_experts]; null: one expert); one block per
+// (row, head); shared: attention_shared_bytes
 template <typename C>
 __global__ void attention_rows(const float *q, const C *cache_k, const C *cache_v, const float *mask, int64_t T,
                                int64_t S, int64_t H, int64_t Hkv, int64_t hd, float scale, const float *prompt_k,
-                               const float *prompt_v, const float *prompt_gate, int64_t L, const float *probs,
-                               int64_t NT, int64_t col_prompt, float *att) {
+                               const float *prompt_v, const float *prompt_gate, int64_t L, const float *prompt_mix,
+                               int64_t prompt_experts, const float *probs, int64_t NT, int64_t col_prompt, float *att) {
     extern __shared__ float shared[];
     __shared__ float scratch[WARPS];
     float *qs = shared, *scores = shared + hd, *partial = scores + (S > L ? S : L);
@@ -204,7 +207,8 @@ __global__ void attention_rows(const float *q, const C *cache_k, const C *cache_
     const int64_t at = b * S * Hkv * hd + g * hd;
     attend(qs, cache_k + at, cache_v + at, span, Hkv * hd, hd, scale, 1.f, out, scores, partial, scratch);
     if (L > 0) attend(qs, prompt_k + g * hd, prompt_v + g * hd, L, Hkv * hd, hd, scale,
-                      prompt_gate[head] * column(probs, NT, m, col_prompt), out, scores, partial, scratch);
+                      prompt_gate[head] * column(probs, NT, m, col_prompt), out, scores, partial, scratch,
+                      prompt_mix ? prompt_mix + m * prompt_experts : nullptr, L / prompt_experts);
 }
 
 __global__ void swiglu_into(float *gate, const float *up, int64_t n) {
@@ -218,13 +222,25 @@ __global__ void adapter_hidden(float *a, const float *bias, int64_t n, int64_t P
         a[i] = v * sigmoid(v);
     }
 }
-// y [M,D] += h (the residual) + the parallel adapter's output z [M,D] + bias under its type weight (z null:
-// none), then the clamp
+// gates [M,E] = softmax(gates + bias) per row (a prompt or adapter mixture's shares), a thread per row
+__global__ void softmax_rows(float *gates, const float *bias, int64_t M, int64_t E) {
+    for (int64_t m = (int64_t)blockIdx.x * BLOCK + threadIdx.x; m < M; m += (int64_t)gridDim.x * BLOCK)
+        softmax_gates(gates + m * E, bias, E, gates + m * E);
+}
+// a mixture of parallel adapters: mixed [M,D] (= 0 before expert 0) += shares[m,e] (z + bias), expert e's output
+// z [M,D] under its share of each row, shares [M,E]
+__global__ void add_adapter_share(float *mixed, const float *z, const float *bias, const float *shares, int64_t E,
+                                  int64_t e, int64_t n, int64_t D) {
+    for (int64_t i = (int64_t)blockIdx.x * BLOCK + threadIdx.x; i < n; i += (int64_t)gridDim.x * BLOCK)
+        mixed[i] = (e == 0 ? 0.f : mixed[i]) + shares[i / D * E + e] * (z[i] + bias[i % D]);
+}
+// y [M,D] += h (the residual) + the parallel adapter's output z [M,D] + bias (null: none) under its type weight
+// (z null: no adapter), then the clamp
 __global__ void layer_tail(float *y, const float *h, const float *z, const float *bias, const float *probs, int64_t NT,
                            int64_t col, int64_t n, int64_t D, bool clamp, float limit) {
     for (int64_t i = (int64_t)blockIdx.x * BLOCK + threadIdx.x; i < n; i += (int64_t)gridDim.x * BLOCK) {
         float v = y[i] + h[i];
-        if (z) v += column(probs, NT, i / D, col) * (z[i] + bias[i % D]);
+        if (z) v += column(probs, NT, i / D, col) * (z[i] + (bias ? bias[i % D] : 0.f));
         if (clamp) v = fminf(fmaxf(v, -limit), limit);
         y[i] = v;
     }
