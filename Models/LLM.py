@@ -77,10 +77,12 @@ class TransformerBlock(nn.Module):
         unclamped = (self.method == "moa" and self.variant == "sparse") or args.precision in BF16_PRODUCTS
         self.clamp = None if unclamped else SOFT_CLAMP
         self._sequence_gates = None  # instance-level decisions of the last prefill
+        self.decode_ops = {}  # the decode layer's ops as built for this KV cache (kernels/decode_layer.StepOp)
 
     def reset_cache(self):
         self.attention.reset_cache()
         self._sequence_gates = None
+        self.decode_ops = {}
 
     def route(self, x: jt.Var, start_pos, record) -> dict:
         """Each family's weight [B,T] from the raw residual stream x [B,T,D] ({} when the method

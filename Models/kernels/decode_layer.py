@@ -131,26 +131,53 @@ def declare_matrix(inputs: cpp.CodeInputs, name: str, base):
                     f"[[maybe_unused]] constexpr Storage {name}_STORAGE = {STORAGES[str(base.weight.dtype)]};\n")
 
 
-def layer_input(block, x, cos, sin, gates=None):
-    """gates [M,NC]: the families' weights given (instance-level routing), else the type router's per token."""
-    # x [B,T,D] -> q [M,H*hd], k, v [M,Hkv*hd], weights [M,NW] (gates or the router's), gamma [M,1] or None,
-    # a prompt mixture's shares [M,E] or None; M = B*T
-    B, T, D = x.shape
-    M, attn = B * T, block.attention
+@dataclass(frozen=True)
+class StepOp:
+    """One of the decode layer's two ops as built for a KV cache's life (the weights, and the prompt's keys and
+    values, are fixed while it lives: Block.Attention.prompt_keys_values): its text, the block's tensors, its
+    numbers and its outputs' widths. A step gives its own tensors (in0_p... ahead of the block's) and sizes:
+    rebuilding the text at every step of every layer was a sixth to a quarter of a small model's decoding
+    (docs/performance.md), and on a GPU it would be host time between launches."""
+    header: str
+    cpu_src: str
+    cuda_src: str
+    fixed: list  # the block's tensors, after the step's
+    data: dict
+    outputs: tuple  # (name, width) of each output [M, width]
+
+    def __call__(self, step: list, **sizes) -> dict:
+        """The outputs by name for the step's tensors `step` and sizes (M, T, ...: the rows are M)."""
+        shapes = [(sizes["M"], width) for _, width in self.outputs]
+        values = jt.code(shapes, ["float32"] * len(shapes), step + self.fixed, cpu_header=self.header,
+                         cpu_src=self.cpu_src, cuda_header=GPU_LAYER_HEADER, cuda_src=self.cuda_src,
+                         data={**self.data, **sizes})
+        return dict(zip((name for name, _ in self.outputs), values))
+
+
+def step_op(block, key: tuple, build, *args) -> StepOp:
+    """The block's StepOp of `key`, built by build(block, *args) at the first step after the cache was reset."""
+    ops = block.decode_ops
+    if key not in ops:
+        ops[key] = build(block, *args)
+    return ops[key]
+
+
+def input_op(block, step: list, M: int, T: int) -> StepOp:
+    """The input side for the step's tensors x [M,D], cos, sin and, routed per sequence, gates [M,NW]."""
+    attn, D = block.attention, block.attention_norm.weight.shape[0]
     H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    gates = step[3] if len(step) > 3 else None
     inputs = cpp.CodeInputs()
-    inputs.add("x", x.float32().reshape(M, D))
+    for name, var in zip(("x", "COS", "SIN", "GATES"), step + [gates]):
+        inputs.add(name, var)
     inputs.add("ATTENTION_NORM", block.attention_norm.weight)
     routed = gates is None
     n_types = declare_router(inputs, block.adapter_type_router if routed else None,
                              block.adapter_threshold_fn if routed else None, D)
-    inputs.add("GATES", gates)
     for name, base in (("WQ", attn.wq), ("WK", attn.wk), ("WV", attn.wv)):
         declare_matrix(inputs, name, base)
     for target, lora in (("Q", attn.lora_Q), ("K", attn.lora_K), ("V", attn.lora_V)):
         declare_experts(inputs, target, lora)
-    inputs.add("COS", cos)
-    inputs.add("SIN", sin)
     inputs.add("Q_NORM", None if attn.q_norm is None else attn.q_norm.weight)
     inputs.add("K_NORM", None if attn.k_norm is None else attn.k_norm.weight)
     prompt_router = getattr(attn, "prompt_router", None)  # a mixture of prompt experts' [E,D]
@@ -162,33 +189,34 @@ def layer_input(block, x, cos, sin, gates=None):
     inputs.declare("float", eps=block.attention_norm.eps,
                    head_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0)
     declare_columns(inputs, block, dict(Q="Q", K="K", V="V"))
-    outputs = cpp.CodeOutputs()
-    for shape in ((M, H * hd), (M, Hkv * hd), (M, Hkv * hd)):  # out0_p, out1_p, out2_p: q, k, v
-        outputs.pointer(shape)
-    inputs.code += (f"float *PROBS = {outputs.pointer((M, max(n_types, 1)))}, "
-                    f"*GAMMAS = {outputs.pointer((M, 1)) if sparse else 'nullptr'}, "
-                    f"*PROMPT_MIX = {outputs.pointer((M, n_prompts)) if n_prompts else 'nullptr'};\n")
+    outputs = [("q", H * hd), ("k", Hkv * hd), ("v", Hkv * hd), ("probs", max(n_types, 1))]  # out0_p... out3_p
+    outputs += [("gamma", 1)] * sparse + [("prompt_mix", n_prompts)] * bool(n_prompts)
+    names = [name for name, _ in outputs]
+    out = lambda name: f"out{names.index(name)}_p" if name in names else "nullptr"
+    inputs.code += f"float *PROBS = out3_p, *GAMMAS = {out('gamma')}, *PROMPT_MIX = {out('prompt_mix')};\n"
     inputs.code += f"const float *WEIGHTS = {'PROBS' if routed else 'GATES'};\n"
-    q, k, v, probs, *rest = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
-                                    cpu_header=inputs.header(LAYER_HEADER), cpu_src=inputs.code + LAYER_INPUT,
-                                    cuda_header=GPU_LAYER_HEADER, cuda_src=inputs.code + GPU_LAYER_INPUT,
-                                    data=inputs.numbers.data)
-    gamma = rest.pop(0) if sparse else None
-    return q, k, v, probs if routed else gates, gamma, rest.pop(0) if n_prompts else None
+    return StepOp(inputs.header(LAYER_HEADER), inputs.code + LAYER_INPUT, inputs.code + GPU_LAYER_INPUT,
+                  inputs.vars[len(step):], inputs.numbers.data, tuple(outputs))
 
 
-def layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_pos):
-    # x [B,T,D], q [M,H*hd], cache [B,S,Hkv,hd], mask [T,S], probs [M,NT] (the families' weights), prompt_mix
-    # [M,E] (a prompt mixture's shares) or None -> [B,T,D]
+def layer_input(block, x, cos, sin, gates=None) -> dict:
+    """gates [M,NC]: the families' weights given (instance-level routing), else the type router's per token."""
+    # x [B,T,D] -> q [M,H*hd], k, v [M,Hkv*hd], probs [M,NT] (the type router's; absent when gates are given),
+    # gamma [M,1] (Sparse), prompt_mix [M,E] (a prompt mixture's shares); M = B*T
     B, T, D = x.shape
-    M, attn, ffn = B * T, block.attention, block.feed_forward
-    H, Hkv, hd, S = attn.n_heads, attn.n_kv_heads, attn.head_dim, cache_k.shape[1]
+    step = [x.float32().reshape(B * T, D), cos, sin] + ([] if gates is None else [gates])
+    return step_op(block, ("input", gates is None), input_op, step, B * T, T)(step, M=B * T, T=T)
+
+
+def output_op(block, step: list, M: int, T: int, S: int, start_pos) -> StepOp:
+    """The output side for the step's tensors x [M,D], q, the cache, mask, probs and a prompt mixture's shares."""
+    attn, ffn, D = block.attention, block.feed_forward, block.ffn_norm.weight.shape[0]
+    H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    prompt_mix = step[6] if len(step) > 6 else None
     inputs = cpp.CodeInputs()
-    cache_type = "const uint16_t *" if cache_k.dtype == "bfloat16" else "const float *"
-    for name, var, ctype in (("x", x.float32().reshape(M, D), "const float *"), ("q", q, "const float *"),
-                             ("cache_k", cache_k, cache_type), ("cache_v", cache_v, cache_type),
-                             ("mask", mask, "const float *"), ("probs", probs, "const float *")):
-        inputs.add(name, var, ctype)
+    cache_type = "const uint16_t *" if step[2].dtype == "bfloat16" else "const float *"
+    for name, var in zip(("x", "q", "cache_k", "cache_v", "mask", "probs", "PROMPT_MIX"), step + [prompt_mix]):
+        inputs.add(name, var, cache_type if name.startswith("cache") else "const float *")
     L = 0
     if attn.has_prompt:
         prompt_k, prompt_v = attn.prompt_keys_values(start_pos)
@@ -198,7 +226,6 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_p
         inputs.add("PROMPT_GATE", attn.prompt_gate.reshape(H))
     else:
         inputs.code += "const float *PROMPT_K = nullptr, *PROMPT_V = nullptr, *PROMPT_GATE = nullptr;\n"
-    inputs.add("PROMPT_MIX", prompt_mix)
     declare_matrix(inputs, "WO", attn.wo)
     declare_experts(inputs, "O", attn.lora_O)
     inputs.add("FFN_NORM", block.ffn_norm.weight)
@@ -208,15 +235,24 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_p
         declare_experts(inputs, target, lora)
     declare_adapters(inputs, block.p_adapter)
     inputs.declare(M=M, T=T, S=S, D=D, H=H, Hkv=Hkv, hd=hd, n_rep=H // Hkv, L=L, F=ffn.w1.weight.shape[0],
-                   NT=probs.shape[1], PROMPT_E=1 if prompt_mix is None else prompt_mix.shape[1])
+                   NT=step[5].shape[1], PROMPT_E=1 if prompt_mix is None else prompt_mix.shape[1])
     inputs.declare("float", eps=block.ffn_norm.eps, scale=1.0 / math.sqrt(hd), CLAMP_LIMIT=block.clamp or 0.0)
     inputs.declare("bool", CLAMP=block.clamp is not None)
     declare_columns(inputs, block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
                                         PADAPTER="PADAPTER"))
-    out = jt.code((M, D), "float32", inputs.vars, cpu_header=inputs.header(LAYER_HEADER),
-                  cpu_src=inputs.code + LAYER_OUTPUT,
-                  cuda_header=GPU_LAYER_HEADER, cuda_src=inputs.code + GPU_LAYER_OUTPUT, data=inputs.numbers.data)
-    return out.reshape(B, T, D)
+    return StepOp(inputs.header(LAYER_HEADER), inputs.code + LAYER_OUTPUT, inputs.code + GPU_LAYER_OUTPUT,
+                  inputs.vars[len(step):], inputs.numbers.data, (("out", D),))
+
+
+def layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_pos):
+    # x [B,T,D], q [M,H*hd], cache [B,S,Hkv,hd], mask [T,S], probs [M,NT] (the families' weights), prompt_mix
+    # [M,E] (a prompt mixture's shares) or None -> [B,T,D]
+    B, T, D = x.shape
+    S = cache_k.shape[1]
+    step = [x.float32().reshape(B * T, D), q, cache_k, cache_v, mask, probs]
+    step += [] if prompt_mix is None else [prompt_mix]
+    op = step_op(block, ("output", str(cache_k.dtype), prompt_mix is None), output_op, step, B * T, T, S, start_pos)
+    return op(step, M=B * T, T=T, S=S)["out"].reshape(B, T, D)
 
 
 def decode_layer(block, x, cos, sin, mask, start_pos, record, aux):
@@ -226,10 +262,11 @@ def decode_layer(block, x, cos, sin, mask, start_pos, record, aux):
     B, T, _ = x.shape
     attn = block.attention
     gates = block.sequence_gates(x, start_pos, record).float32().reshape(B * T, -1) if block.routes_sequences else None
-    q, k, v, probs, gamma, prompt_mix = layer_input(block, x, cos, sin, gates)
+    side = layer_input(block, x, cos, sin, gates)
+    probs, gamma, prompt_mix = side["probs"] if gates is None else gates, side.get("gamma"), side.get("prompt_mix")
     if record is not None and gates is None and block.type_names:
         record.update(type_weight=probs.reshape(B, T, -1), threshold=None if gamma is None else gamma.reshape(B, T, 1))
-    cache_k, cache_v = attn.update_cache(k.reshape(B, T, attn.n_kv_heads, attn.head_dim),
-                                         v.reshape(B, T, attn.n_kv_heads, attn.head_dim), start_pos)
-    return layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_pos)
+    cache_k, cache_v = attn.update_cache(side["k"].reshape(B, T, attn.n_kv_heads, attn.head_dim),
+                                         side["v"].reshape(B, T, attn.n_kv_heads, attn.head_dim), start_pos)
+    return layer_output(block, x, side["q"], cache_k, cache_v, mask, probs, prompt_mix, start_pos)
 
