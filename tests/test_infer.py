@@ -25,6 +25,7 @@ from Models.formats.adapters import export_authors_adapter, save_adapter
 from Models import LLM
 from Models.formats.base_model import base_args, build_model
 from Models.generate import generate, prefill_length
+from Models.kernels import decode_layer
 from Models.kernels.precision import set_base_precision
 from Utils import plots
 
@@ -164,6 +165,33 @@ def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tiny_qwen3, arch, v
             model.llama(jt.array(tokens), records=records)
         weights = np.concatenate([w.numpy().reshape(-1) for r in records for w in r["expert_weights"].values()])
         assert (weights == 0).mean() > 0.1 and (weights > 0.1).any()
+
+
+@pytest.mark.skipif(not LLM.layer_step.on(),
+                    reason="the fused decode layer is off here (a CPU without libdnnl, a GPU without MOA_GPU_KERNELS=1)")
+def test_decode_layer_ops_built_once_per_cache(monkeypatch, base_dir):
+    """The decode layer's two ops are built at a KV cache's first step and kept while it lives (StepOp): one build
+    of each per layer for a prefill and 5 steps; a reset (each generation's) builds them anew, so a base cast to
+    bf16 in between (new tensors) is what the next steps read, as the op-by-op layer reads it."""
+    model = build_model(base_dir, base_args(base_dir, max_seq_len=64, max_batch_size=2, **DECODE_EXPERTS["soft"]))
+    randomize_adapters(model, seed=7, scale=0.1)
+    model.eval()
+    builds = []
+    for name in ("input_op", "output_op"):
+        build = getattr(decode_layer, name)
+        monkeypatch.setattr(decode_layer, name, lambda *a, build=build: builds.append(1) or build(*a))
+    tokens = np.random.default_rng(3).integers(1, model.llama.args.vocab_size, (2, 8)).astype(np.int32)
+    layers = len(model.llama.layers)
+    with jt.no_grad():
+        fp32 = kv_logits(model.llama, tokens, prefill=3)
+        assert len(builds) == 2 * layers
+        set_base_precision(model, "bf16")
+        got = kv_logits(model.llama, tokens, prefill=3)
+        assert len(builds) == 4 * layers
+        monkeypatch.setattr(LLM.layer_step, "when", lambda *a: False)
+        want = kv_logits(model.llama, tokens, prefill=3)
+    assert np.abs(got - fp32).max() > 1e-3  # the cast changed the logits, and the cached ops saw it
+    np.testing.assert_allclose(got, want, atol=2e-2)
 
 
 class StopAt:
