@@ -62,7 +62,7 @@ auto best = [&](int which) {
     double fastest = 1e30;
     for (int r = 0; r < REPS; r++) {
         const auto t0 = std::chrono::steady_clock::now();
-        if (which == 0) base_product(M, N, K, x, W, UNITS, 0.f, y.data(), nullptr, DECODE);
+        if (which == 0) base_product(M, N, K, x, W, 0.f, y.data(), nullptr, DECODE);
         else dnnl_gemm_bf16bf16f32('N', 'T', M, N, K, 1.f, xb.get(), K, w.data(), K, 0.f, y.data(), N);
         fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
@@ -172,7 +172,7 @@ def product_gflops(rows: int, weight: jt.Var, scale, reps: int, decode: bool) ->
     inputs.add("x", x)
     inputs.code += f"const BaseMatrix W = {matrix_code(inputs, weight, scale)};\n"
     sizes = (f"const int64_t M = {rows}, N = {N}, K = {K}; const int REPS = {reps};\n"
-             f"const bool UNITS = {str(cpu_has_bf16_units()).lower()}, DECODE = {str(decode).lower()};\n")
+             f"const bool DECODE = {str(decode).lower()};\n")
     seconds = jt.code((2,), "float64", inputs.vars,
                       cpu_header=inputs.header(BASE_MATRIX_HEADER) + "#include <chrono>\n",
                       cpu_src=inputs.code + sizes + PRODUCT_TIMES, cuda_header=GPU_HEADER,

@@ -135,32 +135,38 @@ def cpu_has_bf16_units() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def product_numbers(M: int, N: int, K: int, units: bool, decode: bool = False) -> cpp.Numbers:
-    """A bf16 or int8 product's sizes, whether it uses the bf16 units, and whether it is a decode step's."""
-    return cpp.Numbers().declare(M=M, N=N, K=K).declare("bool", units=units, decode=decode)
+def product_numbers(M: int, N: int, K: int, decode: bool = False) -> cpp.Numbers:
+    """A bf16 or int8 product's sizes, and whether it is a decode step's."""
+    return cpp.Numbers().declare(M=M, N=N, K=K).declare("bool", decode=decode)
 
 
-def bf16_input_grad(grad_out: jt.Var, weight: jt.Var, units: bool) -> jt.Var:
+def widening(header: str, units: bool) -> str:
+    """An op's header that takes the bf16 units where the CPU has them (units True), or the widening forms
+    even there (False: the tests of what a CPU without the units runs; cpp/bf16_rows.h's MOA_UNITS)."""
+    return header if units else "#define MOA_UNITS 0\n" + header
+
+
+def bf16_input_grad(grad_out: jt.Var, weight: jt.Var, units: bool = True) -> jt.Var:
     """rounded(grad_out) [M,N] @ weight [N,K] (bf16) -> [M,K] fp32, through the fused kernel."""
     (M, N), K = grad_out.shape, weight.shape[1]
-    numbers = product_numbers(M, N, K, units)
-    return jt.code((M, K), "float32", [grad_out, weight], cpu_header=BF16_HEADER,
+    numbers = product_numbers(M, N, K)
+    return jt.code((M, K), "float32", [grad_out, weight], cpu_header=widening(BF16_HEADER, units),
                    cpu_src=numbers.code + BF16_BACKWARD, data=numbers.data)
 
 
 class BF16Linear(jt.Function):
-    """x [M,K] fp32 @ w [N,K]^T bf16 -> [M,N] fp32, gradient to x only. units=None asks the CPU. A decode
-    step's product (switch.decoding) reads the weights once for all its rows (cpp/bf16.h)."""
+    """x [M,K] fp32 @ w [N,K]^T bf16 -> [M,N] fp32, gradient to x only; units False: the widening forms (see
+    widening). A decode step's product (switch.decoding) reads the weights once for all its rows (cpp/bf16.h)."""
 
-    def __init__(self, units=None):
-        self.units = cpu_has_bf16_units() if units is None else units
+    def __init__(self, units: bool = True):
+        self.units = units
 
     def execute(self, x, weight):
         (M, K), N = x.shape, weight.shape[0]
         self.weight = weight
-        numbers = product_numbers(M, N, K, self.units, decoding(x, weight))
-        return jt.code((M, N), "float32", [x, weight], cpu_header=BF16_HEADER, cpu_src=numbers.code + BF16_FORWARD,
-                       data=numbers.data)
+        numbers = product_numbers(M, N, K, decoding(x, weight))
+        return jt.code((M, N), "float32", [x, weight], cpu_header=widening(BF16_HEADER, self.units),
+                       cpu_src=numbers.code + BF16_FORWARD, data=numbers.data)
 
     def grad(self, grad_out):
         return bf16_input_grad(grad_out, self.weight, self.units), None
@@ -169,7 +175,7 @@ class BF16Linear(jt.Function):
 def bf16_bits_input_grad(grad_bits: jt.Var, weight: jt.Var) -> jt.Var:
     """grad_bits [M,N] (bf16, already rounded) @ weight [N,K] (bf16) -> [M,K] fp32, through the fused kernel."""
     (M, N), K = grad_bits.shape, weight.shape[1]
-    numbers = product_numbers(M, N, K, cpu_has_bf16_units())
+    numbers = product_numbers(M, N, K)
     return jt.code((M, K), "float32", [grad_bits, weight], cpu_header=BF16_HEADER,
                    cpu_src=numbers.code + BF16_BACKWARD_BITS, data=numbers.data)
 
@@ -215,26 +221,27 @@ def dequantized(values: jt.Var, scale: jt.Var) -> jt.Var:
     return values.float32() * scale.unsqueeze(1)
 
 
-def int8_input_grad(grad_out: jt.Var, values: jt.Var, scale: jt.Var, units: bool) -> jt.Var:
+def int8_input_grad(grad_out: jt.Var, values: jt.Var, scale: jt.Var, units: bool = True) -> jt.Var:
     """bf16(grad_out [M,N] * scale) @ values [N,K] (int8) -> [M,K] fp32, through the fused kernel."""
     (M, N), K = grad_out.shape, values.shape[1]
-    numbers = product_numbers(M, N, K, units)
-    return jt.code((M, K), "float32", [grad_out, values, scale], cpu_header=INT8_HEADER,
+    numbers = product_numbers(M, N, K)
+    return jt.code((M, K), "float32", [grad_out, values, scale], cpu_header=widening(INT8_HEADER, units),
                    cpu_src=numbers.code + INT8_BACKWARD, data=numbers.data)
 
 
 class Int8Linear(jt.Function):
     """x [M,K] fp32 @ (scale [N] * values [N,K] int8)^T -> [M,N] fp32, gradient to x only, by the int8 rule
-    above. units=None asks the CPU; a decode step's product reads the values once (cpp/int8.h)."""
+    above; units False: the widening forms (see widening). A decode step's product reads the values once
+    (cpp/int8.h)."""
 
-    def __init__(self, units=None):
-        self.units = cpu_has_bf16_units() if units is None else units
+    def __init__(self, units: bool = True):
+        self.units = units
 
     def execute(self, x, values, scale):
         (M, K), N = x.shape, values.shape[0]
         self.saved = values, scale
-        numbers = product_numbers(M, N, K, self.units, decoding(x, values))
-        return jt.code((M, N), "float32", [x, values, scale], cpu_header=INT8_HEADER,
+        numbers = product_numbers(M, N, K, decoding(x, values))
+        return jt.code((M, N), "float32", [x, values, scale], cpu_header=widening(INT8_HEADER, self.units),
                        cpu_src=numbers.code + INT8_FORWARD, data=numbers.data)
 
     def grad(self, grad_out):
@@ -282,7 +289,7 @@ def base_linear(x: jt.Var, weight: jt.Var, scale=None) -> jt.Var:
 def base_input_grad(grad_out: jt.Var, weight: jt.Var, scale=None) -> jt.Var:
     """grad_out [M,N] fp32 @ weight [N,K] -> [M,K] fp32 for an fp32 or int8 base weight, fused."""
     if weight.dtype == "int8":
-        return int8_input_grad(grad_out, weight, scale, cpu_has_bf16_units())
+        return int8_input_grad(grad_out, weight, scale)
     return fused_linear_input_grad(grad_out, weight)
 
 

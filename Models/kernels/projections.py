@@ -20,7 +20,7 @@ from . import cpp
 from .elementwise import silu_gate
 from .experts import add_projected, gated_projection
 from .linear import linear
-from .precision import base_linear, bf16_rule, bf16_values, cpu_has_bf16_units, matrix_code, to_bf16
+from .precision import base_linear, bf16_rule, bf16_values, matrix_code, to_bf16
 from .switch import Kernel, decoding
 
 LORA_PROJECT_HEADER = cpp.source("lora_project.h")
@@ -107,7 +107,7 @@ class LoRAProjections(jt.Function):
         M, K = xs[0].shape
         self.saved = (xs, projections)
         self.numbers = (cpp.Numbers().declare(M=M, K=K)
-                        .declare("bool", BF16_RULE=bf16_rule(projections[0].base_weight), units=cpu_has_bf16_units()))
+                        .declare("bool", BF16_RULE=bf16_rule(projections[0].base_weight)))
         inputs, outputs = cpp.CodeInputs(), cpp.CodeOutputs()
         pointers = [inputs.pointer(v) for v in xs]
         bases = [matrix_code(inputs, p.base_weight, p.base_scale) for p in projections]
@@ -117,7 +117,7 @@ class LoRAProjections(jt.Function):
         code = self.input_code(pointers, outputs) + PROJECTIONS_FORWARD
         for i, (p, W, (A, B, w), y, u) in enumerate(zip(projections, bases, experts, ys, us)):
             N, R, scale = projection_numbers(self.numbers, i, p)
-            code += f"project_forward(M, {N}, K, {R}, x, xb, {W}, units, {A}, {B}, {w}, {scale}, {y}, {u});\n"
+            code += f"project_forward(M, {N}, K, {R}, x, xb, {W}, {A}, {B}, {w}, {scale}, {y}, {u});\n"
         results = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
                           cpu_header=inputs.header(PROJECTIONS_HEADER), cpu_src=self.numbers.code + code,
                           data=self.numbers.data)
@@ -145,7 +145,7 @@ class LoRAProjections(jt.Function):
             dA, dB, dw = ((outputs.pointer(e.A.shape), outputs.pointer(e.B.shape),
                            outputs.pointer(e.route_weight.shape) if e.route_weight is not None else "nullptr")
                           if e else ("nullptr",) * 3)
-            code += (f"project_backward(M, {N}, K, {R}, x, {W}, units, {A}, {B}, {w}, {scale}, {u}, {g}, "
+            code += (f"project_backward(M, {N}, K, {R}, x, {W}, {A}, {B}, {w}, {scale}, {u}, {g}, "
                      f"{'0.f' if i == 0 else '1.f'}, dx, {dA}, {dB}, {dw});\n")
         results = jt.code(outputs.shapes, ["float32"] * len(outputs.shapes), inputs.vars,
                           cpu_header=inputs.header(PROJECTIONS_HEADER), cpu_src=self.numbers.code + code + end,

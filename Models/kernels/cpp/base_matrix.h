@@ -13,22 +13,22 @@
 static constexpr bool compiled(Storage s) { return (MOA_STORAGES >> s) & 1; }
 // y [M,N] = beta y + x [M,K] W^T. xb: x narrowed to bf16 once for several products (bf16 units), or null;
 // decode: a decode step's product (no gradient; at most DECODE_ROWS rows, GEMV_ROWS for fp32)
-static void base_product(int64_t M, int64_t N, int64_t K, const float *x, const BaseMatrix &W, bool units, float beta,
-                         float *y, const uint16_t *xb = nullptr, bool decode = false) {
+static void base_product(int64_t M, int64_t N, int64_t K, const float *x, const BaseMatrix &W, float beta, float *y,
+                         const uint16_t *xb = nullptr, bool decode = false) {
     if (compiled(BF16) && W.storage == BF16)
-        bf16_forward(M, N, K, x, (const uint16_t *)W.values, units, beta, y, xb, decode);
+        bf16_forward(M, N, K, x, (const uint16_t *)W.values, beta, y, xb, decode);
     else if (compiled(INT8) && W.storage == INT8)
-        int8_forward(M, N, K, x, (const int8_t *)W.values, W.scale, units, beta, y, xb, decode);
+        int8_forward(M, N, K, x, (const int8_t *)W.values, W.scale, beta, y, xb, decode);
     else if (decode && beta == 0.f && M <= GEMV_ROWS) gemv(M, N, K, x, (const float *)W.values, y);
     else dnnl_sgemm('N', 'T', M, N, K, 1.f, x, K, (const float *)W.values, K, beta, y, N);
 }
 // dx [M,K] = beta dx + dy [M,N] W (under the storage's rule); the base is frozen: no weight gradient
-static void base_input_grad(int64_t M, int64_t N, int64_t K, const float *dy, const BaseMatrix &W, bool units, float beta,
+static void base_input_grad(int64_t M, int64_t N, int64_t K, const float *dy, const BaseMatrix &W, float beta,
                             float *dx) {
     if (compiled(BF16) && W.storage == BF16)
-        bf16_backward(M, N, K, dy, (const uint16_t *)W.values, units, beta, dx);
+        bf16_backward(M, N, K, dy, (const uint16_t *)W.values, beta, dx);
     else if (compiled(INT8) && W.storage == INT8)
-        int8_backward(M, N, K, dy, (const int8_t *)W.values, W.scale, units, beta, dx);
+        int8_backward(M, N, K, dy, (const int8_t *)W.values, W.scale, beta, dx);
     else dnnl_sgemm('N', 'N', M, K, N, 1.f, dy, N, (const float *)W.values, K, beta, dx, K);
 }
 #endif

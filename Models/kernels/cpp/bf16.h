@@ -41,16 +41,16 @@ static std::unique_ptr<float[]> rounded(const float *a, int64_t n) {
 // prefill): the bf16 units, else widening is cheap next to the product; PANEL weight rows at a time,
 // each one threaded sgemm, so the fp32 copy stays small (the 8B output matrix widened whole is 2.1 GB).
 // xb: x already narrowed (narrowed()) where several products read it, or null.
-static void bf16_forward(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, bool units, float beta,
-                         float *y, const uint16_t *xb = nullptr, bool decode = false) {
-    if (decode && rows_kernel_serves(M, units)) {
-        bf16_rows(M, N, K, x, w, units, beta, y);
+static void bf16_forward(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, float beta, float *y,
+                         const uint16_t *xb = nullptr, bool decode = false) {
+    if (decode && rows_kernel_serves(M)) {
+        bf16_rows(M, N, K, x, w, beta, y);
     } else if (M <= GEMV_ROWS) {
         const auto xr = rounded(x, M * K);
         std::vector<float> product(beta == 0.f ? 0 : M * N);
         gemv(M, N, K, xr.get(), w, beta == 0.f ? y : product.data());
         if (beta != 0.f) for (int64_t i = 0; i < M * N; i++) y[i] += product[i];
-    } else if (!(units && gemm_bf16_units('T', M, N, K, x, w, K, beta, y, xb))) {
+    } else if (!(UNITS && gemm_bf16_units('T', M, N, K, x, w, K, beta, y, xb))) {
         const auto xr = rounded(x, M * K);
         auto wf = scratch<float>(std::min(N, PANEL) * K);
         for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
@@ -74,15 +74,14 @@ static void widened_backward(int64_t M, int64_t N, int64_t K, const float *dyr, 
     }
 }
 // dx [M,K] = beta dx + dy [M,N] w [N,K] (dy rounded to bf16); the weights are frozen, so no weight gradient.
-static void bf16_backward(int64_t M, int64_t N, int64_t K, const float *dy, const uint16_t *w, bool units, float beta,
-                          float *dx) {
-    if (units && gemm_bf16_units('N', M, K, N, dy, w, K, beta, dx)) return;
+static void bf16_backward(int64_t M, int64_t N, int64_t K, const float *dy, const uint16_t *w, float beta, float *dx) {
+    if (UNITS && gemm_bf16_units('N', M, K, N, dy, w, K, beta, dx)) return;
     widened_backward(M, N, K, rounded(dy, M * N).get(), w, beta, dx);
 }
 // The same for a dy given as bf16 bits (the loss writes its gradient so, in one pass)
-static void bf16_backward_bits(int64_t M, int64_t N, int64_t K, const uint16_t *dy, const uint16_t *w, bool units,
-                               float beta, float *dx) {
-    if (units && dnnl_gemm_bf16bf16f32('N', 'N', M, K, N, 1.f, dy, N, w, K, beta, dx, K) == 0) return;
+static void bf16_backward_bits(int64_t M, int64_t N, int64_t K, const uint16_t *dy, const uint16_t *w, float beta,
+                               float *dx) {
+    if (UNITS && dnnl_gemm_bf16bf16f32('N', 'N', M, K, N, 1.f, dy, N, w, K, beta, dx, K) == 0) return;
     auto dyr = scratch<float>(M * N);
     #pragma omp parallel for
     for (int64_t i = 0; i < M * N; i++) dyr[i] = widen(dy[i]);

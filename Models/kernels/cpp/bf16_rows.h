@@ -18,6 +18,16 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+// UNITS: the op's bf16 and int8 products run on the CPU's bf16 units (avx512_bf16, which Jittor's -march=native
+// announces as __AVX512BF16__), else they widen bf16 values to fp32; an op defines MOA_UNITS 0 to take the
+// widening forms on a CPU with the units (the tests of what a CPU without them runs). A constant of the op's text:
+// each form of the rows kernels is about a fifth of a bf16 op's compile time, and an op compiles one.
+#if defined(__AVX512BF16__) && (!defined(MOA_UNITS) || MOA_UNITS)
+#define MOA_BF16_UNITS 1
+#else
+#define MOA_BF16_UNITS 0
+#endif
+static constexpr bool UNITS = MOA_BF16_UNITS;
 // Products of at most this many rows run as a decode step's pass over the weights (switch.py reads it)
 static const int64_t DECODE_ROWS = 64;
 // 5 x 5 accumulators, the x and weight steps in the other 6 registers (with 4 x 6 the compiler reloaded
@@ -158,14 +168,14 @@ static void bf16_rows_with(int64_t M, int64_t N, int64_t K, const float *x, cons
     }
 }
 
-// y [M,N] = beta y + x [M,K] w [N,K]^T for a decode step's rows (rows_kernel_serves); units: use the
-// bf16 units where this CPU has them (false: the widening steps, as on a CPU without them)
-static void bf16_rows(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, bool units, float beta,
-                      float *y) {
-#if defined(__AVX512BF16__)
-    if (units) { bf16_rows_with<UnitSteps>(M, N, K, x, w, nullptr, beta, y); return; }
-#endif
+// y [M,N] = beta y + x [M,K] w [N,K]^T for a decode step's rows (rows_kernel_serves), on the bf16 units (UNITS)
+// or widening
+static void bf16_rows(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, float beta, float *y) {
+#if MOA_BF16_UNITS
+    bf16_rows_with<UnitSteps>(M, N, K, x, w, nullptr, beta, y);
+#else
     bf16_rows_with<WidenedSteps>(M, N, K, x, w, nullptr, beta, y);
+#endif
 }
 
 // With the bf16 units this kernel serves a decode step from this many rows on, not only above GEMV_ROWS:
@@ -173,11 +183,8 @@ static void bf16_rows(int64_t M, int64_t N, int64_t K, const float *x, const uin
 // 14336 x 4096 from memory, fp32 x: 8 rows 33 vs 23 ms, 12 rows 114 vs 29, 16 rows 185 vs 35; 1-4 alike).
 static const int64_t UNIT_ROWS_FROM = 5;
 
-// whether a decode step of M rows takes this kernel; `units`: the bf16 units are asked for (and built)
-static inline bool rows_kernel_serves(int64_t M, bool units) {
-#if !defined(__AVX512BF16__)
-    units = false;
-#endif
-    return M <= DECODE_ROWS && (M > GEMV_ROWS || (units && M >= UNIT_ROWS_FROM));
+// whether a decode step of M rows takes this kernel
+static inline bool rows_kernel_serves(int64_t M) {
+    return M <= DECODE_ROWS && (M > GEMV_ROWS || (UNITS && M >= UNIT_ROWS_FROM));
 }
 #endif

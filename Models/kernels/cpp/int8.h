@@ -75,12 +75,13 @@ struct Int8UnitSteps : UnitSteps {
     }
 };
 #endif
-static void int8_rows(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q, const float *s, bool units,
-                      float beta, float *y) {
-#if defined(__AVX512BF16__)
-    if (units) { bf16_rows_with<Int8UnitSteps>(M, N, K, x, q, s, beta, y); return; }
-#endif
+static void int8_rows(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q, const float *s, float beta,
+                      float *y) {
+#if MOA_BF16_UNITS
+    bf16_rows_with<Int8UnitSteps>(M, N, K, x, q, s, beta, y);
+#else
     bf16_rows_with<Int8WidenedSteps>(M, N, K, x, q, s, beta, y);
+#endif
 }
 
 // C = A B^T ('T') or A B ('N') with fp32 sums, beta 0 or 1, of operands as bf16 bits (the bf16 units: false where
@@ -110,10 +111,10 @@ static bool int8_gemm_as(int64_t M, int64_t N, int64_t K, const E *xe, const int
     }
     return true;
 }
-// the same for fp32 x (narrowed here, or given as bits xb), on the bf16 units where `units` and this CPU allow
-static void int8_gemm(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q, const float *s, bool units,
-                      float beta, float *y, const uint16_t *xb) {
-    if (units) {
+// the same for fp32 x (narrowed here, or given as bits xb), on the bf16 units where the op takes them and oneDNN can
+static void int8_gemm(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q, const float *s, float beta,
+                      float *y, const uint16_t *xb) {
+    if (UNITS) {
         std::unique_ptr<uint16_t[]> own;
         if (!xb) { own = narrowed(x, M * K); xb = own.get(); }
         if (int8_gemm_as(M, N, K, xb, q, s, beta, y)) return;
@@ -124,25 +125,22 @@ static void int8_gemm(int64_t M, int64_t N, int64_t K, const float *x, const int
 // whether a decode step of M rows takes the rows kernel with int8 weights: where it does with bf16 ones and, on the
 // bf16 units, from 2 rows on (the GEMV pass took about 1.5x its time at 2 rows and 2.6-3.4x at 4, over
 // [4, 4096] x [14336, 4096]^T on a Zen 4 EPYC; at 1 row the GEMV pass reads at the streaming rate)
-static inline bool int8_rows_serve(int64_t M, bool units) {
-#if !defined(__AVX512BF16__)
-    units = false;
-#endif
-    return rows_kernel_serves(M, units) || (units && M >= 2 && M <= DECODE_ROWS);
+static inline bool int8_rows_serve(int64_t M) {
+    return rows_kernel_serves(M) || (UNITS && M >= 2 && M <= DECODE_ROWS);
 }
 // y [M,N] = beta y + x [M,K] W^T for W = s * q; `decode`: a decode step's product (the rows kernel where it
 // serves, else the GEMV pass up to GEMV_ROWS rows), as bf16_forward
-static void int8_forward(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q, const float *s, bool units,
-                         float beta, float *y, const uint16_t *xb = nullptr, bool decode = false) {
-    if (decode && int8_rows_serve(M, units)) {
-        int8_rows(M, N, K, x, q, s, units, beta, y);
+static void int8_forward(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q, const float *s, float beta,
+                         float *y, const uint16_t *xb = nullptr, bool decode = false) {
+    if (decode && int8_rows_serve(M)) {
+        int8_rows(M, N, K, x, q, s, beta, y);
     } else if (M <= GEMV_ROWS) {
         const auto xr = rounded(x, M * K);
         auto c = scratch<float>(M * N);
         gemv(M, N, K, xr.get(), q, c.get());
         add_scaled(M, N, 0, N, c.get(), s, beta, y);
     } else {
-        int8_gemm(M, N, K, x, q, s, units, beta, y, xb);
+        int8_gemm(M, N, K, x, q, s, beta, y, xb);
     }
 }
 
@@ -162,11 +160,11 @@ static bool int8_backward_as(int64_t M, int64_t N, int64_t K, const float *dy, c
     }
     return true;
 }
-// the same for fp32 operands, on the bf16 units where `units` and this CPU allow; the weights are frozen, so no
-// weight gradient
-static void int8_backward(int64_t M, int64_t N, int64_t K, const float *dy, const int8_t *q, const float *s, bool units,
-                          float beta, float *dx) {
-    if (!(units && int8_backward_as<uint16_t>(M, N, K, dy, q, s, beta, dx)))
+// the same for fp32 operands, on the bf16 units where the op takes them and oneDNN can; the weights are frozen, so
+// no weight gradient
+static void int8_backward(int64_t M, int64_t N, int64_t K, const float *dy, const int8_t *q, const float *s, float beta,
+                          float *dx) {
+    if (!(UNITS && int8_backward_as<uint16_t>(M, N, K, dy, q, s, beta, dx)))
         int8_backward_as<float>(M, N, K, dy, q, s, beta, dx);
 }
 #endif

@@ -35,7 +35,7 @@ static void add_low_rank(int64_t M, int64_t N, int64_t E, int64_t R, const float
 }
 static void lora_project(int64_t M, int64_t N, int64_t K, int64_t R, const float *x, const BaseMatrix &base,
                          const float *A, const float *Bw, const float *w, int64_t w_stride, float scale, float *y) {
-    base_product(M, N, K, x, base, true, 0.f, y, nullptr, true);
+    base_product(M, N, K, x, base, 0.f, y, nullptr, true);
     if (!A) return;
     std::vector<float> u(M * R);
     gemv(M, R, K, x, A, u.data());
@@ -50,7 +50,7 @@ static void experts_project(int64_t M, int64_t N, int64_t K, const float *x, con
         lora_project(M, N, K, ex.R, x, base, ex.E ? ex.A[0] : nullptr, ex.B[0], w, w_stride, ex.scale, y);
         return;
     }
-    base_product(M, N, K, x, base, true, 0.f, y, nullptr, true);
+    base_product(M, N, K, x, base, 0.f, y, nullptr, true);
     const int64_t E = ex.E, R = ex.R;
     std::vector<float> low(ex.NA * M * R), u(M * E * R), logits(M * E), threshold(M, 0.f);
     for (int64_t a = 0; a < ex.NA; a++) gemv(M, R, K, x, ex.A[a], low.data() + a * M * R);  // [NA][M][R]
