@@ -101,7 +101,7 @@ begin() {
 # in parallel)
 decode_tests() {
   step gpu_decode 340 env use_cuda=1 MOA_GPU_KERNELS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rf \
-    tests/test_infer.py -k "decode_layer_equals or greedy_cache or batch_of_4 or records_match"
+    tests/test_infer.py -k "decode_layer_equals or built_once or greedy_cache or batch_of_4 or records_match"
 }
 
 # side_by_side NAME SECONDS ARGS...: bench/side_by_side.py beside the authors' code on the GPU in bf16, as step NAME
