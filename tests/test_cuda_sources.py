@@ -192,7 +192,8 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=tolerance)
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
-    routed_layers = len(model.llama.layers) if variant in ("sparse", "soft", "instance", "unipeft", "moa_experts") else 0
+    routed = ("sparse", "soft", "instance", "unipeft", "moa_experts")
+    routed_layers = len(model.llama.layers) if variant in routed else 0
     assert len(got_routing) == len(want_routing) == routed_layers * (2 if variant == "sparse" else 1)
     for ours, plain in zip(got_routing, want_routing):
         np.testing.assert_allclose(ours, plain, atol=tolerance)

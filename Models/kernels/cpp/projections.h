@@ -18,8 +18,8 @@ static void project_forward(int64_t M, int64_t N, int64_t K, int64_t R, const fl
     base_product(M, N, K, x, W, 1.f, y, xb);
 }
 static void project_backward(int64_t M, int64_t N, int64_t K, int64_t R, const float *x, const BaseMatrix &W,
-                             const float *A, const float *Bw, const float *w, float scale, const float *u, const float *g,
-                             float beta, float *dx, float *dA, float *dB, float *dw) {
+                             const float *A, const float *Bw, const float *w, float scale, const float *u,
+                             const float *g, float beta, float *dx, float *dA, float *dB, float *dw) {
     if (A) {
         std::vector<float> gu(M * R), du(M * R), uw(M * R);
         dnnl_sgemm('N', 'N', M, R, N, 1.f, g, N, Bw, R, 0.f, gu.data(), R);
