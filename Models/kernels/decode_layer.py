@@ -154,8 +154,9 @@ class StepOp:
         return dict(zip((name for name, _ in self.outputs), values))
 
 
-def step_op(block, key: tuple, build, *args) -> StepOp:
-    """The block's StepOp of `key`, built by build(block, *args) at the first step after the cache was reset."""
+def step_op(block, key: str, build, *args) -> StepOp:
+    """The block's StepOp of `key` ("input", "output"), built by build(block, *args) at the first step after the
+    cache was reset."""
     ops = block.decode_ops
     if key not in ops:
         ops[key] = build(block, *args)
@@ -205,7 +206,7 @@ def layer_input(block, x, cos, sin, gates=None) -> dict:
     # gamma [M,1] (Sparse), prompt_mix [M,E] (a prompt mixture's shares); M = B*T
     B, T, D = x.shape
     step = [x.float32().reshape(B * T, D), cos, sin] + ([] if gates is None else [gates])
-    return step_op(block, ("input", gates is None), input_op, step, B * T, T)(step, M=B * T, T=T)
+    return step_op(block, "input", input_op, step, B * T, T)(step, M=B * T, T=T)
 
 
 def output_op(block, step: list, M: int, T: int, S: int, start_pos) -> StepOp:
@@ -251,7 +252,7 @@ def layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_p
     S = cache_k.shape[1]
     step = [x.float32().reshape(B * T, D), q, cache_k, cache_v, mask, probs]
     step += [] if prompt_mix is None else [prompt_mix]
-    op = step_op(block, ("output", str(cache_k.dtype), prompt_mix is None), output_op, step, B * T, T, S, start_pos)
+    op = step_op(block, "output", output_op, step, B * T, T, S, start_pos)
     return op(step, M=B * T, T=T, S=S)["out"].reshape(B, T, D)
 
 

@@ -36,4 +36,10 @@ static void head_norms(float *x, int64_t n, int64_t hd, const float *w, float ep
     }
 }
 static inline float column(const float *probs, int64_t NT, int64_t m, int64_t col) { return col < 0 ? 1.f : probs[m * NT + col]; }
+// shares [M,E] = softmax(x [M,K] W^T + b) per row: a prompt or adapter mixture's router
+static void router_shares(int64_t M, int64_t E, int64_t K, const float *x, const float *W, const float *b,
+                          float *shares) {
+    gemv(M, E, K, x, W, shares);
+    for (int64_t m = 0; m < M; m++) softmax_gates(shares + m * E, b, E, shares + m * E);
+}
 #endif

@@ -14,12 +14,8 @@ for (int64_t m = 0; m < M; m++) {
 #include "route_row.cc"
     if (SPARSE) GAMMAS[m] = gamma;
 }
-if (PROMPT_E > 1)  // a mixture of prompt experts: each row's shares of them, softmax(router(xn)), for layer_output
-    for (int64_t m = 0; m < M; m++) {
-        float *shares = PROMPT_MIX + m * PROMPT_E;
-        for (int64_t e = 0; e < PROMPT_E; e++) shares[e] = dot(xn.data() + m * D, PROMPT_ROUTER_W + e * D, D);
-        softmax_gates(shares, PROMPT_ROUTER_B, PROMPT_E, shares);
-    }
+if (PROMPT_E > 1)  // a mixture of prompt experts: each row's shares of them, for layer_output
+    router_shares(M, PROMPT_E, D, xn.data(), PROMPT_ROUTER_W, PROMPT_ROUTER_B, PROMPT_MIX);
 experts_project(M, H * hd, D, xn.data(), WQ, LORA_Q, COL_Q < 0 ? nullptr : WEIGHTS + COL_Q, NW, out0_p);
 experts_project(M, Hkv * hd, D, xn.data(), WK, LORA_K, COL_K < 0 ? nullptr : WEIGHTS + COL_K, NW, out1_p);
 experts_project(M, Hkv * hd, D, xn.data(), WV, LORA_V, COL_V < 0 ? nullptr : WEIGHTS + COL_V, NW, out2_p);

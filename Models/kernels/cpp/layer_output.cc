@@ -33,10 +33,7 @@ for (int64_t i = 0; i < M * D; i++) y[i] += h[i];
 if (P > 0) {  // the parallel adapter's experts on the FFN's input: up(silu(down(hn) + b) + b), weighted by the
               // type weight and, in a mixture, by each row's shares softmax(router(hn))
     std::vector<float> a(M * P), z(M * D), shares(M * PA_E, 1.f);
-    if (PA_E > 1) {
-        gemv(M, PA_E, D, hn.data(), PA_ROUTER_W, shares.data());
-        for (int64_t m = 0; m < M; m++) softmax_gates(&shares[m * PA_E], PA_ROUTER_B, PA_E, &shares[m * PA_E]);
-    }
+    if (PA_E > 1) router_shares(M, PA_E, D, hn.data(), PA_ROUTER_W, PA_ROUTER_B, shares.data());
     for (int64_t e = 0; e < PA_E; e++) {
         if (e < PA_ND) {  // one down projection (PA_ND 1) feeds every up
             gemv(M, P, D, hn.data(), PA_DOWN_W[e], a.data());

@@ -227,6 +227,13 @@ __global__ void softmax_rows(float *gates, const float *bias, int64_t M, int64_t
     for (int64_t m = (int64_t)blockIdx.x * BLOCK + threadIdx.x; m < M; m += (int64_t)gridDim.x * BLOCK)
         softmax_gates(gates + m * E, bias, E, gates + m * E);
 }
+// shares [M,E] = softmax(x [M,K] W^T + b) per row: a prompt or adapter mixture's router (cpp/decode_layer.h's
+// router_shares)
+static void router_shares(int64_t M, int64_t E, int64_t K, const float *x, const float *W, const float *b,
+                          float *shares) {
+    product_by_columns(M, E, K, x, W, shares);
+    softmax_rows<<<blocks_for(M), BLOCK>>>(shares, b, M, E);
+}
 // a mixture of parallel adapters: mixed [M,D] (= 0 before expert 0) += shares[m,e] (z + bias), expert e's output
 // z [M,D] under its share of each row, shares [M,E]
 __global__ void add_adapter_share(float *mixed, const float *z, const float *bias, const float *shares, int64_t E,

@@ -6,10 +6,8 @@ float *xn = scratch_floats(M * D);
 norm_rows<<<M, BLOCK>>>(x, nullptr, nullptr, ATTENTION_NORM, D, eps, xn);
 if (NT > 0)
     route(M, x, Router{W1, B1, W3, B3, W2, B2, GW, GB, D, NT, HIDDEN, SPARSE, LEARNED, MAX_THRESHOLD}, PROBS, GAMMAS);
-if (PROMPT_E > 1) {  // a mixture of prompt experts: each row's shares of them, softmax(router(xn)), for layer_output
-    product_by_columns(M, PROMPT_E, D, xn, PROMPT_ROUTER_W, PROMPT_MIX);
-    softmax_rows<<<blocks_for(M), BLOCK>>>(PROMPT_MIX, PROMPT_ROUTER_B, M, PROMPT_E);
-}
+if (PROMPT_E > 1)  // a mixture of prompt experts: each row's shares of them, for layer_output
+    router_shares(M, PROMPT_E, D, xn, PROMPT_ROUTER_W, PROMPT_ROUTER_B, PROMPT_MIX);
 experts_project<WQ_STORAGE>(M, H * hd, D, xn, WQ, LORA_Q, COL_Q < 0 ? nullptr : WEIGHTS + COL_Q, NW, out0_p);
 experts_project<WK_STORAGE>(M, Hkv * hd, D, xn, WK, LORA_K, COL_K < 0 ? nullptr : WEIGHTS + COL_K, NW, out1_p);
 experts_project<WV_STORAGE>(M, Hkv * hd, D, xn, WV, LORA_V, COL_V < 0 ? nullptr : WEIGHTS + COL_V, NW, out2_p);

@@ -25,8 +25,7 @@ if (P > 0) {  // the parallel adapter's experts on the FFN's input: up(silu(down
     if (PA_E > 1) {
         shares = scratch_floats(M * PA_E);
         mixed = scratch_floats(M * D);
-        product_by_columns(M, PA_E, D, hn, PA_ROUTER_W, shares);
-        softmax_rows<<<blocks_for(M), BLOCK>>>(shares, PA_ROUTER_B, M, PA_E);
+        router_shares(M, PA_E, D, hn, PA_ROUTER_W, PA_ROUTER_B, shares);
     }
     for (int64_t e = 0; e < PA_E; e++) {
         if (e < PA_ND) {  // one down projection (PA_ND 1) feeds every up
