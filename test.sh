@@ -17,8 +17,12 @@ if [ -n "$CACHE" ] && [ ! -e "$MARKER" ]; then
 fi
 whole=1
 for arg in "$@"; do [ -e "${arg%%::*}" ] && whole=0; done  # a file or folder named: part of the suite
+# Workers (pytest-xdist), one a core up to 4 (MOA_TEST_WORKERS overrides; 0: one process): most tests run on one
+# thread, and a worker that runs out of tests takes half of another's (worksteal). Jittor compiles one kernel at a
+# time across processes (its cache's lock).
+cores=$(nproc); workers="${MOA_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"; [ "$workers" = 1 ] && workers=0
 status=0
 # at the end: the 25 slowest tests and the time per test file (conftest.py), kernels compiled included
-"$PYTHON" -m pytest -q -p no:cacheprovider --durations=25 "$@" || status=$?
+"$PYTHON" -m pytest -q -p no:cacheprovider -n "$workers" --dist worksteal --durations=25 "$@" || status=$?
 if [ -n "$CACHE" ] && [ "$whole" = 1 ] && [ "$status" -le 1 ]; then touch "$MARKER"; fi  # 0 passed, 1 failures
 exit "$status"

@@ -6,10 +6,10 @@
 #                                            # (default 560: one 10-minute command, the machine's start apart)
 #   bash scripts/gpu_check.sh decode [SECONDS]  # there: generation on the GPU against its rooflines (below)
 # The GPU machine has no package registries and its own Python 3.12 with torch, transformers and most of our
-# requirements; .gpu/wheels carries the rest (Jittor built as a wheel, numpy < 2, tensorboardX, astunparse) and
-# .gpu/ref the authors' sources for the side by side (scripts/carry_authors.sh). `run` makes the usual venv
-# (~/.venvs/moa-jittor) over the image's packages, installs the wheels, runs setup.sh (Jittor's patches, its first
-# compile), prints the environment, then, each step timed and bounded by what is left:
+# requirements; .gpu/wheels carries the rest (Jittor built as a wheel, numpy < 2, tensorboardX, astunparse,
+# pytest-xdist and its execnet) and .gpu/ref the authors' sources for the side by side (scripts/carry_authors.sh).
+# `run` makes the usual venv (~/.venvs/moa-jittor) over the image's packages, installs the wheels, runs setup.sh
+# (Jittor's patches, its first compile), prints the environment, then, each step timed and bounded by what is left:
 #   alone, so that its figures are the GPU's: the side by side with the authors' code, Sparse MoA at medium
 #   bf16 (bench/side_by_side.py --device cuda); then in parallel (compiling CUDA kernels is most of their time, and the
 #   machine has 16 cores): bash demo.sh (accuracy against the base) and the golden parity tests; then, with the
@@ -27,10 +27,11 @@ fetch() {
   rm -rf "$wheels" && mkdir -p "$wheels"
   "$py" -m pip download -q --no-deps --no-binary :all: -d "$wheels/src" "jittor==1.3.11.0"
   "$py" -m pip wheel -q --no-deps -w "$wheels" "$wheels"/src/jittor-*.tar.gz && rm -rf "$wheels/src"
-  local tbx; tbx="$("$py" -c 'import tensorboardX; print(tensorboardX.__version__)')"
+  local pins; pins="$("$py" -c 'from importlib.metadata import version as v
+print(*(f"{p}=={v(p)}" for p in ("tensorboardX", "pytest-xdist", "execnet")))')"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$wheels" \
-    "numpy==1.26.4" "tensorboardX==$tbx" "astunparse==1.6.3"
+    "numpy==1.26.4" "astunparse==1.6.3" $pins
   MOA_MIRROR="${MOA_MIRROR:-/work/.mirror/DCDmllm+MoA/repo}" bash "$HERE/scripts/carry_authors.sh"
   du -sh "$CARRY"/*
 }

@@ -87,10 +87,14 @@ def shared_path(*parts):
     return path
 
 
-# ---- the time summary: where a run's time went, per test file (test.sh adds pytest's slowest tests)
+# ---- the order and the time summary: where a run's time went, per test file (test.sh adds pytest's slowest tests)
 
 JIT_DIR = os.path.join(jt.flags.cache_path, "jit")
-FILE_TIMES = {}  # test file: [seconds, tests, kernels compiled]
+FILE_TIMES = {}  # test file: [seconds, tests, kernels added meanwhile]
+# The demo's test trains on two ranks for minutes: started first, so that test.sh's other worker runs the rest
+# around it and takes over its share (pytest-xdist's worksteal) instead of the demo starting last and alone.
+RUN_FIRST = "tests/test_demo.py"
+KERNELS_AT_START = pytest.StashKey[int]()  # in Jittor's cache when the session, or a test, began
 
 
 def cached_kernels() -> int:
@@ -102,29 +106,48 @@ def cached_kernels() -> int:
         return 0
 
 
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.location[0] != RUN_FIRST)  # stable: the rest keep their order
+
+
+def pytest_sessionstart(session):
+    session.config.stash[KERNELS_AT_START] = cached_kernels()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    kernels, start = cached_kernels(), time.monotonic()
-    yield  # setup (a fixture's first user pays for it, as in --durations), call, teardown
-    entry = FILE_TIMES.setdefault(item.location[0], [0.0, 0, 0])
-    entry[0] += time.monotonic() - start
-    entry[1] += 1
-    entry[2] += cached_kernels() - kernels
+    item.stash[KERNELS_AT_START] = cached_kernels()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if call.when == "teardown":  # the last report of a test, the one a worker sends with these properties
+        report.user_properties.append(("kernels_added", cached_kernels() - item.stash[KERNELS_AT_START]))
+
+
+def pytest_runtest_logreport(report):  # in the one process that reports, with or without workers
+    entry = FILE_TIMES.setdefault(report.location[0], [0.0, 0, 0])
+    entry[0] += report.duration  # setup (a fixture's first user pays for it, as in --durations), call, teardown
+    if report.when == "teardown":
+        entry[1] += 1
+        entry[2] += dict(report.user_properties).get("kernels_added", 0)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's slowest tests: the last lines before the verdict
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
     if not FILE_TIMES:
         return
     total = sum(seconds for seconds, _, _ in FILE_TIMES.values())
     write = terminalreporter.write_line
     terminalreporter.section("time per test file")
-    write("(kernels: added to Jittor's cache meanwhile, by these tests or any process sharing the cache; a warm "
-          "cache compiles none)")
+    write("(test time summed over test.sh's workers; kernels: added to Jittor's cache while a file's tests ran, by "
+          "them or any process sharing the cache, such as the other worker; a warm cache compiles none)")
     for path, (seconds, tests, kernels) in sorted(FILE_TIMES.items(), key=lambda item: -item[1][0]):
         write(f"{seconds:8.1f}s {100 * seconds / max(total, 1e-9):5.1f}% {tests:4d} tests {kernels:5d} kernels  {path}")
     write(f"{total:8.1f}s in {sum(t for _, t, _ in FILE_TIMES.values())} tests, "
-          f"{sum(k for _, _, k in FILE_TIMES.values())} kernels compiled")
+          f"{cached_kernels() - config.stash[KERNELS_AT_START]} kernels compiled")
 
 
 # ---- refusals: one line, a documented exit code, nothing touched
