@@ -20,7 +20,8 @@ for arg in "$@"; do [ -e "${arg%%::*}" ] && whole=0; done  # a file or folder na
 # Workers (pytest-xdist), one a core up to 4 (MOA_TEST_WORKERS overrides; 0: one process): most tests run on one
 # thread, and a worker that runs out of tests takes half of another's (worksteal). Jittor compiles one kernel at a
 # time across processes (its cache's lock).
-cores=$(nproc); workers="${MOA_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"; [ "$workers" = 1 ] && workers=0
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc alone reads those
+workers="${MOA_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"; [ "$workers" = 1 ] && workers=0
 status=0
 # at the end: the 25 slowest tests and the time per test file (conftest.py), kernels compiled included
 "$PYTHON" -m pytest -q -p no:cacheprovider -n "$workers" --dist worksteal --durations=25 "$@" || status=$?

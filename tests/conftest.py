@@ -12,6 +12,8 @@ or runs a whole program: Math.py, Infer.py, Compare.py, a bench/ script, demo.sh
 programs in the code sandbox, or Infer.main end to end (the model generating, not a stand-in). A test that
 starts mpirun is also `mpi`. `bash test.sh -m "not slow"` is the quick run.
 """
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -87,13 +89,11 @@ def shared_path(*parts):
     return path
 
 
-# ---- the order and the time summary: where a run's time went, per test file (test.sh adds pytest's slowest tests)
+# ---- the cores among test.sh's workers, and the time summary: where a run's time went, per test file
+# (test.sh adds pytest's slowest tests)
 
 JIT_DIR = os.path.join(jt.flags.cache_path, "jit")
 FILE_TIMES = {}  # test file: [seconds, tests, kernels added meanwhile]
-# The demo's test trains on two ranks for minutes: started first, so that test.sh's other worker runs the rest
-# around it and takes over its share (pytest-xdist's worksteal) instead of the demo starting last and alone.
-RUN_FIRST = "tests/test_demo.py"
 KERNELS_AT_START = pytest.StashKey[int]()  # in Jittor's cache when the session, or a test, began
 
 
@@ -106,18 +106,29 @@ def cached_kernels() -> int:
         return 0
 
 
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.location[0] != RUN_FIRST)  # stable: the rest keep their order
-
-
 def pytest_sessionstart(session):
     session.config.stash[KERNELS_AT_START] = cached_kernels()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    item.stash[KERNELS_AT_START] = cached_kernels()
-    yield
+    with cores_for(item):
+        item.stash[KERNELS_AT_START] = cached_kernels()
+        yield
+
+
+@contextlib.contextmanager
+def cores_for(item):
+    """Among test.sh's workers, an `mpi` test (its fixtures included) runs alone: its ranks wait for each other by
+    spinning, so a rank that shares its core with another worker's test holds the other rank spinning (the demo's
+    training took twice as long beside one busy process). Other tests share the cores."""
+    if not hasattr(item.config, "workerinput"):  # one process: nothing to share
+        yield
+        return
+    # each worker's --basetemp is a folder of the run's own (pytest keeps the last three runs' and removes older)
+    with open(Path(item.config.option.basetemp).parent / "cores.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("mpi") else fcntl.LOCK_SH)
+        yield
 
 
 @pytest.hookimpl(hookwrapper=True)
