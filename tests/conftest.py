@@ -10,7 +10,8 @@ $MOA_SHARED/llama3) and skip when it is absent.
 Markers (pytest.ini), by one rule: a test is `slow` exactly when it trains (Math.main or Math.py, even one step)
 or runs a whole program: Math.py, Infer.py, Compare.py, a bench/ script, demo.sh or mpirun as a subprocess,
 programs in the code sandbox, or Infer.main end to end (the model generating, not a stand-in). A test that
-starts mpirun is also `mpi`. `bash test.sh -m "not slow"` is the quick run.
+starts mpirun is also `mpi`, and runs alone among test.sh's workers (cores_for). `bash test.sh -m "not slow"` is
+the quick run.
 """
 import contextlib
 import fcntl
