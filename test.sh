@@ -24,8 +24,7 @@ for arg in "$@"; do [ -e "${arg%%::*}" ] && whole=0; done  # a file or folder na
 # processes (its cache's lock).
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc alone reads those
 workers="${MOA_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"; [ "$workers" = 1 ] && workers=0
-share=$(( workers > 0 && cores / workers > 1 ? cores / workers : 1 ))
-[ "$workers" -gt 0 ] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$share}"
+(( workers > 0 )) && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / workers > 1 ? cores / workers : 1 ))}"
 status=0
 # at the end: the 25 slowest tests and the time per test file (conftest.py), kernels compiled included
 "$PYTHON" -m pytest -q -p no:cacheprovider -n "$workers" --dist worksteal --durations=25 "$@" || status=$?
