@@ -40,7 +40,7 @@ if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${NO_DEPS
 fi
 
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-bash "$HERE/scripts/jittor_patches.sh" "$SITE"  # compiler threads and Python; the compile progress's empty line
+bash "$HERE/scripts/jittor_patches.sh" "$SITE"  # compiler threads and Python; compile time and locks; progress
 NVCC="${nvcc_path:-$(command -v nvcc || true)}"
 if ls /dev/nvidia[0-9]* >/dev/null 2>&1 && [ -n "$NVCC" ] && \
    [ "$("$NVCC" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')" -ge 13 ] 2>/dev/null; then

@@ -11,8 +11,8 @@ three defaults break on an offline CPU machine:
 - on a GPU machine Jittor's CUDA import downloads CUTLASS, cuTT and (where mpicc exists)
   NCCL and wants cuDNN 8: CUTLASS, cuTT and cuDNN are switched off unless set, and NCCL
   too unless under mpirun with NCCL at hand or downloadable.
-Jittor 1.3.11 needs small patches (setup.sh applies them): its op compiler's threads and
-Python, and its compile progress (scripts/jittor_patches.sh), and CUDA 13 (scripts/jittor_cuda13.sh).
+Jittor 1.3.11 needs small patches (setup.sh applies them): its op compiler (threads and Python,
+compile time, a lock a kernel) and compile progress (scripts/jittor_patches.sh), and CUDA 13 (scripts/jittor_cuda13.sh).
 """
 import glob
 import os

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Three changes to Jittor 1.3.11's C++ sources, run by setup.sh on every machine (CUDA 13's are scripts/jittor_cuda13.sh).
+# Four changes to Jittor 1.3.11's C++ sources, run by setup.sh on every machine (CUDA 13's are scripts/jittor_cuda13.sh).
 # Usage: bash scripts/jittor_patches.sh <site-packages dir holding jittor/>. Idempotent; Jittor rebuilds the changed
 # files of its core on the next import.
 #
@@ -19,6 +19,10 @@
 # a precompiled header built once per cache folder (scripts/jittor_patches/jit_prelude.h, copied into src/).
 # Measured on this project's test suite's kernels (2-core EPYC, g++ 12): a fused op 0.9 s -> 0.24 s, one of
 # ours 2.0 s -> 1.0 s; the code generated is the same (assembly equal but for label numbers).
+#
+# The compile lock. Jittor held one lock over its whole cache folder while a process compiled (or loaded) a batch of
+# kernels, so the test suite's workers, sharing a cache, compiled one kernel at a time between them; on Linux each
+# kernel now takes a lock of its own (scripts/jittor_patches/kernel_lock.h, copied into src/).
 #
 # The compile progress. When compiling takes over two seconds, src/parallel_compiler.cc writes "\n" to stderr, then
 # its progress ("Compiling Operators(i/n) ... \r", each over the last), then a newline. The first "\n" keeps the
@@ -70,9 +74,10 @@ patch("parallel_compiler.cc", PROGRESS, [
      '                std::cerr << (isatty(2) ? "\\r\\033[K" : "\\n");\n                change_line = true;\n')])
 
 COMPILE = "// moa-jittor: compile time"
-prelude, installed = open(os.path.join(additions, "jit_prelude.h")).read(), os.path.join(src, "jit_prelude.h")
-if not os.path.exists(installed) or open(installed).read() != prelude:
-    open(installed, "w").write(prelude)  # Jittor rebuilds jit_compiler.cc when a header it includes changes
+for header in ("jit_prelude.h", "kernel_lock.h"):
+    text, installed = open(os.path.join(additions, header)).read(), os.path.join(src, header)
+    if not os.path.exists(installed) or open(installed).read() != text:
+        open(installed, "w").write(text)  # Jittor rebuilds jit_compiler.cc when a header it includes changes
 patch("jit_compiler.cc", COMPILE, [
     ('#include "utils/str_utils.h"\n', '#include "utils/str_utils.h"\n#include "jit_prelude.h"\n'),
     ('            + " \\"" + jit_src_path + "\\"" + other_src\n'
@@ -83,4 +88,15 @@ patch("jit_compiler.cc", COMPILE, [
     ('#ifdef __linux__\n        cmd = python_path',
      f'#ifdef __linux__\n        if (src.find("@begin") != string::npos)  {COMPILE}: only the sources that ask\n'
      '        cmd = python_path')])
+
+LOCKS = "// moa-jittor: kernel locks"
+patch("jit_compiler.cc", LOCKS, [
+    ('#include "jit_prelude.h"\n', '#include "jit_prelude.h"\n#include "kernel_lock.h"\n'),
+    ("    if (rewrite_op || !file_exist(jit_src_path2))\n",
+     f"#ifdef __linux__\n    kernel_lock hold(cache_path, kernel_byte(jit_src_path));  {LOCKS}: this kernel's files\n#endif\n"
+     "    if (rewrite_op || !file_exist(jit_src_path2))\n")])
+for name, anchor in (("op_compiler.cc", "    if (do_compile_hook)"), ("parallel_compiler.cc", "    auto func = [&](int tid) {")):
+    patch(name, LOCKS, [(f"    jittor::lock_guard lg;\n{anchor}",
+                         f"#ifndef __linux__  {LOCKS}: on Linux jit_compiler.cc locks each kernel\n"
+                         f"    jittor::lock_guard lg;\n#endif\n{anchor}")])
 PY

@@ -28,7 +28,7 @@ def test_patches_apply_once_and_compile(tmp_path):
     files compile with Jittor's include paths. The compile progress starts by clearing a terminal's line (it wrote
     "\\n", an empty line after every finished one), still "\\n" into a file."""
     import jittor
-    patched_files = ("parallel_compiler.cc", "pyjt/py_caller.cc", "jit_compiler.cc")
+    patched_files = ("parallel_compiler.cc", "pyjt/py_caller.cc", "jit_compiler.cc", "op_compiler.cc")
     for name in patched_files:
         copy = tmp_path / "jittor" / "src" / name
         copy.parent.mkdir(parents=True, exist_ok=True)
@@ -41,7 +41,11 @@ def test_patches_apply_once_and_compile(tmp_path):
     assert progress.count("#include <unistd.h>") == 1 and 'std::cerr << "\\n";' not in progress
     compiler = (src / "jit_compiler.cc").read_text()
     assert compiler.count('#include "jit_prelude.h"') == 1 and compiler.count("jit_prelude_flag(") == 1
-    assert (src / "jit_prelude.h").read_text() == (REPO / "scripts" / "jittor_patches" / "jit_prelude.h").read_text()
+    for header in ("jit_prelude.h", "kernel_lock.h"):
+        assert (src / header).read_text() == (REPO / "scripts" / "jittor_patches" / header).read_text()
+    assert compiler.count("kernel_lock hold(cache_path, kernel_byte(jit_src_path));") == 1
+    for name in ("parallel_compiler.cc", "op_compiler.cc"):
+        assert (src / name).read_text().count("#ifndef __linux__  // moa-jittor: kernel locks") == 1
     includes = [flag.replace('"', "") for flag in jittor.compiler.cc_flags.split() if flag.startswith("-I")]
     for name in patched_files:
         compiled = subprocess.run(["g++", "-fsyntax-only", "-std=c++14", f"-I{src}", *includes, str(src / name)],
@@ -72,6 +76,49 @@ def test_kernels_compile_through_the_precompiled_prelude():
     assert headers and headers[0] == f"! {prelude}.gch", headers[:5]
     for fill in fills:
         assert "asm_tuner.py" in (jit / (fill.name[:-3] + ".so.key")).read_text().splitlines()[0]
+
+
+def test_each_kernel_compiles_under_its_own_lock():
+    """The kernel-lock patch (scripts/jittor_patches/kernel_lock.h): a process compiling a kernel no longer takes the
+    lock over the whole cache (the test suite's workers compiled one kernel at a time), and it does lock its kernel's
+    byte of <cache_path>/kernels.lock. This process holds one lock, then the other, over a whole file (a POSIX record
+    lock, which an open file description lock respects) while another compiles a kernel seen nowhere before."""
+    import fcntl
+    import time
+    import uuid
+    import jittor as jt
+    from jittor_utils import lock as jittor_lock
+
+    def compile_new_kernel():
+        constant = f"{uuid.uuid4().int % 10**6}.5f"
+        program = ("import Utils.jittor_env, jittor as jt\n"
+                   "print('imported', flush=True)\n"
+                   f"print(jt.code((1,), 'float32', [], cpu_src='@out(0) = {constant};').item())")
+        run = subprocess.Popen([sys.executable, "-c", program], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        assert run.stdout.readline() == "imported\n", run.communicate()
+        return constant, run
+
+    with open(jittor_lock.lock_path, "a+") as whole_cache:
+        fcntl.lockf(whole_cache, fcntl.LOCK_EX)
+        try:
+            constant, run = compile_new_kernel()
+            out, err = run.communicate(timeout=120)  # waited forever for the cache's lock before the patch
+        finally:
+            fcntl.lockf(whole_cache, fcntl.LOCK_UN)
+    assert run.returncode == 0 and float(out.split()[-1]) == float(constant[:-1]), err[-2000:]
+
+    with open(Path(jt.flags.cache_path) / "kernels.lock", "a+") as kernel_bytes:
+        fcntl.lockf(kernel_bytes, fcntl.LOCK_EX)
+        try:
+            constant, run = compile_new_kernel()
+            time.sleep(3)
+            waiting = run.poll() is None
+        finally:
+            fcntl.lockf(kernel_bytes, fcntl.LOCK_UN)
+        out, err = run.communicate(timeout=300)
+    assert waiting, f"compiled a kernel without its lock: {out} {err[-2000:]}"
+    assert run.returncode == 0 and float(out.split()[-1]) == float(constant[:-1]), err[-2000:]
 
 
 def test_op_compiler_threads_hold_the_interpreter_lock():

@@ -9,6 +9,7 @@
 #include <mutex>
 #include "utils/cache_compile.h"
 #include "utils/str_utils.h"
+#include "kernel_lock.h"
 
 namespace jittor {
 
@@ -68,6 +69,9 @@ static string jit_prelude_flag(const string& compiler, const string& compiler_ty
             && option != "-shared")
             compile_flags += " " + option;
     try {
+#ifdef __linux__
+        kernel_lock hold(cache_folder, 0);  // processes sharing the cache build it once
+#endif
         if (read_all(header) != jit_prelude_text) write(header, jit_prelude_text);
         cache_compile("\"" + compiler + "\" -x c++-header \"" + header + "\"" + compile_flags
                       + " -o \"" + header + ".gch\"", cache_folder, jittor_folder);
