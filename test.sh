@@ -20,8 +20,8 @@ for arg in "$@"; do [ -e "${arg%%::*}" ] && whole=0; done  # a file or folder na
 # Workers (pytest-xdist), one a core up to 4 (MOA_TEST_WORKERS overrides; 0: one process): most tests run on one
 # thread, and a worker that runs out of tests takes half of another's (worksteal). Each worker gets its share of
 # the cores for its OpenMP threads (spinning threads beside another worker's made tiny trainings ~10x slower);
-# the tests that start MPI ranks run alone (tests/conftest.py); Jittor compiles one kernel at a time across
-# processes (its cache's lock).
+# the tests that start MPI ranks run alone (tests/conftest.py); the workers compile kernels at once (each under its
+# own lock: scripts/jittor_patches.sh).
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc alone reads those
 workers="${MOA_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"; [ "$workers" = 1 ] && workers=0
 (( workers > 0 )) && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / workers > 1 ? cores / workers : 1 ))}"
