@@ -20,13 +20,13 @@ for arg in "$@"; do [ -e "${arg%%::*}" ] && whole=0; done  # a file or folder na
 # Workers (pytest-xdist), one a core up to 4 (MOA_TEST_WORKERS overrides; 0: one process): most tests run on one
 # thread, and a worker that runs out of tests takes half of another's (worksteal). Each worker gets its share of
 # the cores for its OpenMP threads (spinning threads beside another worker's made tiny trainings ~10x slower);
-# the tests that start MPI ranks run alone (tests/conftest.py); the workers compile kernels at once (each under its
+# the tests that start MPI ranks run alone (tests/suite_run.py); the workers compile kernels at once (each under its
 # own lock: scripts/jittor_patches.sh).
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc alone reads those
 workers="${MOA_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"; [ "$workers" = 1 ] && workers=0
 (( workers > 0 )) && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / workers > 1 ? cores / workers : 1 ))}"
 status=0
-# at the end: the 25 slowest tests and the time per test file (conftest.py), kernels compiled included
+# at the end: the 25 slowest tests and the time per test file (tests/suite_run.py), kernels compiled included
 "$PYTHON" -m pytest -q -p no:cacheprovider -n "$workers" --dist worksteal --durations=25 "$@" || status=$?
 if [ -n "$CACHE" ] && [ "$whole" = 1 ] && [ "$status" -le 1 ]; then touch "$MARKER"; fi  # 0 passed, 1 failures
 exit "$status"
