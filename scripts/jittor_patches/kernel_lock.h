@@ -35,8 +35,11 @@ struct kernel_lock {
         byte.l_whence = SEEK_SET;
         byte.l_start = byte_offset;
         byte.l_len = 1;
-        while (fcntl(fd, F_OFD_SETLKW, &byte) != 0) {
+        int command = F_OFD_SETLKW;
+        while (fcntl(fd, command, &byte) != 0) {
             if (errno == EINTR) continue;
+            // a kernel before Linux 3.15 or a file system without them: a process's lock, as Jittor's was
+            if (errno == EINVAL && command == F_OFD_SETLKW) { command = F_SETLKW; continue; }
             int error = errno;
             close(fd);
             LOGf << "Cannot lock" << lock_file << ":" << strerror(error);
