@@ -20,7 +20,7 @@ from Models.formats.base_model import base_args, build_model
 from Models.kernels.precision import set_base_precision, to_bf16
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-C_TYPES = {"float32": "float", "float64": "double", "uint64": "uint64_t"}
+C_TYPES = {"float32": "float", "float64": "double", "uint64": "uint64_t", "bfloat16": "__nv_bfloat16"}  # Jittor's
 EMULATION = open(os.path.join(REPO, "tests", "cuda_emulation.h")).read()
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler (nvcc) on this machine")
 pytestmark = pytest.mark.skipif(not LLM.layer_step.on(),
@@ -45,7 +45,8 @@ def cuda_sources(monkeypatch):
 def assert_nvcc_compiles(sources: dict, folder):
     """Each header's sources as one translation unit, compiled for an H100 (sm_90)."""
     for n, header in enumerate({header for header, _ in sources}):
-        program = [header, "#include <string>\n#include <unordered_map>\nstruct VarInfo { int64_t size, num; };\n"]
+        program = [header, "#include <string>\n#include <unordered_map>\n#include <cuda_bf16.h>\n"
+                           "struct VarInfo { int64_t size, num; };\n"]
         for i, ((_, src), (n_in, out_types)) in enumerate((key, value) for key, value in sources.items()
                                                           if key[0] == header):
             operands = [f"VarInfo *in{j}, void *in{j}_p" for j in range(n_in)]

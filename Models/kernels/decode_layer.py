@@ -135,7 +135,7 @@ def declare_matrix(inputs: cpp.CodeInputs, name: str, base):
 class StepOp:
     """One of the decode layer's two ops as built for a KV cache's life (the weights, and the prompt's keys and
     values, are fixed while it lives: Block.Attention.prompt_keys_values): its text, the block's tensors, its
-    numbers and its outputs' widths. A step gives its own tensors (in0_p... ahead of the block's) and sizes:
+    numbers and its outputs' widths and types. A step gives its own tensors (in0_p... ahead of the block's) and sizes:
     rebuilding the text at every step of every layer was a sixth to a quarter of a small model's decoding
     (docs/performance.md), and on a GPU it would be host time between launches."""
     header: str
@@ -143,15 +143,15 @@ class StepOp:
     cuda_src: str
     fixed: list  # the block's tensors, after the step's
     data: dict
-    outputs: tuple  # (name, width) of each output [M, width]
+    outputs: tuple  # (name, width, dtype) of each output [M, width]
 
     def __call__(self, step: list, **sizes) -> dict:
         """The outputs by name for the step's tensors `step` and sizes (M, T, ...: the rows are M)."""
-        shapes = [(sizes["M"], width) for _, width in self.outputs]
-        values = jt.code(shapes, ["float32"] * len(shapes), step + self.fixed, cpu_header=self.header,
+        shapes = [(sizes["M"], width) for _, width, _ in self.outputs]
+        values = jt.code(shapes, [dtype for _, _, dtype in self.outputs], step + self.fixed, cpu_header=self.header,
                          cpu_src=self.cpu_src, cuda_header=GPU_LAYER_HEADER, cuda_src=self.cuda_src,
                          data={**self.data, **sizes})
-        return dict(zip((name for name, _ in self.outputs), values))
+        return dict(zip((name for name, _, _ in self.outputs), values))
 
 
 def step_op(block, key: str, build, *args) -> StepOp:
@@ -190,9 +190,13 @@ def input_op(block, step: list, M: int, T: int) -> StepOp:
     inputs.declare("float", eps=block.attention_norm.eps,
                    head_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0)
     declare_columns(inputs, block, dict(Q="Q", K="K", V="V"))
-    outputs = [("q", H * hd), ("k", Hkv * hd), ("v", Hkv * hd), ("probs", max(n_types, 1))]  # out0_p... out3_p
-    outputs += [("gamma", 1)] * sparse + [("prompt_mix", n_prompts)] * bool(n_prompts)
-    names = [name for name, _ in outputs]
+    # k and v in the cache's type (bf16 bits: rounded in the op, no rounding op a layer before the cache write)
+    kv = attn.cache_dtype()
+    inputs.declare("bool", KV_BITS=kv == "bfloat16")
+    outputs = [("q", H * hd, "float32"), ("k", Hkv * hd, kv), ("v", Hkv * hd, kv),  # out0_p... out3_p
+               ("probs", max(n_types, 1), "float32")]
+    outputs += [("gamma", 1, "float32")] * sparse + [("prompt_mix", n_prompts, "float32")] * bool(n_prompts)
+    names = [name for name, _, _ in outputs]
     out = lambda name: f"out{names.index(name)}_p" if name in names else "nullptr"
     inputs.code += f"float *PROBS = out3_p, *GAMMAS = {out('gamma')}, *PROMPT_MIX = {out('prompt_mix')};\n"
     inputs.code += f"const float *WEIGHTS = {'PROBS' if routed else 'GATES'};\n"
@@ -202,7 +206,8 @@ def input_op(block, step: list, M: int, T: int) -> StepOp:
 
 def layer_input(block, x, cos, sin, gates=None) -> dict:
     """gates [M,NC]: the families' weights given (instance-level routing), else the type router's per token."""
-    # x [B,T,D] -> q [M,H*hd], k, v [M,Hkv*hd], probs [M,NT] (the type router's; absent when gates are given),
+    # x [B,T,D] -> q [M,H*hd], k, v [M,Hkv*hd] (the cache's type), probs [M,NT] (the type router's; absent when
+    # gates are given),
     # gamma [M,1] (Sparse), prompt_mix [M,E] (a prompt mixture's shares); M = B*T
     B, T, D = x.shape
     step = [x.float32().reshape(B * T, D), cos, sin] + ([] if gates is None else [gates])
@@ -242,7 +247,7 @@ def output_op(block, step: list, M: int, T: int, S: int, start_pos) -> StepOp:
     declare_columns(inputs, block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
                                         PADAPTER="PADAPTER"))
     return StepOp(inputs.header(LAYER_HEADER), inputs.code + LAYER_OUTPUT, inputs.code + GPU_LAYER_OUTPUT,
-                  inputs.vars[len(step):], inputs.numbers.data, (("out", D),))
+                  inputs.vars[len(step):], inputs.numbers.data, (("out", D, "float32"),))
 
 
 def layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_pos):

@@ -1,7 +1,8 @@
 // A decode step's MoA layer in two ops (Models/kernels/decode_layer.py), from the pieces the per-op
-// kernels use: lora_project, rms_inverse, rotate_pairs_row and route_row.cc.
+// kernels use: lora_project, rms_inverse, rotate_pairs_row and route_row.cc; narrow rounds k and v for a bf16 cache.
 #ifndef MOA_DECODE_LAYER_H
 #define MOA_DECODE_LAYER_H
+#include "bf16_bits.h"
 #include "lora_project.h"
 #include "rms.h"
 #include "rotate.h"

@@ -16,6 +16,12 @@ static const int PASS_ROWS = 32;  // the most rows one product_rows pass holds; 
 static const int STAGED = 8192;   // floats of x staged in shared memory per pass (32 KB): rows x chunk of K
 
 __device__ __forceinline__ float widen(uint16_t bits) { return __uint_as_float((uint32_t)bits << 16); }
+// f rounded to bf16 bits, to nearest with ties to even, NaN kept NaN (cpp/bf16_bits.h's narrow)
+__device__ __forceinline__ uint16_t bf16_bits(float f) {
+    const uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 __device__ __forceinline__ float load1(float v) { return v; }
 __device__ __forceinline__ float load1(uint16_t v) { return widen(v); }
 // v rounded to the nearest bf16 value (ties to even), kept in fp32: the bf16 rule's input (precision.py)
