@@ -17,6 +17,7 @@ import jittor as jt
 from Data.tiny_base import write_random_hf_base
 from Models import LLM
 from Models.formats.base_model import base_args, build_model
+from Models.kernels import cpp
 from Models.kernels.precision import set_base_precision, to_bf16
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +37,7 @@ def cuda_sources(monkeypatch):
     def recorded(shapes, dtypes, inputs, **kwargs):
         if "cuda_src" in kwargs:
             types = [C_TYPES[d] for d in (dtypes if isinstance(dtypes, list) else [dtypes])]
-            sources[kwargs["cuda_header"], kwargs["cuda_src"]] = len(inputs), types
+            sources[cpp.expanded(kwargs["cuda_header"]), cpp.expanded(kwargs["cuda_src"])] = len(inputs), types
         return code(shapes, dtypes, inputs, **kwargs)
     monkeypatch.setattr(jt, "code", recorded)
     return sources
@@ -152,10 +153,11 @@ def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, t
     def emulating(shapes, dtypes, inputs, **kwargs):
         if "cuda_src" in kwargs:
             emulations.append(1)
-            header, staged = re.subn(r"\bSTAGED = \d+;", f"STAGED = {STAGED};", emulated(kwargs["cuda_header"]))
+            header, staged = re.subn(r"\bSTAGED = \d+;", f"STAGED = {STAGED};",
+                                     emulated(cpp.expanded(kwargs["cuda_header"])))
             assert staged == 1, "products.cuh's STAGED"
             header = f"#define EMU_REVERSED {int(order == 'reversed')}\n" + EMULATION + header
-            kwargs.update(cpu_header=header, cpu_src=emulated(kwargs["cuda_src"]))
+            kwargs.update(cpu_header=header, cpu_src=emulated(cpp.expanded(kwargs["cuda_src"])))
         return code(shapes, dtypes, inputs, **kwargs)
     path = {"llama": tiny_base, "qwen3": tiny_qwen3, "odd": odd_qwen3}[arch]
     model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=batch, **DECODE_EXPERTS[variant],

@@ -25,7 +25,7 @@ from Models.formats.adapters import export_authors_adapter, save_adapter
 from Models import LLM
 from Models.formats.base_model import base_args, build_model
 from Models.generate import generate, prefill_length
-from Models.kernels import decode_layer
+from Models.kernels import cpp, decode_layer
 from Models.kernels.precision import set_base_precision
 from Utils import plots
 
@@ -192,6 +192,27 @@ def test_decode_layer_ops_built_once_per_cache(monkeypatch, base_dir):
         want = kv_logits(model.llama, tokens, prefill=3)
     assert np.abs(got - fp32).max() > 1e-3  # the cast changed the logits, and the cached ops saw it
     np.testing.assert_allclose(got, want, atol=2e-2)
+
+
+@pytest.mark.skipif(not LLM.layer_step.on(), reason="the fused decode layer is off here")
+def test_decode_layer_ops_take_their_texts_as_included_files(base_dir):
+    """Each decode-layer op gives jt.code one `# include` line per text (cpp.included): Jittor rebuilds an op's key
+    from its whole text at every run, some 30 us for these. The lines name files of the texts themselves, one file a
+    text: the ops' headers and bodies (declarations, then cpp/layer_input.cc or layer_output.cc)."""
+    model = build_model(base_dir, base_args(base_dir, max_seq_len=32, max_batch_size=1, **DECODE_EXPERTS["sparse"]))
+    model.eval()
+    with jt.no_grad():
+        kv_logits(model.llama, np.array([[5, 9, 14, 3]], np.int32), prefill=2)
+    for layer in model.llama.layers:
+        ops = layer.decode_ops
+        for op, body in ((ops["input"], decode_layer.LAYER_INPUT), (ops["output"], decode_layer.LAYER_OUTPUT)):
+            texts = (op.cpu_header, op.cpu_src, op.cuda_header, op.cuda_src)
+            assert all(cpp.INCLUDED.fullmatch(text) for text in texts), texts
+            assert cpp.expanded(op.cpu_src).endswith(body)
+            assert cpp.expanded(op.cpu_header).endswith(decode_layer.LAYER_HEADER)
+            assert cpp.expanded(op.cuda_header) == decode_layer.GPU_LAYER_HEADER
+    assert cpp.included(decode_layer.LAYER_INPUT) == cpp.included(decode_layer.LAYER_INPUT) != \
+        cpp.included(decode_layer.LAYER_OUTPUT)
 
 
 class StopAt:

@@ -10,8 +10,11 @@ source, and Jittor keys its compile cache on that text, so editing a header reco
 ops that include it. For the same reason a call's sizes and scalars are not written into the source
 but passed as jt.code's `data`, read when the op runs (`Numbers`): one compiled op then serves every
 shape, where sizes in the text would compile it anew for each. What changes the code itself (types,
-which pointers exist) stays in the text.
+which pointers exist) stays in the text. An op run at every step of every layer (the decode layer's) takes
+its texts as `included` lines instead: Jittor builds an op's key from its whole text at every run.
 """
+import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -32,6 +35,32 @@ def resolve(name: str, seen: set) -> str:
     seen.add(name)
     text = (CUDA / name if (CUDA / name).exists() else CPP / name).read_text()
     return INCLUDE.sub(lambda match: resolve(match.group(1), seen), text)
+
+
+def included(text: str) -> str:
+    """`# include "<file>"` of a file holding `text` in Jittor's cache folder (moa_sources/, named by the text's
+    hash), for jt.code's header or source. Jittor makes an op's key from its whole header and source every time
+    the op runs (CodeOp::jit_prepare, the source a character at a time): about 30 us a run for the decode layer's
+    55 KB, 2 ops a layer at every step. The line keeps the key short, and it still names the text: another text
+    is another file, another key and another compiled op. The space after '#': Jittor puts its definitions of
+    the op's names (in0_type, ...) after the last "#include" of the op's text, which must not be the source's,
+    inside the op's function, after the code that uses them."""
+    import jittor as jt  # the cache folder is Jittor's; the texts above need no Jittor
+    path = Path(jt.flags.cache_path) / "moa_sources" / f"{hashlib.sha1(text.encode()).hexdigest()[:24]}.h"
+    if not path.exists():  # several processes may write it at once: each writes a whole file and renames it
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_text(text)
+        os.replace(partial, path)
+    return f'# include "{path}"\n'
+
+
+INCLUDED = re.compile(r'^# include "([^"]*/moa_sources/[0-9a-f]+\.h)"\n', re.M)
+
+
+def expanded(text: str) -> str:
+    """`text` with `included` lines replaced by the texts they include."""
+    return INCLUDED.sub(lambda match: Path(match.group(1)).read_text(), text)
 
 
 def constant(header: str, name: str) -> int:

@@ -135,11 +135,12 @@ def declare_matrix(inputs: cpp.CodeInputs, name: str, base):
 class StepOp:
     """One of the decode layer's two ops as built for a KV cache's life (the weights, and the prompt's keys and
     values, are fixed while it lives: Block.Attention.prompt_keys_values): its text, the block's tensors, its
-    numbers and its outputs' widths and types. A step gives its own tensors (in0_p... ahead of the block's) and sizes:
-    rebuilding the text at every step of every layer was a sixth to a quarter of a small model's decoding
+    numbers and its outputs' widths and types. A step gives its own tensors (in0_p... ahead of the block's) and
+    sizes: rebuilding the text at every step of every layer was a sixth to a quarter of a small model's decoding
     (docs/performance.md), and on a GPU it would be host time between launches."""
-    header: str
+    cpu_header: str  # each text as cpp.included gives it
     cpu_src: str
+    cuda_header: str
     cuda_src: str
     fixed: list  # the block's tensors, after the step's
     data: dict
@@ -148,10 +149,17 @@ class StepOp:
     def __call__(self, step: list, **sizes) -> dict:
         """The outputs by name for the step's tensors `step` and sizes (M, T, ...: the rows are M)."""
         shapes = [(sizes["M"], width) for _, width, _ in self.outputs]
-        values = jt.code(shapes, [dtype for _, _, dtype in self.outputs], step + self.fixed, cpu_header=self.header,
-                         cpu_src=self.cpu_src, cuda_header=GPU_LAYER_HEADER, cuda_src=self.cuda_src,
+        values = jt.code(shapes, [dtype for _, _, dtype in self.outputs], step + self.fixed, cpu_header=self.cpu_header,
+                         cpu_src=self.cpu_src, cuda_header=self.cuda_header, cuda_src=self.cuda_src,
                          data={**self.data, **sizes})
         return dict(zip((name for name, _, _ in self.outputs), values))
+
+
+def step_texts(inputs: cpp.CodeInputs, cpu_body: str, cuda_body: str, outputs: tuple, n_step: int) -> StepOp:
+    """The StepOp of `inputs` (the step's n_step tensors first) running cpu_body or cuda_body after their
+    declarations."""
+    texts = [inputs.header(LAYER_HEADER), inputs.code + cpu_body, GPU_LAYER_HEADER, inputs.code + cuda_body]
+    return StepOp(*map(cpp.included, texts), inputs.vars[n_step:], inputs.numbers.data, outputs)
 
 
 def step_op(block, key: str, build, *args) -> StepOp:
@@ -200,8 +208,7 @@ def input_op(block, step: list, M: int, T: int) -> StepOp:
     out = lambda name: f"out{names.index(name)}_p" if name in names else "nullptr"
     inputs.code += f"float *PROBS = out3_p, *GAMMAS = {out('gamma')}, *PROMPT_MIX = {out('prompt_mix')};\n"
     inputs.code += f"const float *WEIGHTS = {'PROBS' if routed else 'GATES'};\n"
-    return StepOp(inputs.header(LAYER_HEADER), inputs.code + LAYER_INPUT, inputs.code + GPU_LAYER_INPUT,
-                  inputs.vars[len(step):], inputs.numbers.data, tuple(outputs))
+    return step_texts(inputs, LAYER_INPUT, GPU_LAYER_INPUT, tuple(outputs), len(step))
 
 
 def layer_input(block, x, cos, sin, gates=None) -> dict:
@@ -246,8 +253,7 @@ def output_op(block, step: list, M: int, T: int, S: int, start_pos) -> StepOp:
     inputs.declare("bool", CLAMP=block.clamp is not None)
     declare_columns(inputs, block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
                                         PADAPTER="PADAPTER"))
-    return StepOp(inputs.header(LAYER_HEADER), inputs.code + LAYER_OUTPUT, inputs.code + GPU_LAYER_OUTPUT,
-                  inputs.vars[len(step):], inputs.numbers.data, (("out", D, "float32"),))
+    return step_texts(inputs, LAYER_OUTPUT, GPU_LAYER_OUTPUT, (("out", D, "float32"),), len(step))
 
 
 def layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_pos):
