@@ -149,13 +149,13 @@ class StepOp:
     def __call__(self, step: list, **sizes) -> dict:
         """The outputs by name for the step's tensors `step` and sizes (M, T, ...: the rows are M)."""
         shapes = [(sizes["M"], width) for _, width, _ in self.outputs]
-        values = jt.code(shapes, [dtype for _, _, dtype in self.outputs], step + self.fixed, cpu_header=self.cpu_header,
-                         cpu_src=self.cpu_src, cuda_header=self.cuda_header, cuda_src=self.cuda_src,
-                         data={**self.data, **sizes})
+        values = jt.code(shapes, [dtype for _, _, dtype in self.outputs], step + self.fixed,
+                         cpu_header=self.cpu_header, cpu_src=self.cpu_src, cuda_header=self.cuda_header,
+                         cuda_src=self.cuda_src, data={**self.data, **sizes})
         return dict(zip((name for name, _, _ in self.outputs), values))
 
 
-def step_texts(inputs: cpp.CodeInputs, cpu_body: str, cuda_body: str, outputs: tuple, n_step: int) -> StepOp:
+def new_step_op(inputs: cpp.CodeInputs, cpu_body: str, cuda_body: str, outputs: tuple, n_step: int) -> StepOp:
     """The StepOp of `inputs` (the step's n_step tensors first) running cpu_body or cuda_body after their
     declarations."""
     texts = [inputs.header(LAYER_HEADER), inputs.code + cpu_body, GPU_LAYER_HEADER, inputs.code + cuda_body]
@@ -208,14 +208,13 @@ def input_op(block, step: list, M: int, T: int) -> StepOp:
     out = lambda name: f"out{names.index(name)}_p" if name in names else "nullptr"
     inputs.code += f"float *PROBS = out3_p, *GAMMAS = {out('gamma')}, *PROMPT_MIX = {out('prompt_mix')};\n"
     inputs.code += f"const float *WEIGHTS = {'PROBS' if routed else 'GATES'};\n"
-    return step_texts(inputs, LAYER_INPUT, GPU_LAYER_INPUT, tuple(outputs), len(step))
+    return new_step_op(inputs, LAYER_INPUT, GPU_LAYER_INPUT, tuple(outputs), len(step))
 
 
 def layer_input(block, x, cos, sin, gates=None) -> dict:
     """gates [M,NC]: the families' weights given (instance-level routing), else the type router's per token."""
     # x [B,T,D] -> q [M,H*hd], k, v [M,Hkv*hd] (the cache's type), probs [M,NT] (the type router's; absent when
-    # gates are given),
-    # gamma [M,1] (Sparse), prompt_mix [M,E] (a prompt mixture's shares); M = B*T
+    # gates are given), gamma [M,1] (Sparse), prompt_mix [M,E] (a prompt mixture's shares); M = B*T
     B, T, D = x.shape
     step = [x.float32().reshape(B * T, D), cos, sin] + ([] if gates is None else [gates])
     return step_op(block, "input", input_op, step, B * T, T)(step, M=B * T, T=T)
@@ -253,7 +252,7 @@ def output_op(block, step: list, M: int, T: int, S: int, start_pos) -> StepOp:
     inputs.declare("bool", CLAMP=block.clamp is not None)
     declare_columns(inputs, block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
                                         PADAPTER="PADAPTER"))
-    return step_texts(inputs, LAYER_OUTPUT, GPU_LAYER_OUTPUT, (("out", D, "float32"),), len(step))
+    return new_step_op(inputs, LAYER_OUTPUT, GPU_LAYER_OUTPUT, (("out", D, "float32"),), len(step))
 
 
 def layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_pos):
