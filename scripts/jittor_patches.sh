@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Four changes to Jittor 1.3.11's C++ sources, run by setup.sh on every machine (CUDA 13's are scripts/jittor_cuda13.sh).
+# Four changes to Jittor 1.3.11's C++ sources, run by setup.sh on every machine (CUDA 13's: scripts/jittor_cuda13.sh).
 # Usage: bash scripts/jittor_patches.sh <site-packages dir holding jittor/>. Idempotent; Jittor rebuilds the changed
 # files of its core on the next import.
 #
@@ -93,9 +93,10 @@ LOCKS = "// moa-jittor: kernel locks"
 patch("jit_compiler.cc", LOCKS, [
     ('#include "jit_prelude.h"\n', '#include "jit_prelude.h"\n#include "kernel_lock.h"\n'),
     ("    if (rewrite_op || !file_exist(jit_src_path2))\n",
-     f"#ifdef __linux__\n    kernel_lock hold(cache_path, kernel_byte(jit_src_path));  {LOCKS}: this kernel's files\n#endif\n"
-     "    if (rewrite_op || !file_exist(jit_src_path2))\n")])
-for name, anchor in (("op_compiler.cc", "    if (do_compile_hook)"), ("parallel_compiler.cc", "    auto func = [&](int tid) {")):
+     f"#ifdef __linux__\n    kernel_lock hold(cache_path, kernel_byte(jit_src_path));  {LOCKS}: this kernel's files\n"
+     "#endif\n    if (rewrite_op || !file_exist(jit_src_path2))\n")])
+for name, anchor in (("op_compiler.cc", "    if (do_compile_hook)"),
+                     ("parallel_compiler.cc", "    auto func = [&](int tid) {")):
     patch(name, LOCKS, [(f"    jittor::lock_guard lg;\n{anchor}",
                          f"#ifndef __linux__  {LOCKS}: on Linux jit_compiler.cc locks each kernel\n"
                          f"    jittor::lock_guard lg;\n#endif\n{anchor}")])

@@ -1,5 +1,5 @@
 // A decode step's MoA layer in two ops (Models/kernels/decode_layer.py), from the pieces the per-op
-// kernels use: lora_project, rms_inverse, rotate_pairs_row and route_row.cc; narrow rounds k and v for a bf16 cache.
+// kernels use: lora_project, rms_inverse, rotate_pairs_row and route_row.cc; round_into gives a bf16 cache's k and v.
 #ifndef MOA_DECODE_LAYER_H
 #define MOA_DECODE_LAYER_H
 #include "bf16_bits.h"

@@ -30,8 +30,7 @@ for (int64_t m = 0; m < M; m++) {
     for (int64_t h = 0; h < H; h++) rotate_pairs_row(out0_p + (m * H + h) * hd, out0_p + (m * H + h) * hd, c, s, hd / 2, 1.f);
     for (int64_t h = 0; h < Hkv; h++) rotate_pairs_row(k + (m * Hkv + h) * hd, k + (m * Hkv + h) * hd, c, s, hd / 2, 1.f);
 }
-if (KV_BITS)
-    for (int64_t i = 0; i < KV; i++) {
-        ((uint16_t *)out1_p)[i] = narrow(k[i]);
-        ((uint16_t *)out2_p)[i] = narrow(v[i]);
-    }
+if (KV_BITS) {
+    round_into(k, KV, (uint16_t *)out1_p);
+    round_into(v, KV, (uint16_t *)out2_p);
+}
