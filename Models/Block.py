@@ -93,11 +93,11 @@ class Attention(nn.Module):
                 self.prompt_router = nn.Linear(D, args.expert_num, bias=True)
         self.expert_num = args.expert_num
         self.kv_cache = args.kv_cache
-        self._cache_k = self._cache_v = None
+        self._cache = None  # the keys and values [2,B,S,Hkv,hd], one tensor: a step writes both in one op
         self._prompt_kv = None  # the prompt's keys and values, fixed while the cache lives
 
     def reset_cache(self):
-        self._cache_k = self._cache_v = self._prompt_kv = None
+        self._cache = self._prompt_kv = None
 
     def cache_dtype(self) -> str:
         """The KV cache's element type: bf16 with a bf16 or int8 base, fp32 with an fp32 one, or fp32 whatever the
@@ -105,20 +105,23 @@ class Attention(nn.Module):
         return "bfloat16" if self.kv_cache == "base" and bf16_rule(self.wq.weight) else "float32"
 
     def update_cache(self, xk: jt.Var, xv: jt.Var, start_pos: int):
-        """Write this step's keys/values [B,T,Hkv,hd] at positions start_pos.. of the cache (rounded to
-        bf16 in a bf16 cache).
+        """Write this step's keys and values [B,T,Hkv,hd] at positions start_pos.. of the cache; returns the
+        cache's keys and values [B,S,Hkv,hd] each."""
+        cache = self.write_cache(jt.stack([xk.stop_grad(), xv.stop_grad()]), start_pos)
+        return cache[0], cache[1]
+
+    def write_cache(self, kv: jt.Var, start_pos: int) -> jt.Var:
+        """Write keys and values kv [2,B,T,Hkv,hd] at positions start_pos.. of the cache (rounded to bf16 in a
+        bf16 cache) and return it, [2,B,S,Hkv,hd].
 
         Jittor's setitem writes in place and takes the position as data, so every
-        decode step runs the same compiled ops. Returns the whole cache [B,S,Hkv,hd].
-        """
-        B, T = xk.shape[:2]
+        decode step runs the same compiled ops."""
+        B, T = kv.shape[1:3]
         dtype = self.cache_dtype()
-        if self._cache_k is None or self._cache_k.shape[0] != B or self._cache_k.dtype != dtype:
-            shape = (B, self.max_seq_len, self.n_kv_heads, self.head_dim)
-            self._cache_k, self._cache_v = jt.zeros(shape, dtype), jt.zeros(shape, dtype)
-        self._cache_k[:, start_pos:start_pos + T] = cast_to(xk.stop_grad(), dtype)
-        self._cache_v[:, start_pos:start_pos + T] = cast_to(xv.stop_grad(), dtype)
-        return self._cache_k, self._cache_v
+        if self._cache is None or self._cache.shape[1] != B or self._cache.dtype != dtype:
+            self._cache = jt.zeros((2, B, self.max_seq_len, self.n_kv_heads, self.head_dim), dtype)
+        self._cache[:, :, start_pos:start_pos + T] = cast_to(kv, dtype)
+        return self._cache
 
     def execute(self, x, cos, sin, mask, route, start_pos=None):
         # x [B,T,D]; cos/sin [T,hd/2]; mask [T,S] additive; start_pos None (no cache) or int

@@ -136,7 +136,8 @@ run() {
 }
 
 # Generation on the GPU: the decode tests, then bench.py's decoding at medium bf16 (the figure this project's CPU
-# gives about 930 tokens/s), the 8B shape (8 layers) decoding at batch 1, 8 and 32 beside the rooflines measured in
+# gives about 930 tokens/s) and where its step's time goes (bench/decode_host.py: building the graph, running it), the
+# 8B shape (8 layers) decoding at batch 1, 8 and 32 beside the rooflines measured in
 # the same run (bench/eval_scale.py: the streaming read, the decode pass's and cuBLAS's bf16 rates), and the
 # authors' decoding beside ours at medium bf16
 decode() {
@@ -145,12 +146,13 @@ decode() {
   export MOA_GPU_KERNELS=1  # the decode layer's CUDA form (Models/kernels/switch.py), off by default until checked
   decode_tests
   step bench_medium 120 env use_cuda=1 "$py" bench/bench.py --config medium --precision bf16
+  step decode_host 60 env use_cuda=1 "$py" bench/decode_host.py --config medium --precision bf16 --batch 4
   step eval_8b 240 env use_cuda=1 "$py" bench/eval_scale.py --n_layers 8 --batch_sizes 1 8 32 --new_tokens 16
   side_by_side side_by_side 130 --configs medium --variants sparse
   echo "gpu_check=decode seconds=$(( $(date +%s) - START )) gpu_decode=$(status_of gpu_decode)" \
-       "gpu_decode_tests=$(counts_of gpu_decode) bench_medium=$(status_of bench_medium) eval_8b=$(status_of eval_8b)" \
-       "side_by_side=$(status_of side_by_side)"
-  for name in bench_medium eval_8b side_by_side; do tail -1 "$LOG_DIR/$name.log" 2>/dev/null; done
+       "gpu_decode_tests=$(counts_of gpu_decode) bench_medium=$(status_of bench_medium)" \
+       "decode_host=$(status_of decode_host) eval_8b=$(status_of eval_8b) side_by_side=$(status_of side_by_side)"
+  for name in bench_medium decode_host eval_8b side_by_side; do tail -1 "$LOG_DIR/$name.log" 2>/dev/null; done
 }
 
 case "${1:-}" in

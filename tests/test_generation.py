@@ -138,7 +138,7 @@ def test_bf16_kv_cache_within_bf16_of_fp32(tiny_base, method):
         set_base_precision(model, "bf16")
         with jt.no_grad():
             logits[cache] = kv_logits(model.llama, tokens, prefill=4)
-        assert model.llama.layers[0].attention._cache_k.dtype == ("bfloat16" if cache == "base" else "float32")
+        assert model.llama.layers[0].attention._cache.dtype == ("bfloat16" if cache == "base" else "float32")
     scale = np.abs(logits["fp32"]).max()
     assert scale > 1.0
     np.testing.assert_allclose(logits["base"], logits["fp32"], atol=2e-2 * scale)

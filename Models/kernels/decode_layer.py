@@ -3,7 +3,7 @@ output side (attention over the cache and the prompt, O, the FFN, the parallel a
 
 A decode step has at most DECODE_ROWS rows, so a layer's cost is its ops, not their arithmetic:
 built op by op it is about 25 ops, each a few microseconds of Python and of Jittor's executor, and on a
-GPU a few kernel launches each. Here it is four: these two, and the two cache writes between them. On
+GPU a few kernel launches each. Here it is three: these two, and the cache write between them. On
 a CPU the two ops are cpp/layer_input.cc and cpp/layer_output.cc: each projection is experts_project
 (cpp/lora_project.h: a GEMV pass over the base's weights and its LoRA experts under their type weight) and
 the routing is cpp/route_row.cc, as in the per-op decode kernels, so the numbers are those of the op-by-op
@@ -135,7 +135,7 @@ def declare_matrix(inputs: cpp.CodeInputs, name: str, base):
 class StepOp:
     """One of the decode layer's two ops as built for a KV cache's life (the weights, and the prompt's keys and
     values, are fixed while it lives: Block.Attention.prompt_keys_values): its text, the block's tensors, its
-    numbers and its outputs' widths and types. A step gives its own tensors (in0_p... ahead of the block's) and
+    numbers and its outputs' shapes and types. A step gives its own tensors (in0_p... ahead of the block's) and
     sizes: rebuilding the text at every step of every layer was a sixth to a quarter of a small model's decoding
     (docs/performance.md), and on a GPU it would be host time between launches."""
     cpu_header: str  # each text as cpp.included gives it
@@ -143,23 +143,28 @@ class StepOp:
     cuda_header: str
     cuda_src: str
     fixed: list  # the block's tensors, after the step's
-    data: dict
-    outputs: tuple  # (name, width, dtype) of each output [M, width]
+    data: dict  # the block's numbers; a step's sizes are written over theirs
+    names: tuple  # the outputs' names, in order (out0_p...)
+    dims: tuple  # each output's shape as (leading dims, trailing dims) around the step's rows [B,T]
+    dtypes: list
 
-    def __call__(self, step: list, **sizes) -> dict:
-        """The outputs by name for the step's tensors `step` and sizes (M, T, ...: the rows are M)."""
-        shapes = [(sizes["M"], width) for _, width, _ in self.outputs]
-        values = jt.code(shapes, [dtype for _, _, dtype in self.outputs], step + self.fixed,
+    def __call__(self, step: list, rows: tuple, **sizes) -> dict:
+        """The outputs by name for the step's tensors `step`, its rows (B, T) and sizes."""
+        self.data.update(sizes)
+        values = jt.code([(*lead, *rows, *trail) for lead, trail in self.dims], self.dtypes, step + self.fixed,
                          cpu_header=self.cpu_header, cpu_src=self.cpu_src, cuda_header=self.cuda_header,
-                         cuda_src=self.cuda_src, data={**self.data, **sizes})
-        return dict(zip((name for name, _, _ in self.outputs), values))
+                         cuda_src=self.cuda_src, data=self.data)
+        return dict(zip(self.names, values))
 
 
 def new_step_op(inputs: cpp.CodeInputs, cpu_body: str, cuda_body: str, outputs: tuple, n_step: int) -> StepOp:
     """The StepOp of `inputs` (the step's n_step tensors first) running cpu_body or cuda_body after their
-    declarations."""
+    declarations; `outputs`: (name, leading dims, trailing dims, dtype) of each, its shape [*leading, B, T,
+    *trailing] (the C++ reads each as rows M = B*T of its own)."""
     texts = [inputs.header(LAYER_HEADER), inputs.code + cpu_body, GPU_LAYER_HEADER, inputs.code + cuda_body]
-    return StepOp(*map(cpp.included, texts), inputs.vars[n_step:], inputs.numbers.data, outputs)
+    names, leads, trails, dtypes = zip(*outputs)
+    return StepOp(*map(cpp.included, texts), inputs.vars[n_step:], dict(inputs.numbers.data), names,
+                  tuple(zip(leads, trails)), list(dtypes))
 
 
 def step_op(block, key: str, build, *args) -> StepOp:
@@ -198,37 +203,39 @@ def input_op(block, step: list, M: int, T: int) -> StepOp:
     inputs.declare("float", eps=block.attention_norm.eps,
                    head_eps=attn.q_norm.eps if attn.q_norm is not None else 0.0)
     declare_columns(inputs, block, dict(Q="Q", K="K", V="V"))
-    # k and v in the cache's type (bf16 bits: rounded in the op, no rounding op a layer before the cache write)
+    # the keys and values [2,M,Hkv*hd] in the cache's type (bf16 bits: rounded in the op, no rounding op a layer
+    # before the cache write), as the cache holds them: one write a step
     kv = attn.cache_dtype()
     inputs.declare("bool", KV_BITS=kv == "bfloat16")
-    outputs = [("q", H * hd, "float32"), ("k", Hkv * hd, kv), ("v", Hkv * hd, kv),  # out0_p... out3_p
-               ("probs", max(n_types, 1), "float32")]
-    outputs += [("gamma", 1, "float32")] * sparse + [("prompt_mix", n_prompts, "float32")] * bool(n_prompts)
-    names = [name for name, _, _ in outputs]
+    outputs = [("q", (), (H * hd,), "float32"), ("kv", (2,), (Hkv, hd), kv),  # out0_p, out1_p, out2_p...
+               ("probs", (), (max(n_types, 1),), "float32")]
+    outputs += [("gamma", (), (1,), "float32")] * sparse
+    outputs += [("prompt_mix", (), (n_prompts,), "float32")] * bool(n_prompts)
+    names = [name for name, *_ in outputs]
     out = lambda name: f"out{names.index(name)}_p" if name in names else "nullptr"
-    inputs.code += f"float *PROBS = out3_p, *GAMMAS = {out('gamma')}, *PROMPT_MIX = {out('prompt_mix')};\n"
+    inputs.code += f"float *PROBS = out2_p, *GAMMAS = {out('gamma')}, *PROMPT_MIX = {out('prompt_mix')};\n"
     inputs.code += f"const float *WEIGHTS = {'PROBS' if routed else 'GATES'};\n"
     return new_step_op(inputs, LAYER_INPUT, GPU_LAYER_INPUT, tuple(outputs), len(step))
 
 
 def layer_input(block, x, cos, sin, gates=None) -> dict:
     """gates [M,NC]: the families' weights given (instance-level routing), else the type router's per token."""
-    # x [B,T,D] -> q [M,H*hd], k, v [M,Hkv*hd] (the cache's type), probs [M,NT] (the type router's; absent when
-    # gates are given), gamma [M,1] (Sparse), prompt_mix [M,E] (a prompt mixture's shares); M = B*T
-    B, T, D = x.shape
-    step = [x.float32().reshape(B * T, D), cos, sin] + ([] if gates is None else [gates])
-    return step_op(block, "input", input_op, step, B * T, T)(step, M=B * T, T=T)
+    # x [B,T,D] -> q [B,T,H*hd], kv [2,B,T,Hkv,hd] (the cache's type), probs [B,T,NT] (the type router's; absent
+    # when gates are given), gamma [B,T,1] (Sparse), prompt_mix [B,T,E] (a prompt mixture's shares); M = B*T
+    B, T, _ = x.shape
+    step = [x.float32(), cos, sin] + ([] if gates is None else [gates])
+    return step_op(block, "input", input_op, step, B * T, T)(step, (B, T), M=B * T, T=T)
 
 
 def output_op(block, step: list, M: int, T: int, S: int, start_pos) -> StepOp:
     """The output side for the step's tensors x [M,D], q, the cache, mask, probs and a prompt mixture's shares."""
     attn, ffn, D = block.attention, block.feed_forward, block.ffn_norm.weight.shape[0]
     H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    prompt_mix = step[6] if len(step) > 6 else None
+    prompt_mix = step[5] if len(step) > 5 else None
     inputs = cpp.CodeInputs()
     cache_type = "const uint16_t *" if step[2].dtype == "bfloat16" else "const float *"
-    for name, var in zip(("x", "q", "cache_k", "cache_v", "mask", "probs", "PROMPT_MIX"), step + [prompt_mix]):
-        inputs.add(name, var, cache_type if name.startswith("cache") else "const float *")
+    for name, var in zip(("x", "q", "cache_k", "mask", "probs", "PROMPT_MIX"), step + [prompt_mix]):
+        inputs.add(name, var, cache_type if name == "cache_k" else "const float *")
     L = 0
     if attn.has_prompt:
         prompt_k, prompt_v = attn.prompt_keys_values(start_pos)
@@ -247,37 +254,35 @@ def output_op(block, step: list, M: int, T: int, S: int, start_pos) -> StepOp:
         declare_experts(inputs, target, lora)
     declare_adapters(inputs, block.p_adapter)
     inputs.declare(M=M, T=T, S=S, D=D, H=H, Hkv=Hkv, hd=hd, n_rep=H // Hkv, L=L, F=ffn.w1.weight.shape[0],
-                   NT=step[5].shape[1], PROMPT_E=1 if prompt_mix is None else prompt_mix.shape[1])
+                   NT=step[4].shape[-1], PROMPT_E=1 if prompt_mix is None else prompt_mix.shape[-1])
+    inputs.code += f"{cache_type}cache_v = cache_k + M / T * S * Hkv * hd;  // the cache [2,B,S,Hkv,hd]\n"
     inputs.declare("float", eps=block.ffn_norm.eps, scale=1.0 / math.sqrt(hd), CLAMP_LIMIT=block.clamp or 0.0)
     inputs.declare("bool", CLAMP=block.clamp is not None)
     declare_columns(inputs, block, dict(PROMPT="PROMPT", O="O", GATE="FFN_GATE", UP="FFN_UP", DOWN="FFN_DOWN",
                                         PADAPTER="PADAPTER"))
-    return new_step_op(inputs, LAYER_OUTPUT, GPU_LAYER_OUTPUT, (("out", D, "float32"),), len(step))
+    return new_step_op(inputs, LAYER_OUTPUT, GPU_LAYER_OUTPUT, (("out", (), (D,), "float32"),), len(step))
 
 
-def layer_output(block, x, q, cache_k, cache_v, mask, probs, prompt_mix, start_pos):
-    # x [B,T,D], q [M,H*hd], cache [B,S,Hkv,hd], mask [T,S], probs [M,NT] (the families' weights), prompt_mix
-    # [M,E] (a prompt mixture's shares) or None -> [B,T,D]
-    B, T, D = x.shape
-    S = cache_k.shape[1]
-    step = [x.float32().reshape(B * T, D), q, cache_k, cache_v, mask, probs]
-    step += [] if prompt_mix is None else [prompt_mix]
+def layer_output(block, x, q, cache, mask, probs, prompt_mix, start_pos):
+    # x [B,T,D], q [B,T,H*hd], cache [2,B,S,Hkv,hd] (keys, values), mask [T,S], probs [B,T,NT] or [M,NT] (the
+    # families' weights), prompt_mix [B,T,E] (a prompt mixture's shares) or None -> [B,T,D]
+    B, T, _ = x.shape
+    S = cache.shape[2]
+    step = [x.float32(), q, cache, mask, probs] + ([] if prompt_mix is None else [prompt_mix])
     op = step_op(block, "output", output_op, step, B * T, T, S, start_pos)
-    return op(step, M=B * T, T=T, S=S)["out"].reshape(B, T, D)
+    return op(step, (B, T), M=B * T, T=T, S=S)["out"]
 
 
 def decode_layer(block, x, cos, sin, mask, start_pos, record, aux):
-    """block(x) for one decode step through the KV cache, in two ops and the two cache writes (aux: unused, a
-    mixture is taken only when no load-balancing term is asked for)."""
+    """block(x) for one decode step through the KV cache, in two ops and the cache write between them (aux: unused,
+    a mixture is taken only when no load-balancing term is asked for)."""
     # x [B,T,D] -> [B,T,D]
     B, T, _ = x.shape
-    attn = block.attention
     gates = block.sequence_gates(x, start_pos, record).float32().reshape(B * T, -1) if block.routes_sequences else None
     side = layer_input(block, x, cos, sin, gates)
     probs, gamma, prompt_mix = side["probs"] if gates is None else gates, side.get("gamma"), side.get("prompt_mix")
     if record is not None and gates is None and block.type_names:
-        record.update(type_weight=probs.reshape(B, T, -1), threshold=None if gamma is None else gamma.reshape(B, T, 1))
-    cache_k, cache_v = attn.update_cache(side["k"].reshape(B, T, attn.n_kv_heads, attn.head_dim),
-                                         side["v"].reshape(B, T, attn.n_kv_heads, attn.head_dim), start_pos)
-    return layer_output(block, x, side["q"], cache_k, cache_v, mask, probs, prompt_mix, start_pos)
+        record.update(type_weight=probs, threshold=gamma)
+    cache = block.attention.write_cache(side["kv"], start_pos)
+    return layer_output(block, x, side["q"], cache, mask, probs, prompt_mix, start_pos)
 

@@ -358,7 +358,9 @@ def test_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path):
              (["bench/side_by_side.py", "--against", "peft"], ["REFVENV"]),
              (["bench/side_by_side.py", "--against", "peft", "--variants", "soft"], ["--variants", "plain LoRA"]),
              (["bench/peft_bench.py", "--lora_targets", "Q,W"], ["--lora_targets", "Q,W"]),
-             (["bench/peft_bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"])]
+             (["bench/peft_bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"]),
+             (["bench/decode_host.py", "--batch", "0"], ["--batch 0 must be at least 1"]),
+             (["bench/decode_host.py", "--steps", "500"], ["--steps 500 must be at most"])]
     for argv, needles in cases:
         done = subprocess.run(python_program(*argv), cwd=REPO, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "REFVENV": ""})

@@ -1,5 +1,5 @@
-// The layer's input side: x [M,D] -> q [M,H*hd], k, v [M,Hkv*hd] (q and k rotated; k and v as bf16 bits where
-// KV_BITS, the cache's type, rounded as the cache write would), the type weights
+// The layer's input side: x [M,D] -> q [M,H*hd], the keys and values [2,M,Hkv*hd] (q and k rotated; k and v as bf16
+// bits where KV_BITS, the cache's type, rounded as the cache write would), the type weights
 // PROBS [M,NT], Gamma GAMMAS [M,1] (Sparse) and a prompt mixture's shares PROMPT_MIX [M,PROMPT_E]; the experts
 // weighted by WEIGHTS [M,NW]: PROBS, or GATES given per sequence (instance-level routing: no router here). Qwen3
 // (Q_NORM, K_NORM not null): each query and key head RMS-normed after its projection and expert, before RoPE.
@@ -19,7 +19,7 @@ if (PROMPT_E > 1)  // a mixture of prompt experts: each row's shares of them, fo
     router_shares(M, PROMPT_E, D, xn.data(), PROMPT_ROUTER_W, PROMPT_ROUTER_B, PROMPT_MIX);
 const int64_t KV = M * Hkv * hd;
 std::vector<float> kv_values(KV_BITS ? 2 * KV : 0);
-float *k = KV_BITS ? kv_values.data() : (float *)out1_p, *v = KV_BITS ? kv_values.data() + KV : (float *)out2_p;
+float *k = KV_BITS ? kv_values.data() : (float *)out1_p, *v = k + KV;
 experts_project(M, H * hd, D, xn.data(), WQ, LORA_Q, COL_Q < 0 ? nullptr : WEIGHTS + COL_Q, NW, out0_p);
 experts_project(M, Hkv * hd, D, xn.data(), WK, LORA_K, COL_K < 0 ? nullptr : WEIGHTS + COL_K, NW, k);
 experts_project(M, Hkv * hd, D, xn.data(), WV, LORA_V, COL_V < 0 ? nullptr : WEIGHTS + COL_V, NW, v);
@@ -31,6 +31,5 @@ for (int64_t m = 0; m < M; m++) {
     for (int64_t h = 0; h < Hkv; h++) rotate_pairs_row(k + (m * Hkv + h) * hd, k + (m * Hkv + h) * hd, c, s, hd / 2, 1.f);
 }
 if (KV_BITS) {
-    round_into(k, KV, (uint16_t *)out1_p);
-    round_into(v, KV, (uint16_t *)out2_p);
+    round_into(k, 2 * KV, (uint16_t *)out1_p);  // k, then v
 }

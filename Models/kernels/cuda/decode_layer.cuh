@@ -211,12 +211,10 @@ __global__ void attention_rows(const float *q, const C *cache_k, const C *cache_
                       prompt_mix ? prompt_mix + m * prompt_experts : nullptr, L / prompt_experts);
 }
 
-// k and v [n] as bf16 bits for a bf16 cache
-__global__ void kv_bits(const float *k, const float *v, int64_t n, uint16_t *k_bits, uint16_t *v_bits) {
-    for (int64_t i = (int64_t)blockIdx.x * BLOCK + threadIdx.x; i < n; i += (int64_t)gridDim.x * BLOCK) {
-        k_bits[i] = bf16_bits(k[i]);
-        v_bits[i] = bf16_bits(v[i]);
-    }
+// keys and values [n] as bf16 bits for a bf16 cache
+__global__ void kv_bits(const float *kv, int64_t n, uint16_t *bits) {
+    for (int64_t i = (int64_t)blockIdx.x * BLOCK + threadIdx.x; i < n; i += (int64_t)gridDim.x * BLOCK)
+        bits[i] = bf16_bits(kv[i]);
 }
 __global__ void swiglu_into(float *gate, const float *up, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * BLOCK + threadIdx.x; i < n; i += (int64_t)gridDim.x * BLOCK)

@@ -1,6 +1,7 @@
 // The layer's output side on a GPU, cpp/layer_output.cc's steps as kernels (cuda/decode_layer.cuh): x [M,D]
-// (the layer's input), q [M,H*hd] and the cache [B,S,Hkv,hd] (this step written) -> [M,D]: attention over the
-// cache and the prompt (a mixture's rows by PROMPT_MIX), O, the FFN, the parallel adapter's experts, the clamp.
+// (the layer's input), q [M,H*hd] and the cache's keys cache_k and values cache_v [B,S,Hkv,hd] (this step written)
+// -> [M,D]: attention over the cache and the prompt (a mixture's rows by PROMPT_MIX), O, the FFN, the parallel
+// adapter's experts, the clamp.
 // Names and sizes: decode_layer.layer_output's declarations.
 float *att = scratch_floats(M * H * hd), *h = scratch_floats(M * D), *hn = scratch_floats(M * D),
       *gate = scratch_floats(M * F), *up = scratch_floats(M * F);
