@@ -101,8 +101,9 @@ begin() {
 # 44 distinct CUDA ops with the mixtures' (each 7 s of nvcc on this project's 2-core CPU, a test model's ops
 # in parallel)
 decode_tests() {
+  local tests="decode_layer_equals or built_once or greedy_cache or batch_of_4 or records_match"
   step gpu_decode 340 env use_cuda=1 MOA_GPU_KERNELS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rf \
-    tests/test_infer.py -k "decode_layer_equals or built_once or greedy_cache or batch_of_4 or records_match"
+    tests/test_decode_layer.py tests/test_infer.py -k "$tests"
 }
 
 # side_by_side NAME SECONDS ARGS...: bench/side_by_side.py beside the authors' code on the GPU in bf16, as step NAME

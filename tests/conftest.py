@@ -1,6 +1,7 @@
 """What the test files share: Jittor's environment, the files the tests read, tiny bases and training flags,
 running the tools (in-process, as programs, under a signal, under mpirun), checking their refusals, and helpers
-for the golden outputs. Test files never import from one another; every helper two of them use lives here.
+for the golden outputs. Test files never import from one another; every helper two of them use lives here, or,
+shared within one family of tests, in a module named for it (tests/kernel_inputs.py: the fused kernels' inputs).
 
 Everything the suite reads ships in tests/: the authors' golden outputs (tests/golden/, see its README;
 tests/test_golden.py checks every file) and a few examples of each math data set (tests/data/). Only Meta's

@@ -65,7 +65,7 @@ def assert_nvcc_compiles(sources: dict, folder):
 def test_decode_layer_sources_compile(cuda_sources, tiny_base, tiny_qwen3, tmp_path):
     """The decode layer's CUDA form (Models/kernels/cuda/) for LLaMA Sparse with a bf16 base and cache, and Qwen3
     Soft with a prompt expert in fp32, UniPEFT's gates given, AdaMoLE's mixtures gated in the op: its numbers are
-    tests/test_infer.py::test_decode_layer_equals_op_by_op's on a GPU."""
+    tests/test_decode_layer.py::test_decode_layer_equals_op_by_op's on a GPU."""
     for path, precision, variant in ((tiny_base, "bf16", "sparse"), (tiny_qwen3, "fp32", "soft"),
                                      (tiny_qwen3, "fp32", "unipeft"), (tiny_base, "bf16", "adamole")):
         model = build_model(path, base_args(path, max_seq_len=16, max_batch_size=2, **DECODE_EXPERTS[variant]))
@@ -136,7 +136,7 @@ ORDERED_CASES = [pytest.param(*case[1:], order, id=f"{case[0]}-{order}") for cas
 def test_decode_layer_cuda_form_equals_the_plain_layer(monkeypatch, tiny_base, tiny_qwen3, odd_qwen3, arch, variant,
                                                        precision, batch, router, order):
     """The decode layer's CUDA form (Models/kernels/cuda/), emulated on the CPU, against the plain layer through
-    the KV cache, as tests/test_infer.py::test_decode_layer_equals_op_by_op compares the CPU form: a prefill of 3
+    the KV cache, as tests/test_decode_layer.py::test_decode_layer_equals_op_by_op compares the CPU form: a prefill of 3
     positions, then steps; LLaMA Sparse with a bf16 base and cache at 12 rows a step (36 in the prefill: two
     passes of product_rows, 32 rows and 4), Qwen3 Soft (per-head norms, a prompt expert) in fp32 at 2 (6 in the
     prefill), LLaMA Soft with an int8 base, LLaMA Sparse with a Linear type router and a constant Gamma, and two
