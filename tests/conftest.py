@@ -1,7 +1,8 @@
 """What the test files share: Jittor's environment, the files the tests read, tiny bases and training flags,
-running the tools (in-process, as programs, under a signal, under mpirun), checking their refusals, and helpers
-for the golden outputs. Test files never import from one another; every helper two of them use lives here, or,
-shared within one family of tests, in a module named for it (tests/kernel_inputs.py: the fused kernels' inputs).
+running the tools (in-process, as programs, under a signal, under mpirun), checking their refusals, the tiny
+models' experts and KV-cache logits. Test files never import from one another; every helper two of them use lives
+here, or, shared within one family of tests, in a module named for it (tests/golden_files.py, the golden files'
+models; tests/kernel_inputs.py; tests/load_memory.py).
 
 Everything the suite reads ships in tests/: the authors' golden outputs (tests/golden/, see its README;
 tests/test_golden.py checks every file) and a few examples of each math data set (tests/data/). Only Meta's
@@ -33,8 +34,6 @@ import Utils.jittor_env  # noqa: E402,F401  (must precede any jittor import)
 import jittor as jt  # noqa: E402
 
 from Data.synthetic import make_splits  # noqa: E402
-from Models.formats.authors import args_from_authors  # noqa: E402
-from Models.formats.adapters import assign_strict  # noqa: E402
 from Models import LLM  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Data.tiny_base import write_random_base, write_random_hf_base  # noqa: E402
@@ -402,69 +401,5 @@ def kv_logits(llama, tokens: np.ndarray, prefill: int) -> np.ndarray:
     return np.stack(rows, 1)
 
 
-# ---- the golden files (tests/test_golden.py checks them all)
-
-def load_golden(stem: str):
-    """(npz, meta dict, ModelArgs in fp32) of tests/golden/<stem>.npz, e.g. "sparse_s0" or
-    "baselines/instance_s0"; meta["variant"] names the authors' folder (authors_options)."""
-    data = np.load(GOLDEN / f"{stem}.npz", allow_pickle=False)
-    meta = json.loads(str(data["meta"]))
-    return data, meta, args_from_authors(meta["model_args"], meta["variant"], precision="fp32")  # parity in fp32
-
-
-def golden_model(stem: str, **overrides):
-    """(model with the golden file's parameters, npz, meta); `overrides` change ModelArgs fields."""
-    data, meta, args = load_golden(stem)
-    if overrides:
-        args = type(args)(**{**args.to_dict(), **overrides})
-    model = LLaMA_adapter(args)
-    assign_strict(dict(model.named_parameters()), golden_params(data), f"{stem}.npz", "golden")
-    return model, data, meta
-
-
-def golden_forward(model, data, records=None):
-    """(loss, logits) on the golden batch, the loss masked where the authors' ignore_index=0 drops it."""
-    tokens = jt.array(data["tokens"].astype(np.int32))
-    mask = jt.array((data["labels"] != 0).astype(np.float32))
-    return model(tokens, mask, records=records)
-
-
-def golden_params(data) -> dict:
-    return {k[len("param/"):]: data[k] for k in data.files if k.startswith("param/")}
-
-
 def max_abs(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
-
-
-LOAD_PEAK_PROBE = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import Utils.jittor_env
-import numpy as np
-from Models.formats import hf, meta
-from Models.formats.base_model import base_args, base_layout, build_model
-from Models.LLaMA_Adapter import LLaMA_adapter
-
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-warm, big, precision = sys.argv[2:5]
-build_model(warm, base_args(warm, max_seq_len=8, precision=precision))  # compiles the ops
-model = LLaMA_adapter(base_args(big, max_seq_len=8, precision=precision))
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM to the current RSS
-before = status("VmRSS")
-(meta if base_layout(big) == "meta" else hf).load_base(model, big)
-nbytes = sum(p.nbytes for p in model.base_parameters().values())
-print(json.dumps({"increase": status("VmHWM") - before, "model_bytes": nbytes}))
-"""
-
-
-def load_peak(warm, big, precision) -> dict:
-    """{"increase", "model_bytes"}: how much loading the base folder `big` raises the peak RSS (VmHWM) of a
-    fresh process that compiled the read ops on the small base `warm` first, and the loaded base's bytes."""
-    out = subprocess.run([sys.executable, "-c", LOAD_PEAK_PROBE, str(REPO), str(warm), str(big), precision],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -6,7 +6,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from conftest import load_peak
+from load_memory import load_peak
 import jittor as jt
 from Models.formats.base_model import build_model
 from Models.formats.meta import load_base

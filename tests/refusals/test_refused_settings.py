@@ -6,8 +6,9 @@ import json
 import os
 
 import pytest
-from conftest import (MPIRUN, assert_refused, edited_base, golden_model, math_argv, math_refuses, mpirun,
-                      one_error_line, snapshot, tiny_adapter, train)
+from conftest import (MPIRUN, assert_refused, edited_base, math_argv, math_refuses, mpirun, one_error_line, snapshot,
+                      tiny_adapter, train)
+from golden_files import golden_model
 
 import Math
 from Models.formats.adapters import export_authors_adapter, import_authors_adapter, read_adapter_config, save_adapter
