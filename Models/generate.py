@@ -23,7 +23,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 from jittor import nn
 
-from .memory import available_memory, kv_cache_bytes, ranks_on_this_host
+from .memory import available_memory, kv_cache_bytes, ranks_sharing_memory
 from .ModelArgs import BF16_PRODUCTS, INSTANCE_METHODS
 from .kernels.switch import DECODE_ROWS, GEMV_ROWS
 
@@ -46,9 +46,9 @@ KV_CACHE_SHARE = 1.5
 def auto_batch_size(args, seq_len: int, n_prompts: int, available=None, chunk: int = 64) -> int:
     """`--batch_size auto`: the largest batch, at most n_prompts and the rows one pass of the decode
     kernels serves (DECODE_ROWS with a bf16 or int8 base, GEMV_ROWS otherwise), whose KV cache (counted
-    KV_CACHE_SHARE times) and decode buffers fit in 80% of the memory left (all ranks on this host
-    together; call it with the model loaded). The rest is for Jittor's compiler on the first batch."""
-    available = (available_memory() if available is None else available) * 0.8 / ranks_on_this_host()
+    KV_CACHE_SHARE times) and decode buffers fit in 80% of the memory left (all the ranks sharing
+    it together; call it with the model loaded). The rest is for Jittor's compiler on the first batch."""
+    available = (available_memory() if available is None else available) * 0.8 / ranks_sharing_memory()
     per_row = KV_CACHE_SHARE * kv_cache_bytes(args, 1, seq_len) + decode_buffer_bytes(args, 1, chunk)
     most = DECODE_ROWS if args.precision in BF16_PRODUCTS else GEMV_ROWS
     return max(1, min(most, n_prompts, int(available // per_row)))

@@ -2,10 +2,16 @@
 against what the machine can still give: the base's weights, its RoPE tables and, to generate, the KV
 cache. The counts are Python integers, exact however large a setting is, so a size no machine holds
 (a vocab_size of 2^62, a head_dim of 2^22, a max_seq_len of 10^8) is refused in one line naming the
-file or flag to change, where allocating it would end in a MemoryError, an overflow or a crash.
+file or flag to change, where allocating it would end in a MemoryError, an overflow or a crash. On a GPU
+run (Jittor's use_cuda) the memory that holds them is the GPU's, and that is what they are checked against.
 """
+import ctypes
 import math
 import os
+import sys
+
+import Utils.jittor_env  # noqa: F401
+import jittor as jt
 
 from .ModelArgs import BF16_PRODUCTS
 
@@ -15,7 +21,11 @@ ROPE_TABLES_AT_PEAK = 4
 
 
 def available_memory() -> int:
-    """Bytes the machine can still give (MemAvailable; free pages where /proc/meminfo is missing)."""
+    """Bytes this run can still place its tensors in: on a GPU run its GPU's free memory (gpu_free_memory), else
+    the machine's (MemAvailable; free pages where /proc/meminfo is missing)."""
+    free = gpu_free_memory() if on_gpu() else None
+    if free is not None:
+        return free
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -26,9 +36,35 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def ranks_on_this_host() -> int:
-    """The MPI ranks sharing this host's memory (1 outside mpirun)."""
-    return int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+def on_gpu() -> bool:
+    """Whether this run's tensors live on a GPU (Jittor's use_cuda)."""
+    return bool(jt.flags.use_cuda)
+
+
+def gpu_free_memory():
+    """The free memory of the GPU this process runs on, after Jittor has given back what its allocator kept
+    (cudaMemGetInfo, called in the CUDA runtime Jittor loaded); None, with a warning, where it cannot be read."""
+    jt.gc()
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    try:
+        runtime = ctypes.CDLL(os.path.join(jt.compiler.cuda_lib, "libcudart.so"))
+        status = runtime.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total))
+    except (AttributeError, OSError) as e:
+        status = e
+    if status != 0:
+        print(f"warning: the GPU's free memory could not be read (cudaMemGetInfo: {status}); the memory checks count "
+              "the host's", file=sys.stderr)
+        return None
+    return free.value
+
+
+def ranks_sharing_memory() -> int:
+    """The MPI ranks sharing the memory available_memory reads (1 outside mpirun): this host's, or on a GPU run
+    those of this host's ranks that Jittor places on one GPU (rank i on GPU i modulo the GPUs)."""
+    ranks = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+    if on_gpu():
+        return -(-ranks // max(1, jt.core.get_device_count()))
+    return ranks
 
 
 def base_bytes(args) -> int:
@@ -58,7 +94,7 @@ def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
 
 
 def check_memory(args, source: str, batch_size: int = 0, seq_len: int = 0, available=None):
-    """Refuse a model larger than the memory left (all ranks on this host together) before any of it is
+    """Refuse a model larger than the memory left (all the ranks sharing it together) before any of it is
     allocated: its base and RoPE tables, and with `batch_size` the KV cache of batch_size rows of seq_len
     tokens. `source` names what set the sizes (the base's settings file, or the flags)."""
     parts = {f"base weights in {args.precision}": base_bytes(args),
@@ -66,15 +102,15 @@ def check_memory(args, source: str, batch_size: int = 0, seq_len: int = 0, avail
     if batch_size:
         parts[f"the KV cache for --batch_size {batch_size} x {seq_len} tokens ({args.n_layers} layers, "
               f"{args.n_kv_heads} kv heads of {args.head_dim})"] = kv_cache_bytes(args, batch_size, seq_len)
-    ranks = ranks_on_this_host()
+    ranks = ranks_sharing_memory()
     need = sum(parts.values()) * ranks
     available = available_memory() if available is None else available
     if need > available:
         detail = ", ".join(f"{what} {gib(size)}" for what, size in parts.items())
         raise ValueError(f"{source}: the model needs {gib(need)} ({detail}{f', {ranks} ranks' if ranks > 1 else ''})"
-                         f", more than the {gib(available)} available: lower {'--batch_size or ' if batch_size else ''}"
-                         "the sequence length (--max_seq_len; Infer.py: --max_gen_len), use --precision bf16 or int8, "
-                         "or a machine that holds this base")
+                         f", more than the {gib(available)} available{' on the GPU' if on_gpu() else ''}: lower "
+                         f"{'--batch_size or ' if batch_size else ''}the sequence length (--max_seq_len; Infer.py: "
+                         "--max_gen_len), use --precision bf16 or int8, or a machine that holds this base")
 
 
 def gib(nbytes: int) -> str:

@@ -161,3 +161,25 @@ def test_model_and_kv_cache_memory_are_counted_exactly():
                     ffn_dim_multiplier=1.3, precision="bf16")
     assert memory.kv_cache_bytes(ModelArgs(**{**big.to_dict(), "precision": "fp32"}), 8, 8192) == 16 * 2**30
     assert memory.base_bytes(big) == 2 * 8_030_261_248 + 2 * 4096 * 65  # 8.03 B parameters, 65 norms in fp32
+
+
+def test_a_gpu_run_is_checked_against_its_gpus_memory(monkeypatch, capsys):
+    """On a GPU run the base and the KV cache live on the GPU: the checks read its free memory and count the ranks
+    that share one GPU (two ranks on one GPU share it; one rank a GPU does not), and a refusal says it is the GPU's.
+    Where the GPU's memory cannot be read (here: no CUDA runtime), the host's, with a warning."""
+    from Models.ModelArgs import ModelArgs
+    assert memory.gpu_free_memory() is None and "the GPU's free memory could not be read" in capsys.readouterr().err
+    host = memory.available_memory()
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=1000)
+    monkeypatch.setattr(memory, "on_gpu", lambda: True)
+    monkeypatch.setattr(memory, "gpu_free_memory", lambda: GIB // 4)
+    assert memory.available_memory() == GIB // 4
+    with pytest.raises(ValueError, match=r"f: the model needs 0\.38\d GiB .*more than the 0\.25 GiB available on the "
+                                         r"GPU: lower --batch_size"):
+        memory.check_memory(args, "f", 8, 100_000)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    for gpus, sharing in ((1, 2), (2, 1), (4, 1)):
+        monkeypatch.setattr(memory.jt.core, "get_device_count", lambda gpus=gpus: gpus)
+        assert memory.ranks_sharing_memory() == sharing
+    monkeypatch.setattr(memory, "gpu_free_memory", lambda: None)
+    assert abs(memory.available_memory() - host) < GIB  # the host's MemAvailable, read again
