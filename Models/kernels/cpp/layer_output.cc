@@ -1,6 +1,6 @@
 // The layer's output side: x [M,D] (the layer's input), q [M,H*hd] and the cache's keys cache_k and values cache_v
-// [B,S,Hkv,hd] (this step written) -> [M,D]: attention over the cache and the prompt (PROMPT_MIX [M,PROMPT_E]: a mixture's shares of
-// each row, from layer_input), O, the FFN, the parallel adapter's experts, the clamp.
+// [B,S,Hkv,hd] (this step written) -> [M,D]: attention over the cache and the prompt (PROMPT_MIX [M,PROMPT_E]: a
+// mixture's shares of each row, from layer_input), O, the FFN, the parallel adapter's experts, the clamp.
 // Names and sizes: decode_layer.layer_output's declarations.
 std::vector<int64_t> span(T, 0);
 for (int64_t t = 0; t < T; t++) for (int64_t s = 0; s < S; s++) if (mask[t * S + s] > -1e30f) span[t] = s + 1;
