@@ -11,10 +11,10 @@
 # `run` makes the usual venv (~/.venvs/moa-jittor) over the image's packages, installs the wheels, runs setup.sh
 # (Jittor's patches, its first compile), prints the environment, then, each step timed and bounded by what is left:
 #   alone, so that its figures are the GPU's: the side by side with the authors' code, Sparse MoA at medium
-#   bf16 (bench/side_by_side.py --device cuda); then in parallel (compiling CUDA kernels is most of their time, and the
-#   machine has 16 cores): bash demo.sh (accuracy against the base) and the golden parity tests; then, with the
-#   time left, the 8B shape (8 of its layers) and Soft MoA side by side, and two MPI ranks against one
-#   (tests/test_mpi.py) where OpenMPI is.
+#   bf16 (bench/side_by_side.py --device cuda); then in parallel (compiling CUDA kernels is most of their time, and
+#   the machine has 16 cores): bash demo.sh (accuracy against the base) and the golden parity tests (3 workers);
+#   then, with the time left, the 8B shape (8 of its layers) and Soft MoA side by side, and two MPI ranks against
+#   one (tests/test_mpi.py) where OpenMPI is.
 # Logs go to $OUT (the device tool's folder) or .gpu/logs; the last line is key=value.
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -118,7 +118,7 @@ run() {
   local py="$VENV/bin/python"
   side_by_side side_by_side 130 --configs medium --variants sparse
   step demo 400 env MOA_RUN_DIR=/tmp/demo bash demo.sh &
-  step golden 400 env use_cuda=1 "$py" -m pytest -q -p no:cacheprovider -rf \
+  step golden 400 env use_cuda=1 OMP_NUM_THREADS=2 "$py" -m pytest -q -p no:cacheprovider -rf -n 3 --dist worksteal \
     tests/test_golden.py tests/test_precision.py tests/test_hf.py &
   wait
   side_by_side side_by_side_8b 150 --configs 8b --n_layers 8 --variants sparse
