@@ -6,8 +6,10 @@ prompt per row, then each step is `generate.feed` of one token per row and an ar
 - graph_ms: `feed` until its lazy logits exist (Python, and Jittor creating the ops): this thread's CPU time,
   which another process on the machine does not add to;
 - run_ms: the argmax's `.numpy()`, which runs the step's ops (on a GPU: launches them and waits for them);
-and the ops a step runs (Jittor's profiler). Each figure is the 10th percentile of --steps steps, the best
-of three runs (a shared machine is noisy). On a GPU a step's ops are fast and these are most of a step.
+and the ops a step runs with their time (ops_ms: Jittor's profiler, each op at its fastest; on a GPU it waits for
+each op, so this is the kernels' time): what run_ms has beyond it is Jittor's executor (and on a GPU the launches).
+Each figure is the 10th percentile of --steps steps, the best of three runs (a shared machine is noisy). On a GPU
+a step's ops are fast and the host's parts are most of a step.
 Prints key=value pairs last.
 """
 import argparse
@@ -28,7 +30,7 @@ from Models.generate import feed  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Utils.settings import ArgumentParser  # noqa: E402
 
-RUNS, PROFILED_STEPS = 3, 10
+RUNS, PROFILED_STEPS = 3, 20
 
 
 def steps(model, rows: int, n: int) -> tuple:
@@ -48,15 +50,19 @@ def steps(model, rows: int, n: int) -> tuple:
     return graph, run
 
 
-def ops_per_step(model, rows: int) -> float:
-    """The ops Jittor runs in a decode step (its profiler's count over a few steps)."""
+def profiled_ops(model, rows: int) -> tuple:
+    """The ops Jittor runs in a decode step and their seconds (its profiler's, which waits for each op: on a GPU,
+    the kernels' time) over a few steps, each op at its fastest run: (ops, seconds) a step."""
     model.llama.reset_cache()
     picked = jt.argmax(feed(model, np.ones((rows, PROMPT_LEN), np.int64), 0), dim=-1)[0].numpy()
     jt.profiler.start(0, 0)
     for i in range(PROFILED_STEPS):
         picked = jt.argmax(feed(model, picked[:, None], PROMPT_LEN + i), dim=-1)[0].numpy()
     jt.profiler.stop()
-    return sum(int(row[2]) for row in jt.profiler.report()[1:]) / PROFILED_STEPS
+    header, *report = jt.profiler.report()
+    count, fastest_ns = header.index("Count"), header.index("MinTime")
+    return (sum(int(row[count]) for row in report) / PROFILED_STEPS,
+            sum(int(row[count]) * float(row[fastest_ns]) for row in report) * 1e-9 / PROFILED_STEPS)
 
 
 def main():
@@ -82,11 +88,11 @@ def main():
         steps(model, opts.batch, 20)  # compiles every op a step runs
         best = min(((np.percentile(graph, 10), np.percentile(run, 10))
                     for graph, run in (steps(model, opts.batch, opts.steps) for _ in range(RUNS))), key=sum)
-        ops = ops_per_step(model, opts.batch)
+        ops, ops_seconds = profiled_ops(model, opts.batch)
     graph_ms, run_ms = (seconds * 1e3 for seconds in best)
     print(f"config={opts.config} n_layers={args.n_layers} precision={args.precision} batch={opts.batch} "
           f"device={'cuda' if jt.flags.use_cuda else 'cpu'} graph_ms={graph_ms:.3f} run_ms={run_ms:.3f} "
-          f"ops_per_step={ops:.0f}")
+          f"ops_per_step={ops:.0f} ops_ms={ops_seconds * 1e3:.3f}")
 
 
 if __name__ == "__main__":
