@@ -100,6 +100,29 @@ def test_output_nll_in_chunks(dtype, monkeypatch):
         np.testing.assert_allclose(got.numpy().reshape(-1, D), want, rtol=1e-5, atol=5e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_plain_output_nll_in_chunks_equals_the_whole_logits(dtype, monkeypatch):
+    """The plain loss (a GPU's), 64 rows of logits at a time with each chunk's gradient made by autograd in the
+    forward, equals Jittor's ops on the whole [B*T,V] logits in values and in the gradient, which the loss weight
+    scales after (as the fused loss's: with a bf16 or int8 matrix, after the rounding of the backward's product)."""
+    rng = np.random.default_rng(11)
+    B, T, D, V = 2, 64 + 7, 16, 1100
+    monkeypatch.setattr(elementwise, "LOGIT_BYTES", 64 * 4 * V)
+    weight, scale = stored(normal(rng, (V, D), 0.5), dtype)
+    targets = jt.array(rng.integers(0, V, (B, T)).astype(np.int32))
+    h, loss_weight = normal(rng, (B, T, D)), normal(rng, (B, T))
+
+    def whole(h):
+        return elementwise.rows_nll(h.reshape(B * T, D), weight, targets.reshape(B * T), scale).reshape(B, T)
+    got, want = output_nll.plain(h, weight, targets, scale), whole(h)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    assert np.abs(want.numpy()).min() > 0.1
+    got_grad, = jt.grad((output_nll.plain(h, weight, targets, scale) * loss_weight).sum(), [h])
+    want_grad = jt.grad(whole(h).sum(), [h])[0] * loss_weight.unsqueeze(-1)  # each row's nll reads its own h
+    np.testing.assert_allclose(got_grad.numpy(), want_grad.numpy(), rtol=1e-5, atol=1e-5)
+    assert np.abs(want_grad.numpy()).max() > 0.1
+
+
 def test_silu_gate():
     rng = np.random.default_rng(5)
     assert_same(silu_gate, [normal(rng, (2, 7, 13), 3.0), normal(rng, (2, 7, 13), 3.0)], [0, 1], atol=1e-6)

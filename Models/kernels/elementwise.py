@@ -63,38 +63,23 @@ def logit_rows(vocab_size: int) -> int:
     return max(1, LOGIT_BYTES // (4 * vocab_size))
 
 
-class OutputNLL(jt.Function):
+class ChunkedNLL(jt.Function):
     """nll [N] of h [N,D] through the frozen output matrix weight [V,D] (with its row scales [V] when int8),
-    logit_rows(V) rows at a time.
-    Each chunk runs before the next is built (sync), so [N,V] logits never exist. When a gradient
-    will be asked for, each chunk's gradient to h before the per-row loss weight,
-    (softmax - onehot) weight [n,D], is made while its logits exist: the backward only scales
-    it by grad_nll, so the output matrix costs two matmuls, not three, and no logits are kept."""
+    logit_rows(V) rows at a time (`chunk`, a subclass's). Each chunk runs before the next is built (sync), so
+    [N,V] logits never exist. When a gradient will be asked for, each chunk's gradient to h before the per-row
+    loss weight, (softmax - onehot) weight [n,D], is made while its logits exist: the backward only scales it by
+    grad_nll, so the output matrix costs two matmuls, not three, and no logits are kept."""
 
     def execute(self, h, weight, targets, scale=None):
         wants_grad = not jt.flags.no_grad and not h.is_stop_grad()
         self.inputs = 3 if scale is None else 4
         rows = logit_rows(weight.shape[0])
-        bits = weight.dtype == "bfloat16"
         nlls, grads = [], []
-        with jt.no_grad():
-            for start in range(0, h.shape[0], rows):
-                logits = base_linear(h[start:start + rows], weight, scale)  # [n,V]
-                n, V = logits.shape
-                numbers = cpp.Numbers().declare(N=n, V=V)
-                numbers.code += (f"#define GRAD {'out1_p' if wants_grad else 'nullptr'}\n"
-                                 f"typedef {'uint16_t' if bits else 'float'} GRAD_T;\n")
-                outputs = jt.code([(n,)] + ([(n, V)] if wants_grad else []),
-                                  ["float32"] + (["bfloat16" if bits else "float32"] if wants_grad else []),
-                                  [logits, targets[start:start + rows]],
-                                  cpu_header=CROSS_ENTROPY_HEADER, cpu_src=numbers.code + CROSS_ENTROPY,
-                                  data=numbers.data)
-                nll = outputs[0]
-                if wants_grad:  # [n,D]
-                    grads.append(bf16_bits_input_grad(outputs[1], weight) if bits else
-                                 base_input_grad(outputs[1], weight, scale))
-                jt.sync([nll] + grads[-1:])
-                nlls.append(nll)
+        for start in range(0, h.shape[0], rows):
+            nll, grad = self.chunk(h[start:start + rows], weight, targets[start:start + rows], scale, wants_grad)
+            grads += [grad] if wants_grad else []
+            jt.sync([nll] + grads[-1:])
+            nlls.append(nll)
         self.grad_h = jt.concat(grads) if len(grads) > 1 else (grads[0] if grads else None)
         return jt.concat(nlls) if len(nlls) > 1 else nlls[0]
 
@@ -102,15 +87,71 @@ class OutputNLL(jt.Function):
         return (self.grad_h * grad_nll.unsqueeze(1),) + (None,) * (self.inputs - 1)
 
 
-def fused_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var, scale=None) -> jt.Var:
+class FusedNLL(ChunkedNLL):
+    """A chunk's nll and gradient in one op, cpp/cross_entropy.cc."""
+
+    @staticmethod
+    def chunk(h, weight, targets, scale, wants_grad) -> tuple:
+        bits = weight.dtype == "bfloat16"
+        with jt.no_grad():
+            logits = base_linear(h, weight, scale)  # [n,V]
+            n, V = logits.shape
+            numbers = cpp.Numbers().declare(N=n, V=V)
+            numbers.code += (f"#define GRAD {'out1_p' if wants_grad else 'nullptr'}\n"
+                             f"typedef {'uint16_t' if bits else 'float'} GRAD_T;\n")
+            outputs = jt.code([(n,)] + ([(n, V)] if wants_grad else []),
+                              ["float32"] + (["bfloat16" if bits else "float32"] if wants_grad else []),
+                              [logits, targets], cpu_header=CROSS_ENTROPY_HEADER,
+                              cpu_src=numbers.code + CROSS_ENTROPY, data=numbers.data)
+            if not wants_grad:
+                return outputs[0], None
+            grad = bf16_bits_input_grad(outputs[1], weight) if bits else base_input_grad(outputs[1], weight, scale)
+            return outputs[0], grad  # [n], [n,D]
+
+
+class PlainNLL(ChunkedNLL):
+    """A chunk's nll through Jittor's own ops (rows_nll) and its gradient by Jittor's autograd through them: a GPU's
+    path, where no [N,V] logits exist either."""
+
+    @staticmethod
+    def chunk(h, weight, targets, scale, wants_grad) -> tuple:
+        rows = h.detach()
+        if not wants_grad:
+            return rows_nll(rows, weight, targets, scale), None
+        rows.start_grad()
+        nll = rows_nll(rows, weight, targets, scale)
+        return nll.detach(), jt.grad(nll.sum(), rows)
+
+
+def rows_nll(h: jt.Var, weight: jt.Var, targets: jt.Var, scale=None) -> jt.Var:
+    """-log softmax(h weight^T)[target] of rows h [n,D], targets [n] -> [n], in Jittor's own ops."""
+    log_probs = nn.log_softmax(base_linear(h, weight, scale), dim=-1)  # [n,V]
+    return -jt.gather(log_probs, 1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def chunked_nll(chunks, h: jt.Var, weight: jt.Var, targets: jt.Var, scale=None) -> jt.Var:
+    """h [B,T,D], targets [B,T] -> nll [B,T] through `chunks` (FusedNLL or PlainNLL)."""
     B, T, D = h.shape
     inputs = [h.reshape(B * T, D), weight.stop_grad(), targets.reshape(B * T).int32()]
-    return OutputNLL.apply(*inputs, *([] if scale is None else [scale])).reshape(B, T)
+    return chunks.apply(*inputs, *([] if scale is None else [scale])).reshape(B, T)
+
+
+def fused_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var, scale=None) -> jt.Var:
+    return chunked_nll(FusedNLL, h, weight, targets, scale)
+
+
+def plain_in_chunks(rows: int, vocab_size: int) -> bool:
+    """Whether the plain loss of `rows` rows takes its logits in chunks: past two chunks' rows. Up to that, the whole
+    logits in the step's lazily built graph hold less at the step's peak than a forward run chunk by chunk; past it,
+    the logits themselves are the peak (at LLaMA-3's vocabulary 2 GB of every 2048 tokens): bench/loss_memory.py."""
+    return rows > 2 * logit_rows(vocab_size)
 
 
 def plain_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var, scale=None) -> jt.Var:
-    log_probs = nn.log_softmax(base_linear(h, weight, scale), dim=-1)  # [B,T,V]
-    return -jt.gather(log_probs, 2, targets.unsqueeze(-1)).squeeze(-1)
+    B, T, D = h.shape
+    if plain_in_chunks(B * T, weight.shape[0]):
+        return chunked_nll(PlainNLL, h, weight, targets, scale)
+    return rows_nll(h.reshape(B * T, D), weight, targets.reshape(B * T), scale).reshape(B, T)
 
 
 # -log softmax(h weight^T)[target] without [B,T,V] logits: h [B,T,D] fp32, weight [V,D] frozen (int8 with
