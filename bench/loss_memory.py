@@ -1,11 +1,11 @@
-"""The peak memory of a training step on Jittor's own ops (the GPU's path), with the loss through the output matrix in
-row chunks (elementwise.PlainNLL) against the whole [B*T,V] logits at once; `plain_takes` is the form the plain
-loss takes at this shape (elementwise.plain_in_chunks).
+"""The peak memory of a training step with the loss through the output matrix as it runs (elementwise.output_nll:
+row chunks, run one by one past LAZY_CHUNKS of them) against the whole [B*T,V] logits at once in the lazy graph.
 
-python bench/loss_memory.py [--vocab_size 128256] [--dim 512] [--n_layers 2] [--precision bf16]
-A random model of those sizes (the bench recipe's Sparse MoA) takes one forward and backward on 8 x 256 tokens with
-the fused CPU kernels off, so that its graph is the one a GPU runs (use_cuda=1 runs it there); Jittor's memory
-profiler gives the peak of its live tensors, each form in a process of its own. Prints key=value pairs last.
+python bench/loss_memory.py [--path plain|fused] [--vocab_size 128256] [--dim 512] [--n_layers 2] [--precision bf16]
+A random model of those sizes (the bench recipe's Sparse MoA) takes one forward and backward on 8 x 256 tokens, on
+Jittor's own ops (--path plain: the fused CPU kernels off, the graph a GPU runs; use_cuda=1 runs it there) or on
+this CPU's fused kernels (--path fused); Jittor's memory profiler gives the peak of its live tensors, each form in a
+process of its own. Prints key=value pairs last.
 """
 import argparse
 import os
@@ -32,17 +32,15 @@ def whole_nll(h, weight, targets, scale=None):
     return elementwise.rows_nll(h.reshape(B * T, D), weight, targets.reshape(B * T), scale).reshape(B, T)
 
 
-def chunked_nll(h, weight, targets, scale=None):
-    return elementwise.chunked_nll(elementwise.PlainNLL, h, weight, targets, scale)
-
-
-FORMS = {"chunks": chunked_nll, "whole": whole_nll}
+FORMS = ("chunks", "whole")
 
 
 def peak_of_step(form: str, opts) -> tuple:
     """(peak MB of live tensors, seconds) of the second training step with the loss in `form`."""
-    switch.fused_kernels_on = lambda: False  # Jittor's own ops everywhere, as on a GPU
-    elementwise.output_nll.plain = FORMS[form]
+    if opts.path == "plain":
+        switch.fused_kernels_on = lambda: False  # Jittor's own ops everywhere, as on a GPU
+    if form == "whole":
+        elementwise.output_nll.fused = elementwise.output_nll.plain = whole_nll
     CONFIGS["loss"] = dict(dim=opts.dim, n_layers=opts.n_layers, n_heads=8, n_kv_heads=8, vocab_size=opts.vocab_size,
                            multiple_of=128)
     jt.set_global_seed(0)
@@ -69,6 +67,8 @@ def peak_of_step(form: str, opts) -> tuple:
 def main():
     """Exit codes: 0 done, 2 bad arguments (one `error:` line)."""
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--path", choices=("plain", "fused"), default="plain",
+                        help="Jittor's own ops (a GPU's graph) or this CPU's fused kernels")
     parser.add_argument("--vocab_size", type=int, default=128256, help="the output matrix's rows (LLaMA-3's)")
     parser.add_argument("--dim", type=int, default=512, help="the model's width")
     parser.add_argument("--n_layers", type=int, default=2, help="the model's depth")
@@ -90,9 +90,10 @@ def main():
         _, mb, seconds = done.stdout.split()[-3:]
         figures[form] = float(mb), float(seconds)
     tokens = TRAIN_BATCH * TRAIN_SEQ
-    takes = "chunks" if elementwise.plain_in_chunks(tokens, opts.vocab_size) else "whole"
-    print(f"vocab_size={opts.vocab_size} dim={opts.dim} n_layers={opts.n_layers} precision={opts.precision} "
-          f"tokens={tokens} device={'cuda' if jt.flags.use_cuda else 'cpu'} plain_takes={takes} "
+    chunks = -(-tokens // elementwise.logit_rows(opts.vocab_size))
+    print(f"path={opts.path} vocab_size={opts.vocab_size} dim={opts.dim} n_layers={opts.n_layers} "
+          f"precision={opts.precision} tokens={tokens} device={'cuda' if jt.flags.use_cuda else 'cpu'} chunks={chunks} "
+          f"run_one_by_one={int(chunks > elementwise.LAZY_CHUNKS)} "
           f"peak_mb_chunks={figures['chunks'][0]:.1f} peak_mb_whole={figures['whole'][0]:.1f} "
           f"step_s_chunks={figures['chunks'][1]:.2f} step_s_whole={figures['whole'][1]:.2f}")
 

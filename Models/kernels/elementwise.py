@@ -57,6 +57,9 @@ CROSS_ENTROPY_HEADER = cpp.source("cross_entropy.h")
 CROSS_ENTROPY = cpp.source("cross_entropy.cc")
 
 LOGIT_BYTES = 32 << 20  # fp32 logits alive at once: 2048 rows at a vocabulary of 4096, 65 at LLaMA-3's 128256
+# Up to this many chunks of the loss run in the step's lazily built graph, which holds less at the step's peak than a
+# forward run chunk by chunk (medium bf16: 467 against 747 MB, bench/loss_memory.py); more run one by one
+LAZY_CHUNKS = 2
 
 
 def logit_rows(vocab_size: int) -> int:
@@ -65,20 +68,22 @@ def logit_rows(vocab_size: int) -> int:
 
 class ChunkedNLL(jt.Function):
     """nll [N] of h [N,D] through the frozen output matrix weight [V,D] (with its row scales [V] when int8),
-    logit_rows(V) rows at a time (`chunk`, a subclass's). Each chunk runs before the next is built (sync), so
-    [N,V] logits never exist. When a gradient will be asked for, each chunk's gradient to h before the per-row
-    loss weight, (softmax - onehot) weight [n,D], is made while its logits exist: the backward only scales it by
-    grad_nll, so the output matrix costs two matmuls, not three, and no logits are kept."""
+    logit_rows(V) rows at a time (`chunk`, a subclass's). Past LAZY_CHUNKS chunks each runs before the next is
+    built (sync), so [N,V] logits never exist. When a gradient will be asked for, each chunk's gradient to h before
+    the per-row loss weight, (softmax - onehot) weight [n,D], is made while its logits exist: the backward only
+    scales it by grad_nll, so the output matrix costs two matmuls, not three, and no logits are kept."""
 
     def execute(self, h, weight, targets, scale=None):
         wants_grad = not jt.flags.no_grad and not h.is_stop_grad()
         self.inputs = 3 if scale is None else 4
         rows = logit_rows(weight.shape[0])
+        starts = range(0, h.shape[0], rows)
         nlls, grads = [], []
-        for start in range(0, h.shape[0], rows):
+        for start in starts:
             nll, grad = self.chunk(h[start:start + rows], weight, targets[start:start + rows], scale, wants_grad)
             grads += [grad] if wants_grad else []
-            jt.sync([nll] + grads[-1:])
+            if len(starts) > LAZY_CHUNKS:
+                jt.sync([nll] + grads[-1:])
             nlls.append(nll)
         self.grad_h = jt.concat(grads) if len(grads) > 1 else (grads[0] if grads else None)
         return jt.concat(nlls) if len(nlls) > 1 else nlls[0]
@@ -140,18 +145,8 @@ def fused_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var, scale=None) -> 
     return chunked_nll(FusedNLL, h, weight, targets, scale)
 
 
-def plain_in_chunks(rows: int, vocab_size: int) -> bool:
-    """Whether the plain loss of `rows` rows takes its logits in chunks: past two chunks' rows. Up to that, the whole
-    logits in the step's lazily built graph hold less at the step's peak than a forward run chunk by chunk; past it,
-    the logits themselves are the peak (at LLaMA-3's vocabulary 2 GB of every 2048 tokens): bench/loss_memory.py."""
-    return rows > 2 * logit_rows(vocab_size)
-
-
 def plain_output_nll(h: jt.Var, weight: jt.Var, targets: jt.Var, scale=None) -> jt.Var:
-    B, T, D = h.shape
-    if plain_in_chunks(B * T, weight.shape[0]):
-        return chunked_nll(PlainNLL, h, weight, targets, scale)
-    return rows_nll(h.reshape(B * T, D), weight, targets.reshape(B * T), scale).reshape(B, T)
+    return chunked_nll(PlainNLL, h, weight, targets, scale)
 
 
 # -log softmax(h weight^T)[target] without [B,T,V] logits: h [B,T,D] fp32, weight [V,D] frozen (int8 with
