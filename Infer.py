@@ -48,7 +48,7 @@ from Models.formats.base_model import adapter_settings, base_args, build_model, 
 from Models.generate import auto_batch_size, generate
 from Models.memory import check_memory
 from Data.tiny_base import ensure_default_base
-from Models.formats.pth import CheckpointError
+from Models.formats import CheckpointError
 from Models.Tokenizer import decode_until_unknown
 from Utils import misc, output_dirs, sandbox
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status

@@ -17,11 +17,10 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from Models.formats import hf_remote, peft  # noqa: E402
+from Models.formats import CheckpointError, hf_remote, peft  # noqa: E402
 from Models.formats.adapters import (ADAPTER_WEIGHTS, adapter_config_path, check_strict, read_adapter,  # noqa: E402
                                      read_adapter_config)
 from Models.formats.base_model import base_args, base_layout  # noqa: E402
-from Models.formats.pth import CheckpointError  # noqa: E402
 from Models.formats.safetensors import save_safetensors  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Models.ModelArgs import BASE_FIELDS, ModelArgs  # noqa: E402

@@ -12,7 +12,8 @@ from Models.formats.base_model import build_model
 from Models.formats.meta import load_base
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs, parse_layer_span
-from Models.formats.pth import CheckpointError, load_pth
+from Models.formats import CheckpointError
+from Models.formats.pth import load_pth
 from Models.formats.pth import save_pth
 from Models.rope import rope_frequencies
 

@@ -13,11 +13,10 @@ from conftest import REPO, assert_refused, max_abs, randomize_adapters, snapshot
 
 import jittor as jt
 
-from Models.formats import hf_remote, peft
+from Models.formats import CheckpointError, hf_remote, peft
 from Models.formats.adapters import load_adapter, read_adapter, read_adapter_config, save_adapter
 from Models.formats.base_model import base_args, build_model
 from Models.formats.hf import CONFIG, from_hf_rows, to_hf_rows
-from Models.formats.pth import CheckpointError
 from Models.formats.safetensors import SINGLE_FILE, read_arrays, save_safetensors
 
 sys.path.insert(0, str(REPO / "scripts"))

@@ -16,12 +16,13 @@ from load_memory import load_peak
 
 import jittor as jt
 from Models import load_base_model
-from Models.formats import hf
+from Models.formats import CheckpointError, hf
 from Models.formats.adapters import export_authors_adapter, load_adapter, save_adapter
 from Models.formats.base_model import base_args, open_tokenizer
 from Models.formats.meta import meta_shapes
-from Models.formats.pth import CheckpointError, bf16_bits_to_float32, float32_to_bf16_bits, load_pth
+from Models.formats.pth import load_pth
 from Models.formats.safetensors import open_checkpoint, read_header, save_safetensors
+from Models.formats.tensor_bytes import bf16_bits_to_float32, float32_to_bf16_bits
 from Models.kernels import switch
 from Models.kernels.decode_layer import fuses_decode_step
 

@@ -9,8 +9,8 @@ from conftest import GOLDEN
 from Data.tiny_base import random_base_weights
 from Models import load_base_model
 from Models.formats import hf
-from Models.formats.pth import bf16_bits_to_float32, float32_to_bf16_bits
 from Models.formats.reading import NonFiniteBase
+from Models.formats.tensor_bytes import bf16_bits_to_float32, float32_to_bf16_bits
 from Models.kernels.precision import (Int8Linear, cpu_has_bf16_units, dequantized, int8_linear, quantize,
                                       set_base_precision)
 from Models.kernels.switch import DECODE_ROWS, decoding, fused_kernels_on

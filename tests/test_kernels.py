@@ -13,7 +13,7 @@ from Models.kernels.switch import DECODE_ROWS, GEMV_ROWS, decoding, fused_kernel
 from Models.kernels.linear import linear
 from Models.Routing import Gamma, swiglu_router, type_router, type_weights
 from Models.kernels.precision import BF16Linear, bf16_linear, cast_to, cpu_has_bf16_units, to_bf16
-from Models.formats.pth import bf16_bits_to_float32, float32_to_bf16_bits
+from Models.formats.tensor_bytes import bf16_bits_to_float32, float32_to_bf16_bits
 from Models.rope import rope_tables
 
 pytestmark = pytest.mark.skipif(not fused_kernels_on(), reason="fused kernels are off (no libdnnl or a GPU run)")

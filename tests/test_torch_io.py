@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import GOLDEN
-from Models.formats.pth import CheckpointError, PlainNamespace, bf16_bits_to_float32, float32_to_bf16_bits, load_pth
-from Models.formats.pth import save_pth
+from Models.formats import CheckpointError
+from Models.formats.pth import PlainNamespace, load_pth, save_pth
+from Models.formats.tensor_bytes import bf16_bits_to_float32, float32_to_bf16_bits
 
 # ---- hand-built pickles: torch is not a dependency, so checkpoints are assembled from opcodes
 

@@ -33,8 +33,9 @@ from Utils.settings import check_values
 from ..LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from ..ModelArgs import ModelArgs
 from ..kernels.precision import cast_to
+from . import CheckpointError
 from .authors import authors_params, check_authors_base, fields_from_authors, folder_of
-from .pth import CheckpointError, PlainNamespace, load_pth, save_pth
+from .pth import PlainNamespace, load_pth, save_pth
 
 ADAPTER_WEIGHTS = "adapter.pth"
 ADAPTER_PARAMS = "adapter_params.json"

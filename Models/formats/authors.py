@@ -8,7 +8,7 @@ and `unipeft` (LLaMA3_UniPEFT), the same names as the golden files' `variant`.
 from Utils.settings import check_values
 
 from ..ModelArgs import ModelArgs
-from .pth import CheckpointError
+from . import CheckpointError
 
 _SOFT = ("w_bias", "lora_layers", "lora_rank", "lora_targets", "lora_alpha", "expert_num", "swi_x", "hydra_moe",
          "p_adapter_layers", "p_adapter_size", "p_adapter_hydra", "prompt_layers", "prompt_len", "expert_weight",

@@ -9,9 +9,8 @@ import os
 from ..LLaMA_Adapter import LLaMA_adapter
 from ..memory import check_memory
 from ..ModelArgs import BASE_FIELDS, ModelArgs
-from . import hf, meta
+from . import CheckpointError, hf, meta
 from .adapters import adapter_config_path, load_adapter, read_adapter_config
-from .pth import CheckpointError
 
 LAYOUTS = {"meta": "params.json", "hf": hf.CONFIG}
 SIZE_SETTINGS = ("precision", "max_seq_len")  # the overrides that change what the base takes in memory

@@ -25,11 +25,12 @@ from Utils.settings import check_value
 from ..LLaMA_Adapter import LLaMA_adapter
 from ..ModelArgs import ModelArgs
 from ..Tokenizer import HFTokenizer
+from . import CheckpointError
 from .adapters import check_strict
-from .pth import CheckpointError, TensorSource
 from ..kernels.precision import split_scales
 from .reading import fill_base, read_quantized, read_var
 from .safetensors import open_checkpoint, save_checkpoint
+from .tensor_bytes import TensorSource
 
 CONFIG = "config.json"
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
@@ -229,7 +230,7 @@ def from_hf_rows(array: np.ndarray, head_dim: int) -> np.ndarray:
 
 
 def write_hf_base(folder: str, args: ModelArgs, weights: dict, max_shard_bytes: int = None, bf16: bool = False):
-    """config.json and the safetensors of `weights` ({our name: numpy array or pth.TensorSource}, the names
+    """config.json and the safetensors of `weights` ({our name: numpy array or tensor_bytes.TensorSource}, the names
     of meta.meta_shapes), in HF's names and row order; sharded with an index above max_shard_bytes."""
     os.makedirs(folder, exist_ok=True)
     tensors = {}

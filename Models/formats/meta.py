@@ -12,12 +12,13 @@ import os
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
+from . import CheckpointError
 from .adapters import IGNORED_META_KEYS, check_strict
 from ..LLaMA_Adapter import LLaMA_adapter
 from ..ModelArgs import ModelArgs
 from ..Tokenizer import Tokenizer
 from ..kernels.precision import quantize, split_scales
-from .pth import CheckpointError, StoredTensor, load_pth
+from .pth import StoredTensor, load_pth
 from .reading import TensorRead, checked_in_memory, fill_base, read_quantized, read_var
 
 

@@ -25,8 +25,8 @@ import numpy as np
 from Utils.misc import read_json_object
 
 from ..ModelArgs import ModelArgs
+from . import CheckpointError
 from .hf import LAYER_NAMES, from_hf_rows, to_hf_rows
-from .pth import CheckpointError
 from .safetensors import read_arrays
 
 PEFT_CONFIG = "adapter_config.json"

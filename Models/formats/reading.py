@@ -27,7 +27,7 @@ import jittor as jt
 
 from ..kernels import cpp
 from ..kernels.precision import cast_to
-from .pth import CheckpointError
+from . import CheckpointError
 
 # The smallest magnitude (the bits of a stored element, sign cleared) that is not finite in the model:
 # the stored format's infinity, lower where the model's format is narrower. fp32 rounds to bf16 (to

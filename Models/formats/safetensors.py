@@ -10,7 +10,7 @@ tensor raises "data type 'bfloat16' not understood"), it hands out no file offse
 `deserialize` wants the whole file's bytes in memory, and its writer wants every tensor in memory
 at once. So `read_header` parses and checks the header itself (a crafted file is one error naming
 it), the base loader preads each tensor's bytes straight into its Var (reading.py: bf16 stays bf16
-bytes), and `save_safetensors` writes tensor by tensor (numpy arrays or pth.TensorSource, so a
+bytes), and `save_safetensors` writes tensor by tensor (numpy arrays or tensor_bytes.TensorSource, so a
 file larger than memory streams). The tests check reading and writing against the library.
 """
 import json
@@ -23,7 +23,8 @@ import numpy as np
 
 from Utils.misc import atomic_write, read_json_object, write_json
 
-from .pth import CheckpointError, TensorSource, bf16_bits_to_float32, storage_bytes
+from . import CheckpointError
+from .tensor_bytes import TensorSource, bf16_bits_to_float32, storage_bytes
 
 # the format's dtype codes -> (torch's dtype name, bytes per element)
 DTYPES = {"BF16": ("bfloat16", 2), "F16": ("float16", 2), "F32": ("float32", 4), "F64": ("float64", 8),

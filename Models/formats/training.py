@@ -10,8 +10,9 @@ import numpy as np
 
 from Utils.misc import is_main_process
 
+from . import CheckpointError
 from .adapters import adapter_arrays, assign_strict, check_finite, differing_fields, write_adapter
-from .pth import CheckpointError, load_pth, save_pth
+from .pth import load_pth, save_pth
 
 
 def rng_state() -> dict:

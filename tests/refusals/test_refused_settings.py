@@ -11,8 +11,8 @@ from conftest import (MPIRUN, assert_refused, edited_base, math_argv, math_refus
 from golden_files import golden_model
 
 import Math
+from Models.formats import CheckpointError
 from Models.formats.adapters import export_authors_adapter, import_authors_adapter, read_adapter_config, save_adapter
-from Models.formats.pth import CheckpointError
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
 
