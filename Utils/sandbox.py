@@ -145,7 +145,12 @@ def run_one(job: Job, limits: SandboxLimits, mode: str, slot: int = 0, stopping=
     finally:
         for side in sides:
             side.finish()
-    return None if stopped else judge(*sides, limits)
+    if stopped:
+        return None
+    try:
+        return judge(*sides, limits)
+    except Exception as error:  # one program's odd ending must not cost the other programs' results
+        return Result(CRASHED, f"the scorer could not tell how it ended ({type(error).__name__}: {error})", None, "")
 
 
 def default_sigchld():
@@ -159,7 +164,15 @@ def how_it_ended(work) -> str:
     code = os.waitstatus_to_exitcode(work["status"])
     if code == launch.CONFINE_FAILED:
         return "the sandbox could not confine it"
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    return f"killed by {signal_name(-code)}" if code < 0 else f"exit status {code}"
+
+
+def signal_name(number: int) -> str:
+    """SIGKILL, or "signal 40" for a number Python names not (the real-time signals)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def last_stderr_line(stderr: str) -> str:

@@ -18,43 +18,10 @@ from pathlib import Path
 import pytest
 
 from conftest import FORGE_BY_FRAME_WALK, REPO
+from sandbox_runs import CORRECT, SQUARE, WRONG, observed, run, sandboxed_processes
 
 from Utils import sandbox, sandbox_processes
 from Utils.sandboxed import wire
-
-LIMITS = sandbox.SandboxLimits(exec_timeout=1.0)  # wall clock: 5 s
-SQUARE = "def check(candidate):\n    assert candidate(3) == 9\n    assert candidate(-2) == 4\n"
-CORRECT, WRONG = "def f(x):\n    return x * x\n", "def f(x):\n    return 0\n"
-
-
-def sandboxed_processes(marker=None, scorer=None) -> list:
-    """Live processes of the sandboxes of process `scorer` (default: this one): one of its uids (as root), or
-    its TOKEN_PREFIX and pid or `marker` on the command line (other scorers on the machine have theirs)."""
-    scorer = scorer or os.getpid()
-    found, ours = [], f"{sandbox_processes.TOKEN_PREFIX}{scorer}-".encode()
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            status = Path(f"/proc/{name}/status").read_text()
-            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
-        marked = ours in cmdline or (marker is not None and marker.encode() in cmdline)
-        if state != "Z" and (marked or uid in sandbox_processes.uid_range(scorer)):
-            found.append((int(name), cmdline.replace(b"\0", b" ")[:80]))
-    return found
-
-
-def run(mode, program, tests=SQUARE, entry_point="f", limits=LIMITS, marker=None):
-    result = sandbox.run_many([sandbox.Job(program, tests, entry_point)], limits, mode)[0]
-    assert sandboxed_processes(marker) == [], "a sandboxed process was left behind"
-    return result
-
-
-def observed(expected):
-    """Tests that pass exactly when the program's f() returns `expected` (what a probe saw)."""
-    return f"def check(candidate):\n    seen = candidate()\n    assert seen == {expected!r}, seen\n"
 
 
 # ---- what crosses between the program's process and the tests' -----------------------------------
@@ -148,23 +115,6 @@ def test_threads_and_the_stack_are_ordinary(sandbox_mode):
                           (sandbox.FAILED, "PermissionError: [Errno 13] Permission denied"))
 
 
-@pytest.mark.slow
-def test_memory_hog(sandbox_mode):
-    small = sandbox.SandboxLimits(exec_timeout=2.0, exec_memory_mb=256)  # touching a GiB can take a loaded core 1 s
-    result = run(sandbox_mode, "chunks = []\nwhile True:\n    chunks.append(bytearray(2 ** 24))\n", limits=small)
-    assert (result.status, result.error) == (sandbox.FAILED, "MemoryError")
-    assert run(sandbox_mode, "x = bytearray(2 ** 34)\n").error == "MemoryError"  # 16 GiB, over the default 1 GiB
-
-
-@pytest.mark.slow
-def test_printing_gigabytes(sandbox_mode):
-    result = run(sandbox_mode, "import sys\nwhile True:\n    sys.stdout.write('x' * 2 ** 20)\n")  # stdout: /dev/null
-    assert result.status == sandbox.TIMED_OUT
-    result = run(sandbox_mode, "import sys\nfor _ in range(4096):\n    sys.stderr.write('x' * 2 ** 20)\n" + CORRECT)
-    assert result.status == sandbox.FAILED and result.error.startswith("BrokenPipeError")
-    assert len(result.stderr) <= sandbox_processes.OUTPUT_CAP
-
-
 # ---- the verdict is not the program's to write -----------------------------------------------------
 
 @pytest.mark.slow
@@ -183,8 +133,9 @@ def test_a_signal_handler_cannot_forge_a_pass(sandbox_mode, trigger):
 
 @pytest.mark.slow
 def test_in_process_tricks_do_not_pass(sandbox_mode):
-    """Printing a success marker, defining check, rebinding builtins, tracing over the asserts, patching
-    the tests' modules: the tests run in another process on the values the program returns."""
+    """Printing a success marker, defining check, rebinding builtins, naming builtins for the tests, tracing
+    over the asserts, patching the tests' modules: the tests run in another process on the values the program
+    returns, with their own builtins."""
     marker = WRONG + ("import os, sys\nprint('passed')\nsys.stderr.write('passed\\n')\n"
                       "for fd in range(64):\n    try:\n        os.write(fd, b'0\\tpassed\\n')\n"
                       "    except OSError:\n        pass\nos._exit(0)\n")
@@ -200,6 +151,14 @@ def test_in_process_tricks_do_not_pass(sandbox_mode):
     assert run(sandbox_mode, tracer + WRONG) == (sandbox.FAILED, "AssertionError", 0, "")
     always = "class Yes:\n    def __eq__(self, other):\n        return True\n    __bool__ = lambda self: True\n"
     assert run(sandbox_mode, always + "def f(x):\n    return Yes()\n") == (sandbox.FAILED, "AssertionError", 0, "")
+    # builtins of its own for the tests (their abs would run in the program's process), among its names
+    builtins_of_its_own = WRONG + (
+        "import builtins, sys\nserving = sys.modules['sandboxed.candidate']\nnames = serving.top_level_names\n"
+        "def with_builtins(module, objects):\n    found, fake = names(module, objects), {**vars(builtins), "
+        "'abs': lambda x: 0}\n    found['__builtins__'] = ['D', *[[k, ['H', objects.handle_of(v)]] for k, v in "
+        "fake.items()]]\n    return found\nserving.top_level_names = with_builtins\n")
+    near = "def check(candidate):\n    assert abs(candidate(3) - 9) < 1e-6\n"
+    assert run(sandbox_mode, builtins_of_its_own, near) == (sandbox.FAILED, "AssertionError", 0, "")
     import_main = "import __main__, sys\nsys.modules['__main__'].check = lambda c: None\n" + WRONG
     assert run(sandbox_mode, import_main) == (sandbox.FAILED, "AssertionError", 0, "")
     # a message that breaks lines (any break Python knows) to add a line of its own to the verdict
@@ -266,30 +225,6 @@ def test_a_killed_scorer_leaves_nothing_behind(sandbox_mode):
     assert sandboxed_processes(scorer=scorer.pid) == []
     if os.geteuid() == 0:  # as root the floor's folders belong to the scorer's uids
         assert [p for p in Path(tempfile.gettempdir()).glob("moa-sandbox-*") if p.stat().st_uid in uids] == []
-
-
-@pytest.mark.slow
-def test_fork_bomb(sandbox_mode):
-    """At most exec_processes processes at once (the program's uid or user namespace counts them), every one
-    killed when the program ends."""
-    seen, stop = [0], threading.Event()
-
-    def count():
-        while not stop.is_set():
-            seen[0] = max(seen[0], len(sandboxed_processes()))
-            time.sleep(0.02)
-
-    watcher = threading.Thread(target=count)
-    watcher.start()
-    try:
-        bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-        result = run(sandbox_mode, bomb)
-    finally:
-        stop.set()
-        watcher.join()
-    assert result.status == sandbox.TIMED_OUT
-    # the program's processes, plus the supervisors and the tests' process (and under bubblewrap, bwrap itself)
-    assert 1 <= seen[0] <= LIMITS.exec_processes + (5 if sandbox_mode == "bwrap" else 3), seen
 
 
 # ---- nothing leaves the working directory ---------------------------------------------------------

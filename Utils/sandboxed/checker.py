@@ -5,8 +5,9 @@ own interpreter reaches the verdict.
 
 The tests' namespace: the program's top-level names (its functions and other objects as handles: a call
 runs in the program's process, and its result comes back as data; names that shadow a builtin only
-when the problem's own solution defines them), then the problem's given code (HumanEval's prompt: its
-helpers, such as poly or encode_cyclic, run here as the data set wrote them), the entry point bound to
+when the problem's own solution defines them; no dunder name, such as __builtins__), then the problem's
+given code (HumanEval's prompt: its helpers, such as poly or encode_cyclic, run here as the data set
+wrote them), the entry point bound to
 the program's, then the tests, then check(entry point). A handle is equal only to itself and is always
 true; its attributes and calls are the program's.
 
@@ -120,6 +121,10 @@ def last_line(error: BaseException) -> str:
     return " ".join(text.splitlines())[:300]  # every line break Python knows: the verdict is one line
 
 
+def is_dunder(name: str) -> bool:
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
+
+
 def run_tests(job: dict, link: Link):
     """Bind the program's names, run the given code and the tests, call check; raises what they raise."""
     names = link.read()
@@ -128,7 +133,8 @@ def run_tests(job: dict, link: Link):
     shadows = set(job["shadows"])
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     for name, value in names.items():
-        if name.isidentifier() and (not hasattr(builtins, name) or name in shadows):
+        # a dunder (__builtins__ above all: the tests' builtins would be the program's) is the interpreter's
+        if name.isidentifier() and not is_dunder(name) and (not hasattr(builtins, name) or name in shadows):
             namespace[name] = wire.decode(value, link.remote)
     entry_point = job["entry_point"]
     if entry_point is not None and entry_point not in names:

@@ -8,8 +8,9 @@ enforced by the kernel and inherited by every process it forks, so nothing the p
   the refused calls without a system call), no chmod, chown, utime or xattr by path (Landlock leaves
   them to the uid: as a user, the user's own files), no namespaces (unshare, setns, clone with CLONE_NEW*),
   no CLONE_PARENT (a child must stay below its supervisor), no kill with a negative pid (a group
-  or, for -1, every process of the uid); clone3 answers ENOSYS so that glibc falls back to clone,
-  whose flags the filter can read.
+  or, for -1, every process of the uid), no SysV shared memory, message queues or semaphores, no POSIX
+  message queues and no memfd (memory the address-space limit does not count, objects that outlive the
+  program); clone3 answers ENOSYS so that glibc falls back to clone, whose flags the filter can read.
 - Landlock: reads only below the folders it is given (the system's and the interpreter's), writes
   only in the working directory (and /dev/null; under bubblewrap its own /dev/shm), executes
   nothing; /proc, /sys, /etc, /tmp and the project are unreachable by any path, dir_fd included.
@@ -35,6 +36,10 @@ REFUSED = {  # answered EPERM
     "perf_event_open": (298, 241), "userfaultfd": (323, 282), "keyctl": (250, 219), "add_key": (248, 217),
     "request_key": (249, 218), "open_by_handle_at": (304, 265), "fsopen": (430, 430), "fsmount": (432, 432),
     "open_tree": (428, 428), "move_mount": (429, 429), "pidfd_getfd": (438, 438),
+    # memory outside the address-space limit (RLIMIT_AS counts none of it), and kernel objects that outlive
+    # the program on the floor (SysV IPC and POSIX message queues have no working directory to be removed with)
+    "shmget": (29, 194), "msgget": (68, 186), "semget": (64, 190), "mq_open": (240, 180),
+    "memfd_create": (319, 279),
     # a file's owner, mode, times and attributes by path: Landlock does not cover them (None: no such call)
     "chmod": (90, None), "fchmodat": (268, 53), "fchmodat2": (452, 452), "chown": (92, None),
     "lchown": (94, None), "fchownat": (260, 54), "utime": (132, None), "utimes": (235, None),

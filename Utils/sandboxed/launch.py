@@ -63,18 +63,56 @@ def end_descendants():
 
 
 def remove_workdir(path: str):
-    """Remove a floor's working directory and everything in it, also folders the program made unreadable."""
-    import shutil  # only on the floor: every sandboxed interpreter starts without it
-    shutil.rmtree(path, ignore_errors=True)
-    folders = [path] if os.path.lexists(path) else []
-    while folders:  # chmod 0 on a folder stops rmtree: open every one again (the program's files are its uid's)
-        folder = folders.pop()
+    """Remove a working directory and everything in it once its processes are gone: also folders the program
+    made unreadable (chmod 0: its uid's files) and folders nested deeper than Python's recursion limit or
+    PATH_MAX, so one folder open at a time, by descriptor, going down by name and up by '..'."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        os.chmod(path, stat.S_IRWXU)
+        fd = os.open(path, flags)
+    except OSError:
+        return
+    below, tried = [], [set()]  # the names from `path` down to fd's folder; each level's entries already tried
+    while True:
+        child = None
         try:
-            os.chmod(folder, stat.S_IRWXU)
-            folders += [entry.path for entry in os.scandir(folder) if entry.is_dir(follow_symlinks=False)]
+            entries = list(os.scandir(fd))
+        except OSError:
+            entries = []
+        for entry in entries:
+            if entry.name in tried[-1]:
+                continue
+            tried[-1].add(entry.name)
+            try:
+                if not entry.is_dir(follow_symlinks=False):
+                    os.unlink(entry.name, dir_fd=fd)
+                    continue
+                os.chmod(entry.name, stat.S_IRWXU, dir_fd=fd)
+                child = os.open(entry.name, flags, dir_fd=fd)
+                break
+            except OSError:
+                pass
+        if child is not None:
+            os.close(fd)
+            fd = child
+            below.append(entry.name)
+            tried.append(set())
+            continue
+        if not below:
+            break
+        parent = os.open("..", flags, dir_fd=fd)
+        os.close(fd)
+        fd = parent
+        tried.pop()
+        try:
+            os.rmdir(below.pop(), dir_fd=fd)
         except OSError:
             pass
-    shutil.rmtree(path, ignore_errors=True)
+    os.close(fd)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def wait_for(work: int, control: int, deadline: float):
