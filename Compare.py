@@ -15,7 +15,8 @@ base model alone is scored once as a reference row. A method whose evaluation al
 exists with the same command is not run again, and an interrupted training continues from
 its checkpoint, so rerunning the command after a stop picks up where it was. Each run's
 output goes to <output_dir>/<method>/compare.log. The table is printed and written to
-<output_dir>/compare.md and compare.json.
+<output_dir>/compare.md and compare.json. The output folder is Compare.py's own: its manifest lists what
+it wrote, and a file there that no run of the tools wrote is never replaced (Utils/output_dirs.py).
 """
 import argparse
 import json
@@ -26,8 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from Data.test_sets import data_files
 from Utils.jittor_env import StopForwarder, Stopped, stop_exit_status
-from Utils.output_dirs import check_output_dir
+from Utils.output_dirs import RunDirError, check_claimable, check_output_dir, read_manifest, record_written
 from Utils.settings import METHOD_PRESETS, RECIPES, ArgumentParser
 from Utils.misc import atomic_write, read_json_object, write_json
 
@@ -188,13 +190,35 @@ def main(argv=None):
         return compare_methods(args, stops)
 
 
+def check_test_data(args):
+    """Before any method trains (Infer.py reads --test_data only after the first training)."""
+    try:
+        data_files(args.test_data or [])
+    except FileNotFoundError as e:
+        raise ValueError(f"--test_data {e}") from None
+
+
+def claim_output_dir(args):
+    """The output folder is Compare.py's (its manifest, Utils/output_dirs.py): refuse another tool's folder (a
+    training run's) and a name this command writes that holds something no run of the tools wrote."""
+    check_output_dir(args.output_dir)
+    tool = read_manifest(args.output_dir).get("tool") if os.path.isdir(args.output_dir) else None
+    if tool not in (None, "Compare.py"):
+        raise RunDirError(f"--output_dir {args.output_dir} is a {tool} folder (its manifest): Compare.py writes a "
+                          "folder of its own, one sub-folder per method; choose another --output_dir")
+    names = ["compare.md", "compare.json", *args.methods, BASE_ROW]
+    check_claimable(args.output_dir, names)
+    os.makedirs(args.output_dir, exist_ok=True)
+    record_written(args.output_dir, "Compare.py", names)
+
+
 def compare_methods(args, stops: StopForwarder) -> int:
     """Every method's row, then the table (main's exit codes)."""
     rows = []
     try:
         check_math_flags(args)
-        check_output_dir(args.output_dir)
-        os.makedirs(args.output_dir, exist_ok=True)
+        check_test_data(args)
+        claim_output_dir(args)
         for method in args.methods:
             rows.append(evaluate_method(args, method, stops))
         rows.append(evaluate_method(args, BASE_ROW, stops))

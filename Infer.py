@@ -42,8 +42,8 @@ from Data.prompts import format_prompt
 from Data.test_sets import (STOPPED_SAMPLES, TestSet, check_prompt_lengths, data_files, default_test_set,
                             load_test_sets, score_and_write, stopped_dir)
 from Models.ModelArgs import ModelArgs
-from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, adapter_config_path, load_adapter,
-                                     read_adapter_config)
+from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, adapter_config_path,
+                                     load_adapter, read_adapter_config)
 from Models.formats.base_model import adapter_settings, base_args, build_model, open_tokenizer
 from Models.generate import auto_batch_size, generate
 from Models.memory import check_memory
@@ -60,7 +60,8 @@ def get_args_parser():
     p.add_argument("--adapter_path", default=None,
                    help="our adapter dir (adapter.pth + adapter_params.json) or the authors' adapter.pth; "
                         "default: the newest ./output/*/adapter")
-    p.add_argument("--output_root", default="./output", help="where training runs live (for the defaults)")
+    p.add_argument("--output_root", default="./output", help="where training runs live, for the defaults of "
+                   "--adapter_path and --output_dir (default: ./output)")
     p.add_argument("--llama_path", default=None,
                    help="the base: a Meta dir (params.json, consolidated.*.pth, tokenizer.model) or a Hugging Face "
                         "one (config.json, *.safetensors, tokenizer.json); default: the run's args.json "
@@ -68,7 +69,8 @@ def get_args_parser():
     p.add_argument("--no_adapter", action="store_true", help="evaluate the base alone (no experts)")
     p.add_argument("--data_path", nargs="+", default=None,
                    help="test files (JSON lists in the LLM-Adapters schema) or dirs holding test.json or "
-                        "sub-dirs with test.json; default: the run's synthetic test set, else 300+ generated problems")
+                        "sub-dirs with test.json; default: the test split the run recorded (<run>/data/test.json, "
+                        "a run on synthetic data)")
     p.add_argument("--output_dir", default=None,
                    help="predictions, scores and plots; default: <run dir>/eval (or eval_base with --no_adapter)")
     p.add_argument("--max_examples", type=int, default=None, help="evaluate only the first N examples of each data set")
@@ -153,7 +155,8 @@ def load_model(llama_path, adapter, model_args):
         try:
             load_adapter(model, adapter)
         except CheckpointError as e:
-            hint = "" if isinstance(e, NonFiniteAdapter) or os.path.isfile(adapter_config_path(adapter)) else (
+            known = isinstance(e, (NonFiniteAdapter, NotAnAdapter)) or os.path.isfile(adapter_config_path(adapter))
+            hint = "" if known else (
                 " -- an adapter.pth without adapter_params.json needs the MoA flags it was trained with "
                 "(--variant, --lora_layers, --lora_targets, --p_adapter_layers, ...)")
             raise CheckpointError(f"{e}{hint}") from None
@@ -258,7 +261,7 @@ def run(args, stop=None):
     sources = data_files(args.data_path) if args.data_path else default_test_set(run_dir_path)
     # the folder replaced at the end (a symlink's target), refused now if that cannot be done safely
     inputs = [("--adapter_path", adapter), ("--llama_path", llama_path), *(("--data_path", p) for _, p in sources)]
-    output_dir = output_dirs.eval_dir(requested, inputs)
+    output_dir = replaced_eval_dir(requested, inputs)
     gen = generation_settings(args, run_args, os.path.join(run_dir_path, "args.json") if run_dir_path else None)
     examples, test_sets = load_test_sets(sources, args.max_examples, gen.samples_per_task)
     params = base_args(llama_path)
@@ -311,13 +314,21 @@ def print_scores(summary, output_dir):
         print_main(f"  programs ran in: {summary['sandbox']['how']}")
 
 
+def replaced_eval_dir(path: str, inputs: list) -> str:
+    """output_dirs.eval_dir, saying when the folder holds an earlier evaluation, which this one replaces."""
+    output_dir = output_dirs.eval_dir(path, inputs)
+    if os.path.isfile(os.path.join(output_dir, "scores.json")):
+        print_main(f"{output_dir} holds an earlier evaluation's results: this one replaces them once it is scored")
+    return output_dir
+
+
 def score_samples(args, code):
     """--samples: run a human-eval samples file's completions on the code sets of --data_path, no model."""
     if not args.data_path or not args.output_dir:
         raise ValueError("--samples needs --data_path (the code data sets it answers) and --output_dir")
     sources = data_files(args.data_path)
     inputs = [("--samples", args.samples), *(("--data_path", path) for _, path in sources)]
-    output_dir = output_dirs.eval_dir(os.path.abspath(args.output_dir), inputs)
+    output_dir = replaced_eval_dir(os.path.abspath(args.output_dir), inputs)
     code_task.check_code_sets([path for _, path in sources])
     loaded, all_sets = load_test_sets(sources, None)
     answers = code_task.examples_from_samples(args.samples, [(ts.name, ts.path, loaded[ts.first:ts.first + ts.count])

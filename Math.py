@@ -170,7 +170,8 @@ def find_resume(args):
 
 def prepare(args, recorded):
     """Everything that can fail on user input, before a single file is written; `recorded`, recorded_run's."""
-    if args.llama_path is None:
+    tiny_base = args.llama_path is None
+    if tiny_base:
         try:
             args.llama_path = ensure_default_base()
         except FileNotFoundError as err:
@@ -184,8 +185,10 @@ def prepare(args, recorded):
         fail(with_sources(str(e), sources))
     flags = [f"--{k} {v}" for k, (v, where) in sources.items() if where == f"--{k}"]
     print_main(f"settings: {recorded[0] + ' (the run resumed)' if recorded[0] else 'recipe ' + args.recipe}"
-               f"{', then ' + ' '.join(flags) if flags else ''}; all of them go to "
-               f"{os.path.join(args.output_dir, 'args.json')} (--print_settings prints them)")
+               f"{', then ' + ' '.join(flags) if flags else ''}; base {args.llama_path}"
+               f"{' (the tiny demo base: no --llama_path given)' if tiny_base else ''}, data "
+               f"{args.data_path or 'synthetic math problems'}; all of them are recorded in "
+               f"{os.path.join(args.output_dir, 'args.json')} when the run starts (--print_settings prints them)")
     examples = load_data(args, cfg)
     tokenizer = open_tokenizer(args.llama_path, model_args.vocab_size)
     # Instance-level routers pool every position, padding included: pad to max_seq_len as the
@@ -224,6 +227,10 @@ def prepare(args, recorded):
                                   resume_fixed({**settings, **model_args.to_dict()}, ModelArgs, TrainArgs),
                                   {name: where for name, (_, where) in sources.items()})
         progress = Progress(int(ckpt["epoch"]), int(ckpt["data_iter_step"]), int(ckpt["global_step"]))
+        if cfg.max_steps and cfg.max_steps < progress.global_step:  # its records would say fewer steps than ran
+            fail(f"--max_steps {cfg.max_steps} is below the step {resume_path} reached ({progress.global_step}): "
+                 f"a resumed run continues; give --max_steps {progress.global_step} or more (0: the recipe's "
+                 "epochs), or start afresh with --overwrite")
         print_main(f"resumed from {resume_path}: epoch {progress.epoch}, batch {progress.next_batch}, "
                    f"step {progress.global_step}")
     elif args.init_adapter:
@@ -241,7 +248,9 @@ def check_lengths(args, train_ds, val_ds, max_seq_len):
     for what, ds in (("training", train_ds), ("validation", val_ds)):
         if ds is not None and ds.n_cut:
             print_main(f"{what}: {ds.n_cut} of {ds.total_len} examples are longer than --max_seq_len {max_seq_len} "
-                       "tokens and are cut (their input first, then the answer's end)")
+                       "tokens and are cut (their input first, then the answer's end)"
+                       + (f"; {ds.n_unlearnable} of them keep no answer token to learn from (a prompt of "
+                          f"{max_seq_len}+ tokens)" if ds.n_unlearnable else ""))
     for what, ds in (("validation", val_ds), ("training", train_ds)):
         if ds is not None and ds.n_targets == 0:
             fail(f"{what} set ({sources[what]}): no example keeps a target token within --max_seq_len "

@@ -23,7 +23,6 @@ Conventions (the training loss relies on them):
 """
 import json
 import os
-import warnings
 
 import numpy as np
 
@@ -176,10 +175,7 @@ class FinetuneDataset(Dataset):
         self.total_len = len(self.encoded)
         if self.total_len == 0 or (drop_last and self.total_len < batch_size):
             raise ValueError(f"{self.total_len} examples cannot fill one global batch of {batch_size}")
-        unlearnable = sum(1 for _, mask in self.encoded if not mask.any())
-        if unlearnable:
-            warnings.warn(f"{unlearnable} examples have a prompt of {max_seq_len}+ tokens and no output "
-                          f"token left to learn from; raise max_seq_len or shorten them")
+        self.n_unlearnable = sum(1 for _, mask in self.encoded if not mask.any())  # a prompt of max_seq_len+ tokens
 
     def __len__(self):
         full, rest = divmod(self.total_len, self.batch_size)

@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from Models.formats import CheckpointError, hf_remote, peft  # noqa: E402
 from Models.formats.adapters import (ADAPTER_WEIGHTS, adapter_config_path, check_strict, read_adapter,  # noqa: E402
-                                     read_adapter_config)
+                                     read_adapter_config, run_adapter_hint)
 from Models.formats.base_model import base_args, base_layout  # noqa: E402
 from Models.formats.safetensors import save_safetensors  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
@@ -42,7 +42,8 @@ def adapter_settings(adapter: str) -> ModelArgs:
     """Our adapter_params.json as ModelArgs; refused when it is not ours or its base was Meta's layout."""
     config = read_adapter_config(adapter)
     if config is None:
-        raise FileNotFoundError(f"{adapter_config_path(adapter)}: no adapter_params.json beside the adapter")
+        raise FileNotFoundError(f"{adapter_config_path(adapter)}: no adapter_params.json beside the adapter"
+                                f"{run_adapter_hint(adapter)}")
     if "dim" not in config:
         raise CheckpointError(f"{adapter}: not an adapter of MoA-Jittor (the authors' or peft's files): import it "
                               "first")

@@ -2,7 +2,7 @@
 running the tools (in-process, as programs, under a signal, under mpirun), checking their refusals, the tiny
 models' experts and KV-cache logits. Test files never import from one another; every helper two of them use lives
 here, or, shared within one family of tests, in a module named for it (tests/golden_files.py, the golden files'
-models; tests/kernel_inputs.py; tests/load_memory.py).
+models; tests/kernel_inputs.py; tests/load_memory.py; tests/sandbox_runs.py).
 
 Everything the suite reads ships in tests/: the authors' golden outputs (tests/golden/, see its README;
 tests/test_golden.py checks every file) and a few examples of each math data set (tests/data/). Only Meta's

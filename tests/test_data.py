@@ -325,11 +325,11 @@ def test_scoring_errors():
         score("AddSub", ["1", "2"], ["1"])
 
 
-def test_token_zero_still_counts_and_unlearnable_warns():
+def test_token_zero_still_counts_and_unlearnable_examples_are_counted():
     class BangIsZero(ByteTokenizer):
         def encode(self, s, bos, eos):
             return [0 if i == ord("!") + 3 else i for i in super().encode(s, bos, eos)]
     tokens, mask = encode_example(BangIsZero(), example(output="\nA: 5!"), max_seq_len=512)
     assert tokens[-2] == 0 and mask[-2] == 1.0  # an explicit mask, not label 0 = ignore
-    with pytest.warns(UserWarning, match="1 examples have a prompt"):
-        FinetuneDataset([example(), example(instruction="w" * 300)], TOK, max_seq_len=256, batch_size=2)
+    dataset = FinetuneDataset([example(), example(instruction="w" * 300)], TOK, max_seq_len=256, batch_size=2)
+    assert (dataset.n_cut, dataset.n_unlearnable) == (1, 1)

@@ -7,6 +7,7 @@ experts and the router really change the outputs.
 import json
 import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -20,8 +21,9 @@ from Data.prompts import format_prompt
 from Models.Tokenizer import Tokenizer
 from Data.synthetic import make_splits
 from Models.ModelArgs import ModelArgs
-from Models.formats.adapters import export_authors_adapter, save_adapter
+from Models.formats.adapters import export_authors_adapter, read_adapter, save_adapter
 from Models.formats.base_model import build_model
+from Models.formats.pth import save_pth
 from Models.generate import generate, prefill_length
 from Utils import plots
 
@@ -251,6 +253,18 @@ def test_infer_authors_adapter_reads_their_params(monkeypatch, tok, run_dir, bas
     flags = ["--variant", "sparse", "--lora_layers", "0-2", "--p_adapter_layers", "0-2",
              "--lora_targets", "Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"]
     assert Infer.main(common + flags)["datasets"]["AddSub"]["accuracy"] == pytest.approx(0.75)
+
+
+def test_a_run_folder_or_its_checkpoint_is_not_an_adapter(run_dir, base_dir, crafted_dirs, tmp_path, capsys):
+    """The error names where the run's adapter is."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    save_pth({"adapter": read_adapter(str(run / "adapter")), "optimizer": {"m": np.zeros(2, np.float32)}, "epoch": 0},
+             run / "checkpoint-latest.pth")
+    for given, needles in [(run / "checkpoint-latest.pth", ["a training checkpoint"]), (run, ["no adapter"])]:
+        common = ["--adapter_path", str(given), "--llama_path", base_dir, "--data_path", crafted_dirs[0],
+                  "--output_dir", str(tmp_path / "eval")]
+        assert_refused(capsys, lambda: Infer.main(common), *needles, f"its adapter is {run / 'adapter'}")
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,6 @@ def test_loss_decreases_on_synthetic(tiny_base, synthetic_data, tmp_path):
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 1.0, losses
 
 
-@pytest.mark.filterwarnings("ignore:.*no output token left")  # a few math_14k prompts exceed 384 tokens
 @pytest.mark.slow
 def test_loss_decreases_on_math14k(tiny_base, tmp_path):
     path = str(DATA / "math" / "math_14k_validation.json")

@@ -46,6 +46,10 @@ class NonFiniteAdapter(CheckpointError):
     """Adapter tensors holding NaN or inf: never written, never loaded."""
 
 
+class NotAnAdapter(CheckpointError):
+    """A file of the tools that is not an adapter (a training checkpoint); the message says where the adapter is."""
+
+
 def check_finite(arrays: dict, source: str):
     """Refuse adapter tensors holding NaN or inf, naming the first of them."""
     bad = {name: int(np.size(a) - np.count_nonzero(np.isfinite(a))) for name, a in arrays.items()
@@ -119,12 +123,24 @@ def read_adapter(path: str) -> dict:
     if os.path.isdir(path):
         path = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no adapter file")
+        raise FileNotFoundError(f"{path}: no adapter file{run_adapter_hint(path)}")
     return adapter_tensors(load_pth(path), path)
+
+
+def run_adapter_hint(path: str) -> str:
+    """Where the adapter is, for a training run's folder or a file in it given instead of the adapter."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    adapter = os.path.join(folder, "adapter")
+    if not os.path.isfile(os.path.join(adapter, ADAPTER_WEIGHTS)):
+        return ""
+    return f" ({folder} is a training run's folder: its adapter is {adapter})"
 
 
 def adapter_tensors(state, path: str) -> dict:
     """The adapter tensors of a loaded flat {name: tensor} or {'model': {...}, ...}."""
+    if isinstance(state, dict) and {"adapter", "optimizer"} <= set(state):  # training.checkpoint_state
+        raise NotAnAdapter(f"{path}: a training checkpoint (Math.py's, for --resume), not an adapter"
+                           f"{run_adapter_hint(path)}")
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
     if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
@@ -202,6 +218,9 @@ def peft_format():
 def converted_files(source: str, out: str, out_is_dir: bool) -> list:
     """The two files a conversion of `source` (an adapter file or folder) writes at `out`, refused when one
     of them is a file of the source: a conversion never writes over what it reads."""
+    if not out_is_dir and os.path.isdir(out):
+        raise CheckpointError(f"{out} is a folder: name the .pth file to write (the authors' adapter_params.json "
+                              "goes beside it)")
     folder = out if out_is_dir else os.path.dirname(os.path.abspath(out))
     targets = [os.path.join(folder, ADAPTER_WEIGHTS) if out_is_dir else out, os.path.join(folder, ADAPTER_PARAMS)]
     weights = os.path.join(source, ADAPTER_WEIGHTS) if os.path.isdir(source) else source
@@ -219,7 +238,8 @@ def export_authors_adapter(adapter_path: str, out_path: str, bf16: bool = False)
     converted_files(adapter_path, out_path, out_is_dir=False)
     config = read_adapter_config(adapter_path)
     if config is None:
-        raise FileNotFoundError(f"{adapter_config_path(adapter_path)}: no adapter_params.json beside the adapter")
+        raise FileNotFoundError(f"{adapter_config_path(adapter_path)}: no adapter_params.json beside the adapter"
+                                f"{run_adapter_hint(adapter_path)}")
     args = ModelArgs(**config) if "dim" in config else None
     if args is None:
         raise CheckpointError(f"{adapter_config_path(adapter_path)}: already the authors' format")

@@ -6,8 +6,8 @@ import json
 import os
 
 import pytest
-from conftest import (MPIRUN, assert_refused, edited_base, math_argv, math_refuses, mpirun, one_error_line, snapshot,
-                      tiny_adapter, train)
+from conftest import (MPIRUN, assert_refused, edited_base, make_entries, math_argv, math_refuses, mpirun,
+                      one_error_line, snapshot, tiny_adapter, train)
 from golden_files import golden_model
 
 import Math
@@ -94,6 +94,11 @@ def test_resume_refuses_settings_it_cannot_change(tiny_base, synthetic_data, tmp
     # what a resumed run may change: its length, its logging, the decoding recorded for Infer.py
     assert train(tiny_base, synthetic_data, out, "--max_steps", 2, "--resume", "auto", "--log_interval", "5") == 0
     assert json.loads((out / "args.json").read_text())["log_interval"] == 5
+    # but not to fewer steps than it ran: its args.json would say 1 where the checkpoint holds 2
+    saved = snapshot(out)
+    assert train(tiny_base, synthetic_data, out, "--max_steps", 1, "--resume", "auto") == 2
+    one_error_line(capsys.readouterr().err, "--max_steps 1 is below the step", "(2)", "--overwrite")
+    assert snapshot(out) == saved
 
 
 @pytest.mark.slow
@@ -212,7 +217,17 @@ def test_compare_refuses_flags_that_would_mislabel_its_rows(tmp_path, capsys):
              (["--output_dir", str(a_file)], [str(a_file), "is a file"]),
              (["--output_dir", str(a_file / "sub")], ["which is a file"]),
              (["--ranks", "0"], ["--ranks"]), (["--methods", "nonesuch"], ["--methods", "invalid choice"])]
+    cases.append((["--test_data", str(tmp_path / "nothere.json")], ["--test_data", "nothere.json", "no such"]))
     for extra, needles in cases:
         out = [] if "--output_dir" in extra else ["--output_dir", str(tmp_path / "cmp")]
         assert_refused(capsys, lambda: Compare.main(out + extra), *needles)
         assert not (tmp_path / "cmp").exists()  # refused before any run
+    # its output folder is its own: a table of the user's is not replaced, a training run's folder not taken
+    make_entries(tmp_path / "mine", "compare.md", text="my table")
+    make_entries(tmp_path / "trained", ".manifest.json", text='{"tool": "Math.py", "written": ["args.json"]}')
+    for folder, needles in [("mine", ["compare.md", "which no run of the tools wrote"]),
+                            ("trained", ["is a Math.py folder"])]:
+        before = snapshot(tmp_path / folder)
+        assert_refused(capsys, lambda: Compare.main(["--output_dir", str(tmp_path / folder), "--methods", "lora"]),
+                       *needles)
+        assert snapshot(tmp_path / folder) == before
