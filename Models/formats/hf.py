@@ -113,7 +113,8 @@ def config_fields(config: dict, path: str) -> dict:
         raise ValueError(f"{path}: {name} {value!r:.80}: {why}, which MoA-Jittor does not implement")
     architectures = json_field(config, path, "architectures", (list,), [])
     if len(architectures) != 1 or not isinstance(architectures[0], str) or architectures[0] not in ARCHITECTURES:
-        raise ValueError(f"{path}: architectures {architectures!r:.80}: MoA-Jittor opens "
+        given = f"{architectures!r:.80}" if config.get("architectures") is not None else "missing"
+        raise ValueError(f"{path}: architectures {given}: MoA-Jittor opens "
                          f"{' and '.join(ARCHITECTURES)} (a list of one of them)")
     arch = ARCHITECTURES[architectures[0]]
     if json_field(config, path, "hidden_act", (str,), "silu") != "silu":

@@ -76,6 +76,7 @@ def test_a_non_finite_base_tensor_is_refused_naming_it(tiny_qwen3, tiny_base, ad
 CONFIG_CASES = [  # (file, fields, what the one line names besides the file)
     ("config.json", dict(architectures=[["Qwen3ForCausalLM"]]), "architectures [['Qwen3ForCausalLM']]"),
     ("config.json", dict(architectures=[{"name": "Qwen3ForCausalLM"}]), "architectures [{'name'"),
+    ("config.json", dict(architectures=None), "architectures missing"),
     ("config.json", dict(layer_types=5), "field 'layer_types' is 5, expected a list"),
     ("config.json", dict(layer_types="full_attention"), "field 'layer_types' is 'full_attention', expected a list"),
     ("config.json", dict(layer_types=[["full_attention"]]), "field 'layer_types[0]'"),

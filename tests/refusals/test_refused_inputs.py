@@ -72,6 +72,7 @@ def test_infer_refuses_bad_input(tiny_base, addsub, tmp_path, capsys):
         # about 300 GB of keys and values: refused before a byte is allocated
         (["--max_seq_len", "100000000", "--max_gen_len", "10000000", "--batch_size", "64"], 2,
          ["KV cache", "--batch_size 64", "GiB available"]),
+        (["--save_weights"], 2, ["--save_weights", "--no_adapter", "no router"]),
     ]
     for extra, code, needles in cases:  # later flags win; nothing written
         out = tmp_path / "eval"
