@@ -111,9 +111,6 @@ def newest_adapter(output_root):
 
 def resolve_run(args):
     """(adapter path or None, run dir or None, run's args.json dict, llama_path)."""
-    if args.no_adapter and args.save_weights:
-        raise ValueError("--save_weights records the router's choices, and the base alone (--no_adapter) has no "
-                         "router: give one of them")
     newest = newest_adapter(args.output_root)
     adapter = None if args.no_adapter else args.adapter_path or newest
     if not args.no_adapter and adapter is None:
@@ -216,6 +213,9 @@ def check_args(args):
         value = getattr(args, flag)
         if value not in (None, "auto") and value < (0 if flag in ("plot_examples", "seed") else 1):
             raise ValueError(f"--{flag}={value} is too small")
+    if args.no_adapter and args.save_weights:
+        raise ValueError("--save_weights records the router's choices, and the base alone (--no_adapter) has no "
+                         "router: give one of them")
 
 
 def generation_settings(args, run_args, source="args.json") -> GenerationArgs:
