@@ -45,6 +45,7 @@ colour bar says the span.
 """
 import json
 import os
+import pickle
 
 import matplotlib
 
@@ -83,14 +84,25 @@ def family_order(name: str) -> int:
     return TYPE_ORDER.index(name) if name in TYPE_ORDER else len(TYPE_ORDER)
 
 
+class WeightsUnpickler(pickle.Unpickler):
+    """Plain unpickling would call whatever a crafted file names: these pickles are read through an
+    allow-list, numpy arrays (and their dtypes and scalars) besides the containers pickle builds itself."""
+    ALLOWED = {(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+               for name in ("_reconstruct", "scalar")} | {("numpy", "ndarray"), ("numpy", "dtype")}
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a --save_weights pickle never holds")
+        return super().find_class(module, name)
+
+
 def load_pickle(path, kind: str = None):
     """A --save_weights pickle; with `kind` (type_weight, token_weight) its structure is checked against
     the one above, so a damaged file, or one of another kind under this name, is a ValueError naming it."""
-    import pickle
     with open(path, "rb") as f:
         try:
-            data = pickle.load(f)
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as e:
+            data = WeightsUnpickler(f).load()
+        except Exception as e:  # whatever a damaged or crafted file makes the unpickler raise
             raise ValueError(f"{path}: not a --save_weights pickle ({type(e).__name__}: {e})") from None
     if kind is not None:
         check_weights(data, path, kind)

@@ -159,6 +159,10 @@ def test_in_process_tricks_do_not_pass(sandbox_mode):
         "fake.items()]]\n    return found\nserving.top_level_names = with_builtins\n")
     near = "def check(candidate):\n    assert abs(candidate(3) - 9) < 1e-6\n"
     assert run(sandbox_mode, builtins_of_its_own, near) == (sandbox.FAILED, "AssertionError", 0, "")
+    # a reply that is not a value ("ready" is the first message's kind alone) breaks the protocol
+    ready = CORRECT + "import sys\nsys.modules['sandboxed.candidate'].answer = lambda request, objects: ['ready', 9]\n"
+    assert run(sandbox_mode, ready)[:2] == (sandbox.FAILED, "WireError: the program's process broke the protocol: "
+                                                            "not a reply: ['ready', 9]")
     import_main = "import __main__, sys\nsys.modules['__main__'].check = lambda c: None\n" + WRONG
     assert run(sandbox_mode, import_main) == (sandbox.FAILED, "AssertionError", 0, "")
     # a message that breaks lines (any break Python knows) to add a line of its own to the verdict

@@ -99,3 +99,26 @@ def owner(path: Path):
         return path.stat().st_uid
     except OSError:  # another scorer's folder, gone meanwhile
         return None
+
+
+def test_a_working_folder_is_removed_listing_each_folder_once(tmp_path, monkeypatch):
+    """The floor's removal of a working folder (Utils/sandboxed/launch.py): files, links, a folder made
+    unreadable, 2,000 sub-folders side by side and 50 nested; each folder that holds something is listed once
+    (a folder of many sub-folders costs its entries, not their square), an empty one not at all."""
+    from Utils.sandboxed import launch
+    work = tmp_path / "work"
+    (work / "wide").mkdir(parents=True)
+    for i in range(2000):
+        (work / "wide" / str(i)).mkdir()
+    (work / "wide" / "7" / "file").write_text("x")
+    (work / "link").symlink_to(tmp_path / "kept")
+    (tmp_path / "kept").mkdir()
+    deep = work / "/".join(["d"] * 50)
+    deep.mkdir(parents=True)
+    (work / "wide" / "7").chmod(0)
+    listed, listdir = [], os.listdir
+    monkeypatch.setattr(launch.os, "listdir", lambda fd: listed.append(fd) or listdir(fd))
+    launch.remove_workdir(str(work))
+    monkeypatch.undo()
+    assert not work.exists() and (tmp_path / "kept").is_dir()
+    assert len(listed) == 3 + 49  # work, wide, wide/7; d/ ... 49 deep (the 50th is empty)

@@ -51,14 +51,15 @@ class Link:
             return other._handle
         return wire.encode(value, handle_of)
 
-    def read(self):
-        """The next reply as a value, or the program's exception raised here."""
+    def read(self, kind: str = "value"):
+        """The next reply, a "value" (decoded) or the first message, "ready" (the program's names, as sent), or
+        the program's exception raised here."""
         if self.fault is not None:
             raise self.fault
         try:
             reply = wire.receive(self.replies)
-            if type(reply) is list and len(reply) == 2 and reply[0] in ("value", "ready"):
-                return wire.decode(reply[1], self.remote) if reply[0] == "value" else reply[1]
+            if type(reply) is list and len(reply) == 2 and reply[0] == kind:
+                return wire.decode(reply[1], self.remote) if kind == "value" else reply[1]
             if not (type(reply) is list and len(reply) == 3 and reply[0] == "raised" and
                     all(type(part) is str for part in reply[1:])):
                 raise wire.WireError(f"not a reply: {str(reply)[:80]}")
@@ -127,7 +128,7 @@ def is_dunder(name: str) -> bool:
 
 def run_tests(job: dict, link: Link):
     """Bind the program's names, run the given code and the tests, call check; raises what they raise."""
-    names = link.read()
+    names = link.read("ready")
     if type(names) is not dict:
         raise wire.WireError("the program's names are not a mapping")
     shadows = set(job["shadows"])

@@ -65,54 +65,60 @@ def end_descendants():
 def remove_workdir(path: str):
     """Remove a working directory and everything in it once its processes are gone: also folders the program
     made unreadable (chmod 0: its uid's files) and folders nested deeper than Python's recursion limit or
-    PATH_MAX, so one folder open at a time, by descriptor, going down by name and up by '..'."""
+    PATH_MAX, so one folder open at a time, by descriptor, going down by name and up by '..'; each folder is
+    listed once (a folder of many sub-folders costs its entries, not their square)."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     try:
         os.chmod(path, stat.S_IRWXU)
         fd = os.open(path, flags)
     except OSError:
         return
-    below, tried = [], [set()]  # the names from `path` down to fd's folder; each level's entries already tried
+    below, left = [], [names_in(fd)]  # the names from `path` down to fd's folder; each level's names not yet removed
     while True:
-        child = None
-        try:
-            entries = list(os.scandir(fd))
-        except OSError:
-            entries = []
-        for entry in entries:
-            if entry.name in tried[-1]:
-                continue
-            tried[-1].add(entry.name)
-            try:
-                if not entry.is_dir(follow_symlinks=False):
-                    os.unlink(entry.name, dir_fd=fd)
-                    continue
-                os.chmod(entry.name, stat.S_IRWXU, dir_fd=fd)
-                child = os.open(entry.name, flags, dir_fd=fd)
+        if not left[-1]:
+            if not below:
                 break
+            parent = os.open("..", flags, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            left.pop()
+            try:
+                os.rmdir(below.pop(), dir_fd=fd)
             except OSError:
                 pass
-        if child is not None:
-            os.close(fd)
-            fd = child
-            below.append(entry.name)
-            tried.append(set())
             continue
-        if not below:
-            break
-        parent = os.open("..", flags, dir_fd=fd)
-        os.close(fd)
-        fd = parent
-        tried.pop()
+        name, folder = left[-1].pop(), False
         try:
-            os.rmdir(below.pop(), dir_fd=fd)
+            folder = stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+            if not folder:
+                os.unlink(name, dir_fd=fd)
+                continue
+            os.rmdir(name, dir_fd=fd)  # an empty folder: gone without going down
+            continue
         except OSError:
-            pass
+            if not folder:
+                continue
+        try:
+            os.chmod(name, stat.S_IRWXU, dir_fd=fd)
+            child = os.open(name, flags, dir_fd=fd)
+        except OSError:
+            continue
+        os.close(fd)
+        fd = child
+        below.append(name)
+        left.append(names_in(fd))
     os.close(fd)
     try:
         os.rmdir(path)
     except OSError:
         pass
+
+
+def names_in(fd: int) -> list:
+    try:
+        return os.listdir(fd)
+    except OSError:
+        return []
 
 
 def wait_for(work: int, control: int, deadline: float):

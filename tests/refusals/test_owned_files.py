@@ -102,11 +102,23 @@ def test_compare_routers_writes_only_what_it_owns_and_refuses_bad_inputs(tmp_pat
     shutil.copytree(runs[0], cut)
     (cut / "type_weight.pkl").write_bytes((swapped / "token_weight.pkl").read_bytes()[:100])
     deeper = weights_folder(tmp_path / "deeper", n_layers=3)
+    crafted = {}  # pickles that would call a function while they load: read through the allow-list, refused
+    for name, payload in [("runs", (os.system, (f"touch {tmp_path / 'ran'}",))), ("calls", (dict.__getitem__,
+                                                                                        ({}, "k")))]:
+        crafted[name] = tmp_path / name
+        shutil.copytree(runs[0], crafted[name])
+        (crafted[name] / "type_weight.pkl").write_bytes(pickle.dumps(type("Crafted", (), {
+            "__reduce__": lambda self, payload=payload: payload})()))
     cases = [(compare("--example", "-100"), ["--example", "'-100'"]),
              (compare("--example", "2"), ["--example 2", "holds 2 examples"]),
              (compare(folders=[str(swapped), runs[1]]), [str(swapped / "type_weight.pkl"), "kind 'token_weight'"]),
              (compare(folders=[str(cut), runs[1]]), [str(cut / "type_weight.pkl"), "not a --save_weights pickle"]),
-             (compare(folders=[runs[0], deeper]), ["2 and 3 layers", deeper])]
+             (compare(folders=[runs[0], deeper]), ["2 and 3 layers", deeper]),
+             (compare(folders=[str(crafted["runs"]), runs[1]]), [str(crafted["runs"] / "type_weight.pkl"),
+                                                                  "names posix.system"]),
+             (compare(folders=[str(crafted["calls"]), runs[1]]), [str(crafted["calls"] / "type_weight.pkl"),
+                                                                    "names builtins.getattr"])]
     for call, needles in cases:
         assert_refused(capsys, call, *needles)
         assert snapshot(out) == written
+    assert not (tmp_path / "ran").exists()
