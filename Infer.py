@@ -42,8 +42,8 @@ from Data.prompts import format_prompt
 from Data.test_sets import (STOPPED_SAMPLES, TestSet, check_prompt_lengths, data_files, default_test_set,
                             load_test_sets, score_and_write, stopped_dir)
 from Models.ModelArgs import ModelArgs
-from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, adapter_config_path,
-                                     load_adapter, read_adapter_config)
+from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, load_adapter,
+                                     read_adapter_config, settings_from_flags)
 from Models.formats.base_model import adapter_settings, base_args, build_model, open_tokenizer
 from Models.generate import auto_batch_size, generate
 from Models.memory import check_memory
@@ -155,8 +155,7 @@ def load_model(llama_path, adapter, model_args):
         try:
             load_adapter(model, adapter)
         except CheckpointError as e:
-            known = isinstance(e, (NonFiniteAdapter, NotAnAdapter)) or os.path.isfile(adapter_config_path(adapter))
-            hint = "" if known else (
+            hint = "" if isinstance(e, (NonFiniteAdapter, NotAnAdapter)) or not settings_from_flags(adapter) else (
                 " -- an adapter.pth without adapter_params.json needs the MoA flags it was trained with "
                 "(--variant, --lora_layers, --lora_targets, --p_adapter_layers, ...)")
             raise CheckpointError(f"{e}{hint}") from None

@@ -180,6 +180,16 @@ def test_peft_folder_reads_as_our_settings_and_rows(tiny_qwen3, tmp_path):
     theirs = read_arrays(os.path.join(folder, peft.PEFT_WEIGHTS))
     q_b = theirs[peft.PEFT_PREFIX + "model.layers.1.self_attn.q_proj.lora_B.weight"]
     np.testing.assert_array_equal(model.llama.layers[1].attention.lora_Q.lora_B.weight.numpy(), from_hf_rows(q_b, 32))
+    # tensors that are no LoRA of this base, or not finite, are refused naming the file
+    arrays = dict(theirs)
+    for changed, message in [({"self_attn.q_proj.lora_B.weight": np.ones((129, 2), np.float32)},
+                              "layer 1 Q lora_B has 129 rows, not whole heads of the base's head_dim 32"),
+                             ({"mlp.down_proj.lora_A.weight": np.full((2, 160), np.nan, np.float32)},
+                              "hold NaN or inf values")]:
+        save_safetensors({**arrays, **{peft.PEFT_PREFIX + "model.layers.1." + k: v for k, v in changed.items()}},
+                         os.path.join(folder, peft.PEFT_WEIGHTS))
+        with pytest.raises(CheckpointError, match=message):
+            load_adapter(model, folder)
     assert peft.spans([0, 1, 2, 5, 7, 8]) == "0-3,5-6,7-9"
 
 
@@ -196,6 +206,10 @@ def test_peft_folder_reads_as_our_settings_and_rows(tiny_qwen3, tmp_path):
     ({}, {"self_attn.q_proj.lora_A.weight": (2, 64), "self_attn.q_proj.lora_B.weight": (128, 2),
           "self_attn.q_proj.lora_magnitude_vector": (128,)}, "is not LoRA on a projection of a decoder layer"),
     ({}, {"self_attn.q_proj.lora_A.weight": (2, 64)}, "layer 1 Q lora_B is absent"),
+    ({"use_rslora": "false"}, None, "field 'use_rslora' is 'false', expected true or false"),
+    ({"lora_alpha": float("inf")}, None, "field 'lora_alpha' is inf, expected a positive number"),
+    ({}, {"self_attn.q_proj.lora_A.weight": (), "self_attn.q_proj.lora_B.weight": (128, 2)},
+     "lora_A.weight' has shape [], where a LoRA matrix has 2 dimensions"),
 ])
 def test_peft_settings_with_no_form_here_are_refused(tmp_path, config, tensors, message):
     with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):

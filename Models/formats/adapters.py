@@ -56,8 +56,23 @@ def check_finite(arrays: dict, source: str):
            if np.issubdtype(np.asarray(a).dtype, np.floating) and not np.isfinite(a).all()}
     if bad:
         first = ", ".join(f"'{n}' ({k} of {np.size(arrays[n])})" for n, k in list(bad.items())[:3])
-        raise NonFiniteAdapter(f"{source}: {len(bad)} adapter tensor(s) hold NaN or inf values: {first}"
-                               f"{' ...' if len(bad) > 3 else ''}")
+        raise NonFiniteAdapter(f"{source}: {len(bad)} adapter tensor(s) hold NaN or inf values (or values past "
+                               f"float32's range): {first}{' ...' if len(bad) > 3 else ''}")
+
+
+def float32_arrays(arrays: dict, source: str) -> dict:
+    """The tensors as the model holds them, fp32: refused when one is not real floating point, or not finite
+    once rounded (a float64 1e300 is inf in fp32)."""
+    rounded = {}
+    for name, array in arrays.items():
+        array = np.asarray(array)
+        if not np.issubdtype(array.dtype, np.floating):
+            raise CheckpointError(f"{source}: tensor '{name}' is {array.dtype}, where the adapter's are real "
+                                  "floating-point numbers")
+        with np.errstate(over="ignore"):
+            rounded[name] = np.ascontiguousarray(array, dtype=np.float32)
+    check_finite(rounded, source)
+    return rounded
 
 
 def check_strict(params: dict, shapes: dict, source: str, what: str):
@@ -80,8 +95,9 @@ def check_strict(params: dict, shapes: dict, source: str, what: str):
 def assign_strict(params: dict, arrays: dict, source: str, what: str):
     """Copy numpy arrays into the Vars of `params` (small: adapters, golden files), checked as above."""
     check_strict(params, {name: array.shape for name, array in arrays.items()}, source, what)
+    arrays = float32_arrays({name: arrays[name] for name in params}, source)
     for name, var in params.items():
-        var.assign(cast_to(jt.array(np.ascontiguousarray(arrays[name], dtype=np.float32)), var.dtype))  # bf16 stays bf16
+        var.assign(cast_to(jt.array(arrays[name]), var.dtype))  # a bf16 Var stays bf16
 
 
 def adapter_arrays(model: LLaMA_adapter) -> dict:
@@ -145,13 +161,18 @@ def adapter_tensors(state, path: str) -> dict:
         state = state["model"]
     if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
         raise CheckpointError(f"{path}: expected a dict of tensor names to tensors (or {{'model': ...}})")
-    arrays = {name: value for name, value in state.items() if is_adapter_param(name)}
-    check_finite(arrays, path)
-    return arrays
+    return float32_arrays({name: value for name, value in state.items() if is_adapter_param(name)}, path)
 
 
 def adapter_config_path(path: str) -> str:
     return os.path.join(path if os.path.isdir(path) else os.path.dirname(path), ADAPTER_PARAMS)
+
+
+def settings_from_flags(path: str) -> bool:
+    """An adapter.pth with no adapter_params.json beside it (a bare file of the authors'): its MoA settings
+    can only come from the flags given."""
+    weights = os.path.join(path, ADAPTER_WEIGHTS) if os.path.isdir(path) else path
+    return weights.endswith(".pth") and os.path.isfile(weights) and not os.path.isfile(adapter_config_path(path))
 
 
 def read_adapter_config(path: str, hint: str = None):

@@ -128,8 +128,10 @@ def read_peft_config(folder: str) -> dict:
                               "belongs to that changed base, not to the original")
     for field in ("r", "lora_alpha"):
         value = config.get(field)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
             raise CheckpointError(f"{path}: field '{field}' is {value!r}, expected a positive number")
+    if not isinstance(config.get("use_rslora", False), (bool, type(None))):  # a string "false" is true
+        raise CheckpointError(f"{path}: field 'use_rslora' is {config['use_rslora']!r:.40}, expected true or false")
     return config
 
 
@@ -152,6 +154,9 @@ def read_peft(folder: str, head_dim: int = None):
         if match is None or match.group(2) not in modules:
             raise CheckpointError(f"{path}: tensor '{name}' is not LoRA on a projection of a decoder layer "
                                   f"({', '.join(modules)}): no form here")
+        if array.ndim != 2:
+            raise CheckpointError(f"{path}: tensor '{name}' has shape {list(array.shape)}, where a LoRA matrix has 2 "
+                                  "dimensions")
         found[(int(match.group(1)), modules[match.group(2)], match.group(3))] = array
     layers = sorted({layer for layer, _, _ in found})
     if not layers:
@@ -175,6 +180,9 @@ def read_peft(folder: str, head_dim: int = None):
     ours = {}
     for (layer, target, part), array in found.items():
         if part == "lora_B" and target in PERMUTED:
+            if array.shape[0] % head_dim:
+                raise CheckpointError(f"{path}: layer {layer} {target} lora_B has {array.shape[0]} rows, not whole "
+                                      f"heads of the base's head_dim {head_dim}")
             array = from_hf_rows(array, head_dim)
         parent, expert, _ = TARGETS[target]
         ours[f"llama.layers.{layer}.{parent}.{expert}.{part}.weight"] = np.ascontiguousarray(array, np.float32)

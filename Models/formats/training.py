@@ -11,7 +11,7 @@ import numpy as np
 from Utils.misc import is_main_process
 
 from . import CheckpointError
-from .adapters import adapter_arrays, assign_strict, check_finite, differing_fields, write_adapter
+from .adapters import adapter_arrays, assign_strict, differing_fields, write_adapter
 from .pth import load_pth, save_pth
 
 
@@ -88,7 +88,6 @@ def restore_checkpoint(path: str, model, optimizer, stopper, signature: dict, fi
         more = len(said) - SHOWN_DIFFERENCES
         raise CheckpointError(f"{path}: checkpoint of another configuration, cannot resume: "
                               + "; ".join(said[:SHOWN_DIFFERENCES]) + (f"; and {more} more" if more > 0 else ""))
-    check_finite(ckpt["adapter"], path)
     assign_strict(model.adapter_parameters(), ckpt["adapter"], path, "adapter")
     optimizer.load_state_arrays(ckpt["optimizer"], path)
     stopper.load_state_dict(ckpt["early_stopper"])

@@ -19,7 +19,7 @@ from Data.synthetic import make_splits
 from Data.tiny_base import write_random_base
 from Models.ModelArgs import ModelArgs
 from Models.Tokenizer import Tokenizer
-from Models.formats.pth import load_pth
+from Models.formats.pth import load_pth, save_pth
 
 
 def write(path, text):
@@ -87,7 +87,17 @@ def test_infer_refuses_a_bad_adapter_or_data_set(capsys, tmp_path, tiny_run, add
     missing_field = tmp_path / "bad" / "test.json"
     make_entries(tmp_path / "bad", "test.json", text=json.dumps([{"instruction": "q", "input": "", "output": "a"}]))
     make_entries(tmp_path, "empty.json", text="[]")
+    odd = {}  # a tensor past fp32's range (float64 1e300 rounds to inf), a complex one
+    for kind, value in [("float64", 1e300), ("complex64", 1j)]:
+        shutil.copytree(tiny_run, tmp_path / kind)
+        odd[kind] = tmp_path / kind / "adapter"
+        arrays = load_pth(odd[kind] / "adapter.pth")
+        first = sorted(arrays)[0]
+        arrays[first] = np.full(arrays[first].shape, value, kind)
+        save_pth(arrays, odd[kind] / "adapter.pth")
     cases = [(adapter + data + ["--variant", "soft"], ["adapter from another configuration"]),
+             (["--adapter_path", str(odd["float64"]), *data], ["adapter.pth", "past float32's range", first]),
+             (["--adapter_path", str(odd["complex64"]), *data], ["adapter.pth", f"'{first}' is complex64"]),
              (adapter + data + ["--llama_path", other_base], ["adapter trained on another base"]),
              (adapter + ["--data_path", str(missing_field)], ["missing the field 'answer'"]),
              (adapter + ["--data_path", str(tmp_path / "empty.json")], ["empty"]),
