@@ -12,11 +12,12 @@
 3. Saved in Meta's format (params.json, consolidated.00.pth in bf16, tokenizer.model).
 """
 import argparse
-import json
 import math
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -33,6 +34,9 @@ from Models.ModelArgs import ModelArgs  # noqa: E402
 from Data.tiny_base import DEFAULT_BASE_DIR, params_for, random_base_weights  # noqa: E402
 from Models.Tokenizer import Tokenizer  # noqa: E402
 from Models.formats.pth import save_pth  # noqa: E402
+from Utils import output_dirs  # noqa: E402
+from Utils.misc import temp_name, write_json  # noqa: E402
+from Utils.settings import ArgumentParser  # noqa: E402
 
 
 def equation(rng: random.Random) -> str:
@@ -86,25 +90,48 @@ def lr_at(elapsed: float, total: float, peak: float, warmup: float = 0.03) -> fl
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=DEFAULT_BASE_DIR, help="output Meta checkpoint directory")
+FILES = ("tokenizer.model", "params.json", "consolidated.00.pth", "build_info.json")
+TOOL = "scripts/build_base.py"
+
+
+def get_args_parser():
+    parser = ArgumentParser(prog="python scripts/build_base.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=DEFAULT_BASE_DIR, help="output Meta checkpoint directory; its four files "
+                        "are replaced together once the base is built, never a file the tools did not write")
     parser.add_argument("--minutes", type=float, default=40.0, help="pretraining wall-clock budget")
     parser.add_argument("--dim", type=int, default=128, help="model width")
     parser.add_argument("--n_layers", type=int, default=4, help="transformer blocks")
     parser.add_argument("--n_heads", type=int, default=4, help="attention heads")
     parser.add_argument("--n_kv_heads", type=int, default=2, help="key/value heads (GQA)")
-    parser.add_argument("--bpe_vocab", type=int, default=512, help="BPE vocabulary before the 256 special tokens")
+    parser.add_argument("--bpe_vocab", type=int, default=512, help="BPE vocabulary (the 256 bytes and their merges), "
+                        "before the 256 special tokens")
     parser.add_argument("--block", type=int, default=128, help="tokens per training row")
     parser.add_argument("--batch", type=int, default=32, help="rows per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=1234, help="seed for data, tokenizer and weights")
-    opts = parser.parse_args()
+    return parser
 
-    os.makedirs(opts.out, exist_ok=True)
+
+def check_options(opts):
+    """Every setting checked before the tokenizer trains and before a file is written."""
+    for flag in ("minutes", "block", "batch", "lr"):
+        if not getattr(opts, flag) > 0:
+            raise ValueError(f"--{flag} {getattr(opts, flag)} must be positive")
+    if opts.bpe_vocab < 256:
+        raise ValueError(f"--bpe_vocab {opts.bpe_vocab}: the vocabulary holds the 256 single bytes at least")
+    # the model's shape rules (ModelArgs), at the vocabulary the tokenizer will have at most
+    ModelArgs(**params_for(opts.bpe_vocab + 256, opts.dim, opts.n_layers, opts.n_heads, opts.n_kv_heads,
+                           multiple_of=32), max_seq_len=opts.block + 1, max_batch_size=opts.batch)
+    output_dirs.check_output_dir(opts.out, "--out")
+    output_dirs.check_claimable(opts.out, FILES, "--out")
+
+
+def pretrain(opts, folder: str) -> dict:
+    """The tokenizer and the pretrained base's files in `folder`; the build's record."""
     rng = random.Random(opts.seed)
     corpus = [document(rng) for _ in range(20000)]
-    tokenizer_path = train_bpe(corpus, opts.bpe_vocab, os.path.join(opts.out, "tokenizer.model"))
+    tokenizer_path = train_bpe(corpus, opts.bpe_vocab, os.path.join(folder, "tokenizer.model"))
     tokenizer = Tokenizer(tokenizer_path)
     params = params_for(tokenizer.n_words, opts.dim, opts.n_layers, opts.n_heads, opts.n_kv_heads, multiple_of=32)
     args = ModelArgs(**params, max_seq_len=opts.block + 1, max_batch_size=opts.batch)
@@ -120,7 +147,7 @@ def main():
     stream = token_stream(tokenizer, random.Random(opts.seed + 1), opts.block, opts.batch)
     budget, start, step, smoothed = opts.minutes * 60, time.time(), 0, None
     bar = tqdm(total=int(budget), unit="s", desc="pretraining")
-    while time.time() - start < budget:
+    while step == 0 or time.time() - start < budget:
         optimizer.lr = lr_at(time.time() - start, budget, opts.lr)
         loss, _ = model(jt.array(next(stream)), mask, with_logits=False)
         optimizer.step(loss)
@@ -131,14 +158,38 @@ def main():
         bar.set_postfix(step=step, loss=f"{smoothed:.3f}", lr=f"{optimizer.lr:.1e}")
     bar.close()
     state = {name: var.numpy() for name, var in model.llama.named_parameters()}  # Meta's names
-    save_pth(state, os.path.join(opts.out, "consolidated.00.pth"), bf16=True)
-    with open(os.path.join(opts.out, "params.json"), "w") as f:
-        json.dump(params, f, indent=2)
-    with open(os.path.join(opts.out, "build_info.json"), "w") as f:
-        json.dump({"steps": step, "tokens": step * opts.batch * opts.block, "final_loss": smoothed,
-                   "minutes": opts.minutes, **vars(opts)}, f, indent=2)
-    print(f"saved {opts.out}: {step} steps, {step * opts.batch * opts.block / 1e6:.1f}M tokens, loss {smoothed:.3f}")
+    save_pth(state, os.path.join(folder, "consolidated.00.pth"), bf16=True)
+    write_json(params, os.path.join(folder, "params.json"))
+    record = {"steps": step, "tokens": step * opts.batch * opts.block, "final_loss": smoothed,
+              "minutes": opts.minutes, **vars(opts)}
+    write_json(record, os.path.join(folder, "build_info.json"))
+    return record
+
+
+def main(argv=None):
+    """Exit codes: 0 built, 2 bad options or an --out that is not this tool's to write, 4 a write failed."""
+    opts = get_args_parser().parse_args(argv)
+    try:
+        check_options(opts)
+        os.makedirs(opts.out, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=temp_name("build"), dir=opts.out)  # replaced whole, once built
+        try:
+            record = pretrain(opts, staging)
+            output_dirs.record_written(opts.out, TOOL, FILES)
+            for name in FILES:
+                os.replace(os.path.join(staging, name), os.path.join(opts.out, name))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except ValueError as e:  # RunDirError is one
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: cannot write {e.filename or opts.out}: {e.strerror or e}", file=sys.stderr)
+        return 4
+    print(f"saved {opts.out}: {record['steps']} steps, {record['tokens'] / 1e6:.1f}M tokens, "
+          f"loss {record['final_loss']:.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

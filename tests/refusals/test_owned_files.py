@@ -1,6 +1,6 @@
 """Only what a manifest lists is ever removed or overwritten, anywhere: the sweep of temp files and staging folders
 that dead writers left (beside an evaluation folder, in a run folder and below), and scripts/compare_routers.py's
-outputs, whose bad inputs are refused in one line (exit 2) with nothing written."""
+outputs and scripts/build_base.py's base, whose bad inputs are refused in one line (exit 2) with nothing written."""
 import json
 import os
 import pickle
@@ -12,7 +12,8 @@ import numpy as np
 from conftest import assert_refused, exit_code, infer_base_alone, make_entries, snapshot
 
 import Infer
-from scripts import compare_routers
+from Data.tiny_base import DEFAULT_BASE_DIR
+from scripts import build_base, compare_routers
 from Utils import misc, output_dirs
 
 
@@ -122,3 +123,19 @@ def test_compare_routers_writes_only_what_it_owns_and_refuses_bad_inputs(tmp_pat
         assert_refused(capsys, call, *needles)
         assert snapshot(out) == written
     assert not (tmp_path / "ran").exists()
+
+
+def test_build_base_checks_its_options_and_writes_only_its_own_files(tmp_path, capsys):
+    """Refused before the tokenizer trains: options the model's rules or the budget refuse, and an --out holding
+    a file of the four it writes that no run of the tools wrote (a base of the user's); the shipped base's
+    manifest lists its four, so it can be rebuilt in place."""
+    mine = tmp_path / "mine"
+    make_entries(mine, "params.json", text="my own base")
+    cases = [(["--n_heads", "3"], ["dim=128", "n_heads=3"]), (["--minutes", "0"], ["--minutes 0", "positive"]),
+             (["--bpe_vocab", "-5"], ["--bpe_vocab -5", "256 single bytes"]),
+             (["--out", str(mine)], [str(mine), "params.json", "no run of the tools wrote"])]
+    for extra, needles in cases:
+        out = [] if "--out" in extra else ["--out", str(tmp_path / "new")]
+        assert_refused(capsys, lambda: build_base.main(out + extra), *needles)
+        assert not (tmp_path / "new").exists() and snapshot(mine) == {"params.json": b"my own base"}
+    output_dirs.check_claimable(DEFAULT_BASE_DIR, build_base.FILES, "--out")  # the shipped base: claimed
