@@ -42,8 +42,8 @@ from Data.prompts import format_prompt
 from Data.test_sets import (STOPPED_SAMPLES, TestSet, check_prompt_lengths, data_files, default_test_set,
                             load_test_sets, score_and_write, stopped_dir)
 from Models.ModelArgs import ModelArgs
-from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, load_adapter,
-                                     read_adapter_config, settings_from_flags)
+from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, adapter_config_path,
+                                     load_adapter, read_adapter_config, settings_from_flags)
 from Models.formats.base_model import adapter_settings, base_args, build_model, open_tokenizer
 from Models.generate import auto_batch_size, generate
 from Models.memory import check_memory
@@ -144,8 +144,10 @@ def model_settings(args, adapter, llama_path, max_seq_len):
     batch = args.batch_size if args.batch_size != "auto" else 1  # auto: set once the model is loaded
     try:
         return base_args(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": batch})
-    except TypeError as e:  # a config field of the wrong type
-        raise ValueError(str(e)) from None
+    except (TypeError, ValueError) as e:  # a field of the wrong type, or a rule the settings together break
+        config = adapter_config_path(adapter) if adapter else None
+        where = f" (the adapter's settings: {config}, then the flags given)" if config and os.path.isfile(config) else ""
+        raise ValueError(f"{e}{where}") from None
 
 
 def load_model(llama_path, adapter, model_args):

@@ -144,6 +144,7 @@ def test_export_refusals_write_nothing(tiny_base, tiny_qwen3, tiny_hf_llama, tmp
     refused([tmp_path / "qwen", out, "--base", tiny_hf_llama], "trained on another base than",
             "architecture: adapter 'qwen3', base 'llama'")
     refused([tmp_path / "qwen", out], "no base named", "pass --base")
+    refused([tmp_path / "nothing", out, "--base", tiny_qwen3], str(tmp_path / "nothing"), "no such adapter")
     refused([peft_folder(tmp_path), out, "--base", tiny_qwen3], "not an adapter of MoA-Jittor", "import it first")
     refused([tmp_path / "qwen", tmp_path / "qwen", "--base", tiny_qwen3], "is the folder of adapter")
     out.mkdir()

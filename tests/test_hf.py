@@ -194,6 +194,9 @@ def test_shard_index_is_checked(tmp_path):
     ("qwen3_tiny", {"rope_parameters": None, "rope_scaling": {"type": "dynamic"}}, r"rope_scaling.rope_type 'dynamic'"),
     ("qwen3_tiny", {"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
     ("qwen3_tiny", {"quantization_config": {"quant_method": "awq"}}, r"quantization_config 'awq'"),
+    ("qwen3_tiny", {"quantization_config": {"bits": 4}}, r"quantization_config \{'bits': 4\}"),
+    ("qwen3_tiny", {"num_key_value_heads": 3}, r"n_kv_heads=3 \(n_heads is its num_attention_heads, n_kv_heads is its "
+                                                r"num_key_value_heads\)"),
     ("qwen3_tiny", {"hidden_size": "64"}, r"field 'hidden_size' must be an integer, got '64'"),
     ("qwen3_tiny", {"head_dim": 31}, r"head_dim=31 must be even"),
     ("llama31_tiny", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},

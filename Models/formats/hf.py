@@ -15,6 +15,7 @@ head), so the model keeps Meta's RoPE and an adapter means the same on either la
 """
 import math
 import os
+import re
 from dataclasses import fields as dataclass_fields
 
 import numpy as np
@@ -126,7 +127,7 @@ def config_fields(config: dict, path: str) -> dict:
         refuse("attention_dropout", config["attention_dropout"], "dropout in attention")
     quantization = config.get("quantization_config")
     if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        method = quantization.get("quant_method", quantization) if isinstance(quantization, dict) else quantization
         refuse("quantization_config", method, "quantized weights")
     for i, kind in enumerate(json_field(config, path, "layer_types", (list,), [])):
         if checked(kind, path, f"layer_types[{i}]", (str,)) != "full_attention":
@@ -167,7 +168,8 @@ def args_from_config(folder: str, **overrides) -> ModelArgs:
     try:
         ModelArgs(**fields)  # the file alone: a bad file is bad input, whichever check caught it
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from None
+        named = [f"{ours} is its {theirs}" for theirs, ours in SHAPE_FIELDS.items() if re.search(rf"\b{ours}\b", str(e))]
+        raise ValueError(f"{path}: {e}{' (' + ', '.join(named) + ')' if named else ''}") from None
     return ModelArgs(**{**fields, **overrides})  # the overrides' rules: their caller names where they came from
 
 

@@ -203,9 +203,11 @@ class _CheckpointReader(pickle.Unpickler):
             info = self.archive.getinfo(self.prefix + name)
         except KeyError:
             raise self.error(f"record '{self.prefix}{name}' is missing") from None
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
-            raise self.error(f"record '{self.prefix}{name}' is compressed or has {info.file_size} bytes, "
-                             f"expected {nbytes} stored bytes")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise self.error(f"record '{self.prefix}{name}' is compressed, where torch stores its tensors' bytes "
+                             "as they are (read lazily, straight from the file)")
+        if info.file_size != nbytes:
+            raise self.error(f"record '{self.prefix}{name}' has {info.file_size} bytes, expected {nbytes}")
         with open(self.path, "rb") as f:
             f.seek(info.header_offset)
             header = f.read(30)

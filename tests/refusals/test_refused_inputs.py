@@ -87,6 +87,10 @@ def test_infer_refuses_a_bad_adapter_or_data_set(capsys, tmp_path, tiny_run, add
     missing_field = tmp_path / "bad" / "test.json"
     make_entries(tmp_path / "bad", "test.json", text=json.dumps([{"instruction": "q", "input": "", "output": "a"}]))
     make_entries(tmp_path, "empty.json", text="[]")
+    wide = tmp_path / "wide"  # adapter settings past the base's layers: the file is named
+    shutil.copytree(tiny_run, wide)
+    config = json.loads((wide / "adapter" / "adapter_params.json").read_text())
+    (wide / "adapter" / "adapter_params.json").write_text(json.dumps({**config, "lora_layers": "0-99"}))
     odd = {}  # a tensor past fp32's range (float64 1e300 rounds to inf), a complex one
     for kind, value in [("float64", 1e300), ("complex64", 1j)]:
         shutil.copytree(tiny_run, tmp_path / kind)
@@ -98,6 +102,8 @@ def test_infer_refuses_a_bad_adapter_or_data_set(capsys, tmp_path, tiny_run, add
     cases = [(adapter + data + ["--variant", "soft"], ["adapter from another configuration"]),
              (["--adapter_path", str(odd["float64"]), *data], ["adapter.pth", "past float32's range", first]),
              (["--adapter_path", str(odd["complex64"]), *data], ["adapter.pth", f"'{first}' is complex64"]),
+             (["--adapter_path", str(wide / "adapter"), *data], ["lora_layers='0-99'",
+                                                                 str(wide / "adapter" / "adapter_params.json")]),
              (adapter + data + ["--llama_path", other_base], ["adapter trained on another base"]),
              (adapter + ["--data_path", str(missing_field)], ["missing the field 'answer'"]),
              (adapter + ["--data_path", str(tmp_path / "empty.json")], ["empty"]),
@@ -334,7 +340,7 @@ def test_a_records_declared_size_is_checked_before_it_is_read(tmp_path):
     import pickle
     huge_pickle = b"\x80\x02" + pickle.dumps("x" * (64 << 20), protocol=2)[2:]  # a 64 MB string as data.pkl
     cases = [(rezipped(plain, tmp_path / "bomb.pth", deflate=["data/0"]), "storage '0' declares", False),
-             (rezipped(plain, tmp_path / "bomb.pth", deflate=["data/0"]), "compressed or has", True),
+             (rezipped(plain, tmp_path / "bomb.pth", deflate=["data/0"]), "data/0' is compressed, where torch", True),
              (rezipped(plain, tmp_path / "pkl.pth", deflate=["data.pkl"], replace={"data.pkl": huge_pickle}),
               "data.pkl' declares", False),
              (rezipped(plain, tmp_path / "order.pth", replace={"byteorder": b"little" * 4096}),

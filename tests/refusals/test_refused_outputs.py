@@ -223,6 +223,7 @@ def test_conversions_never_write_over_their_source_or_the_users_files(tmp_path, 
     for argv, needles in [(("export", ours, ours / "theirs.pth"), [str(ours / "adapter_params.json"), "reads"]),
                           (("export", ours, ours / "adapter.pth"), [str(ours / "adapter.pth")]),
                           (("export", ours, theirs), [str(theirs), "is a folder", "name the .pth file"]),
+                          (("export", tmp_path / "nothing", tmp_path / "x.pth"), ["nothing", "no such adapter"]),
                           (("import", theirs / "adapter.pth", theirs, "--llama_path", base), ["theirs", "reads"])]:
         assert convert(*argv) == 2, argv
         one_error_line(capsys.readouterr().err, *needles)
