@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from Data.test_sets import data_files
+from Data.test_sets import data_files, load_test_sets
 from Utils.jittor_env import StopForwarder, Stopped, stop_exit_status
 from Utils.output_dirs import RunDirError, check_claimable, check_output_dir, read_manifest, record_written
 from Utils.settings import METHOD_PRESETS, RECIPES, ArgumentParser
@@ -191,9 +191,14 @@ def main(argv=None):
 
 
 def check_test_data(args):
-    """Before any method trains (Infer.py reads --test_data only after the first training)."""
+    """The test sets as Infer.py will load them, before any method trains (Infer.py runs after the training)."""
+    if not args.test_data:
+        if args.data_path:
+            raise ValueError(f"--data_path {args.data_path} without --test_data: Math.py records a test split only "
+                             "for its synthetic data, so the methods could not be scored; give --test_data")
+        return
     try:
-        data_files(args.test_data or [])
+        load_test_sets(data_files(args.test_data), args.max_examples or None)
     except FileNotFoundError as e:
         raise ValueError(f"--test_data {e}") from None
 
@@ -207,9 +212,24 @@ def claim_output_dir(args):
         raise RunDirError(f"--output_dir {args.output_dir} is a {tool} folder (its manifest): Compare.py writes a "
                           "folder of its own, one sub-folder per method; choose another --output_dir")
     names = ["compare.md", "compare.json", *args.methods, BASE_ROW]
+    earlier = earlier_entries(args.output_dir, names) if tool is None and os.path.isdir(args.output_dir) else []
+    if earlier:  # a folder Compare.py wrote before it kept a manifest
+        record_written(args.output_dir, "Compare.py", earlier)
     check_claimable(args.output_dir, names)
     os.makedirs(args.output_dir, exist_ok=True)
     record_written(args.output_dir, "Compare.py", names)
+
+
+def earlier_entries(folder: str, names: list) -> list:
+    """Of `names` in `folder`, what a Compare.py of before manifests wrote, told by content: a method's or the
+    base row's folder holding its compare.log, and the table (compare.json of a note and rows, and compare.md
+    beside it)."""
+    found = [n for n in names if os.path.isfile(os.path.join(folder, n, "compare.log"))]
+    try:
+        table = read_json_object(os.path.join(folder, "compare.json"), "comparison table")
+    except (OSError, ValueError):
+        return found
+    return found + ["compare.json", "compare.md"] if {"note", "rows"} <= set(table) else found
 
 
 def compare_methods(args, stops: StopForwarder) -> int:

@@ -300,12 +300,12 @@ def staging_dir(path: str, pid: int) -> str:
     return os.path.join(os.path.dirname(path), f"{TMP_PREFIX}{pid}.{os.path.basename(path)}")
 
 
-def make_staging(staging: str):
+def make_staging(staging: str, tool: str = INFER):
     """Create the staging folder with a manifest that claims all of it, so that a later run may remove it
     once its writer is dead (remove_stale_temp); every rank may call it."""
     os.makedirs(staging, exist_ok=True)
     if not os.path.isfile(os.path.join(staging, MANIFEST)):
-        write_json({"tool": INFER, "written": [], STAGING: True}, os.path.join(staging, MANIFEST))
+        write_json({"tool": tool, "written": [], STAGING: True}, os.path.join(staging, MANIFEST))
 
 
 @contextlib.contextmanager

@@ -87,8 +87,9 @@ def family_order(name: str) -> int:
 class WeightsUnpickler(pickle.Unpickler):
     """Plain unpickling would call whatever a crafted file names: these pickles are read through an
     allow-list, numpy arrays (and their dtypes and scalars) besides the containers pickle builds itself."""
-    ALLOWED = {(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray")
-               for name in ("_reconstruct", "scalar")} | {("numpy", "ndarray"), ("numpy", "dtype")}
+    ALLOWED = {(f"numpy.{core}.{module}", name) for core in ("core", "_core")  # numpy 1 and 2
+               for module, name in [("multiarray", "_reconstruct"), ("multiarray", "scalar"),
+                                    ("numeric", "_frombuffer")]} | {("numpy", "ndarray"), ("numpy", "dtype")}
 
     def find_class(self, module, name):
         if (module, name) not in self.ALLOWED:

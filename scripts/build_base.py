@@ -17,7 +17,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -35,7 +34,7 @@ from Data.tiny_base import DEFAULT_BASE_DIR, params_for, random_base_weights  # 
 from Models.Tokenizer import Tokenizer  # noqa: E402
 from Models.formats.pth import save_pth  # noqa: E402
 from Utils import output_dirs  # noqa: E402
-from Utils.misc import temp_name, write_json  # noqa: E402
+from Utils.misc import write_json  # noqa: E402
 from Utils.settings import ArgumentParser  # noqa: E402
 
 
@@ -171,10 +170,12 @@ def main(argv=None):
     opts = get_args_parser().parse_args(argv)
     try:
         check_options(opts)
-        os.makedirs(opts.out, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=temp_name("build"), dir=opts.out)  # replaced whole, once built
+        output_dirs.remove_stale_temp(os.path.dirname(os.path.abspath(opts.out)), recursive=False)
+        staging = output_dirs.staging_dir(os.path.abspath(opts.out), os.getpid())  # beside --out, until it is built
+        output_dirs.make_staging(staging, TOOL)
         try:
             record = pretrain(opts, staging)
+            os.makedirs(opts.out, exist_ok=True)
             output_dirs.record_written(opts.out, TOOL, FILES)
             for name in FILES:
                 os.replace(os.path.join(staging, name), os.path.join(opts.out, name))

@@ -50,28 +50,28 @@ class NotAnAdapter(CheckpointError):
     """A file of the tools that is not an adapter (a training checkpoint); the message says where the adapter is."""
 
 
-def check_finite(arrays: dict, source: str):
-    """Refuse adapter tensors holding NaN or inf, naming the first of them."""
+def check_finite(arrays: dict, source: str, what: str = "adapter"):
+    """Refuse tensors (an adapter's, unless `what` says) holding NaN or inf, naming the first of them."""
     bad = {name: int(np.size(a) - np.count_nonzero(np.isfinite(a))) for name, a in arrays.items()
            if np.issubdtype(np.asarray(a).dtype, np.floating) and not np.isfinite(a).all()}
     if bad:
         first = ", ".join(f"'{n}' ({k} of {np.size(arrays[n])})" for n, k in list(bad.items())[:3])
-        raise NonFiniteAdapter(f"{source}: {len(bad)} adapter tensor(s) hold NaN or inf values (or values past "
+        raise NonFiniteAdapter(f"{source}: {len(bad)} {what} tensor(s) hold NaN or inf values (or values past "
                                f"float32's range): {first}{' ...' if len(bad) > 3 else ''}")
 
 
-def float32_arrays(arrays: dict, source: str) -> dict:
+def float32_arrays(arrays: dict, source: str, what: str = "adapter") -> dict:
     """The tensors as the model holds them, fp32: refused when one is not real floating point, or not finite
     once rounded (a float64 1e300 is inf in fp32)."""
     rounded = {}
     for name, array in arrays.items():
         array = np.asarray(array)
         if not np.issubdtype(array.dtype, np.floating):
-            raise CheckpointError(f"{source}: tensor '{name}' is {array.dtype}, where the adapter's are real "
+            raise CheckpointError(f"{source}: tensor '{name}' is {array.dtype}, where the {what}'s are real "
                                   "floating-point numbers")
         with np.errstate(over="ignore"):
             rounded[name] = np.ascontiguousarray(array, dtype=np.float32)
-    check_finite(rounded, source)
+    check_finite(rounded, source, what)
     return rounded
 
 
@@ -95,7 +95,7 @@ def check_strict(params: dict, shapes: dict, source: str, what: str):
 def assign_strict(params: dict, arrays: dict, source: str, what: str):
     """Copy numpy arrays into the Vars of `params` (small: adapters, golden files), checked as above."""
     check_strict(params, {name: array.shape for name, array in arrays.items()}, source, what)
-    arrays = float32_arrays({name: arrays[name] for name in params}, source)
+    arrays = float32_arrays({name: arrays[name] for name in params}, source, what)
     for name, var in params.items():
         var.assign(cast_to(jt.array(arrays[name]), var.dtype))  # a bf16 Var stays bf16
 

@@ -66,52 +66,77 @@ def remove_workdir(path: str):
     """Remove a working directory and everything in it once its processes are gone: also folders the program
     made unreadable (chmod 0: its uid's files) and folders nested deeper than Python's recursion limit or
     PATH_MAX, so one folder open at a time, by descriptor, going down by name and up by '..'; each folder is
-    listed once (a folder of many sub-folders costs its entries, not their square)."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-    try:
-        os.chmod(path, stat.S_IRWXU)
-        fd = os.open(path, flags)
-    except OSError:
+    listed once (a folder of many sub-folders costs its entries, not their square). Links are never followed."""
+    fd = open_folder(os.path.dirname(os.path.abspath(path)) or "/", os.path.basename(os.path.abspath(path)))
+    if fd is None:
         return
     below, left = [], [names_in(fd)]  # the names from `path` down to fd's folder; each level's names not yet removed
-    while True:
-        if not left[-1]:
+    try:
+        while True:
+            if left[-1]:
+                name = left[-1].pop()
+                child = None if remove_entry(fd, name) else open_folder(fd, name)
+                if child is not None:
+                    os.close(fd)
+                    fd = child
+                    below.append(name)
+                    left.append(names_in(fd))
+                continue
             if not below:
                 break
-            parent = os.open("..", flags, dir_fd=fd)
+            parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = parent
             left.pop()
-            try:
-                os.rmdir(below.pop(), dir_fd=fd)
-            except OSError:
-                pass
-            continue
-        name, folder = left[-1].pop(), False
-        try:
-            folder = stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
-            if not folder:
-                os.unlink(name, dir_fd=fd)
-                continue
-            os.rmdir(name, dir_fd=fd)  # an empty folder: gone without going down
-            continue
-        except OSError:
-            if not folder:
-                continue
-        try:
-            os.chmod(name, stat.S_IRWXU, dir_fd=fd)
-            child = os.open(name, flags, dir_fd=fd)
-        except OSError:
-            continue
+            remove_entry(fd, below.pop())
+    except OSError:  # the tree changed under the walk: what is left stays
+        pass
+    finally:
         os.close(fd)
-        fd = child
-        below.append(name)
-        left.append(names_in(fd))
-    os.close(fd)
     try:
         os.rmdir(path)
     except OSError:
         pass
+
+
+def remove_entry(fd: int, name: str) -> bool:
+    """Remove `name` in folder `fd` when it is a file, a link or an empty folder; False for a folder to go into."""
+    try:
+        if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+            os.unlink(name, dir_fd=fd)
+            return True
+        os.rmdir(name, dir_fd=fd)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def open_folder(parent, name: str):
+    """A descriptor of folder `name` in `parent` (a descriptor or a path), never through a link; a folder the
+    program made unreadable is made the owner's again first (by its descriptor: a link in its place is not
+    followed). None when it cannot be opened."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    where = {"dir_fd": parent} if isinstance(parent, int) else {}
+    path = name if where else os.path.join(parent, name)
+    try:
+        return os.open(path, flags, **where)
+    except PermissionError:
+        pass
+    except OSError:
+        return None
+    try:
+        handle = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY, **where)
+    except OSError:
+        return None
+    try:
+        os.chmod(f"/proc/self/fd/{handle}", stat.S_IRWXU)  # the folder the handle holds, whatever the name is now
+        return os.open(path, flags, **where)
+    except OSError:
+        return None
+    finally:
+        os.close(handle)
 
 
 def names_in(fd: int) -> list:

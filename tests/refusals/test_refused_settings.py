@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from conftest import (MPIRUN, assert_refused, edited_base, make_entries, math_argv, math_refuses, mpirun,
+from conftest import (DATA, MPIRUN, assert_refused, edited_base, make_entries, math_argv, math_refuses, mpirun,
                       one_error_line, snapshot, tiny_adapter, train)
 from golden_files import golden_model
 
@@ -217,7 +217,10 @@ def test_compare_refuses_flags_that_would_mislabel_its_rows(tmp_path, capsys):
              (["--output_dir", str(a_file)], [str(a_file), "is a file"]),
              (["--output_dir", str(a_file / "sub")], ["which is a file"]),
              (["--ranks", "0"], ["--ranks"]), (["--methods", "nonesuch"], ["--methods", "invalid choice"])]
-    cases.append((["--test_data", str(tmp_path / "nothere.json")], ["--test_data", "nothere.json", "no such"]))
+    addsub = DATA / "math" / "AddSub"
+    cases += [(["--test_data", str(tmp_path / "nothere.json")], ["--test_data", "nothere.json", "no such"]),
+              (["--data_path", str(tmp_path / "train.json")], ["--data_path", "without --test_data"]),
+              (["--test_data", str(addsub), str(addsub / "test.json")], ["both data set 'AddSub'"])]
     for extra, needles in cases:
         out = [] if "--output_dir" in extra else ["--output_dir", str(tmp_path / "cmp")]
         assert_refused(capsys, lambda: Compare.main(out + extra), *needles)
@@ -231,3 +234,11 @@ def test_compare_refuses_flags_that_would_mislabel_its_rows(tmp_path, capsys):
         assert_refused(capsys, lambda: Compare.main(["--output_dir", str(tmp_path / folder), "--methods", "lora"]),
                        *needles)
         assert snapshot(tmp_path / folder) == before
+    # a folder Compare.py wrote before it kept a manifest is its own: told by its table and its runs' logs
+    make_entries(tmp_path / "earlier", "compare.md", "lora/compare.log", "base/compare.log",
+                 text="$ python Math.py ...")
+    (tmp_path / "earlier" / "compare.json").write_text(json.dumps({"note": "n", "rows": []}))
+    Compare.claim_output_dir(Compare.get_args_parser().parse_args(["--output_dir", str(tmp_path / "earlier"),
+                                                                   "--methods", "lora"]))
+    assert json.loads((tmp_path / "earlier" / ".manifest.json").read_text())["written"] == [
+        "base", "compare.json", "compare.md", "lora"]
