@@ -113,8 +113,9 @@ def check_claimable(folder: str, names, flag: str = "--output_dir"):
     """Refuse when one of `names`, to be written into `folder`, exists there without a manifest entry."""
     theirs = [n for n in names if n in user_entries(folder)]
     if theirs:
+        it = "it" if len(theirs) == 1 else "them"
         raise RunDirError(f"{flag} {folder} holds {', '.join(theirs)}, which no run of the tools wrote (its "
-                          f"{MANIFEST} does not list it), and this run would write over it: move it away or "
+                          f"{MANIFEST} does not list {it}), and this run would write over {it}: move {it} away or "
                           f"choose another {flag}")
 
 
