@@ -31,7 +31,6 @@ if __name__ == "__main__":
 
 import glob
 import os
-import pickle
 import shutil
 import sys
 
@@ -190,25 +189,6 @@ def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len
     return results
 
 
-def gather_results(local, output_dir, rank, world):
-    """Rank 0 gets every rank's {index: result}: each writes a part file, a barrier, rank 0 reads them."""
-    if world == 1:
-        return local
-    part = os.path.join(output_dir, f".part{rank}.pkl")
-    with open(part, "wb") as f:
-        pickle.dump(local, f)
-    misc.all_reduce_sum([1.0])  # barrier: every part is written
-    if rank != 0:
-        return None
-    merged = {}
-    for r in range(world):
-        path = os.path.join(output_dir, f".part{r}.pkl")
-        with open(path, "rb") as f:
-            merged.update(pickle.load(f))
-        os.remove(path)
-    return merged
-
-
 def check_args(args):
     for flag in ("batch_size", "max_examples", "plot_examples", "plot_tokens", "seed"):
         value = getattr(args, flag)
@@ -294,7 +274,7 @@ def run(args, stop=None):
     try:
         local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, gen, rank,
                                budget_seq_len, stop)
-        results = gather_results(local, staging, rank, world)
+        results = misc.gather_on_main(local, staging, rank, world)
         if rank != 0:
             return None
         summary = write_results(args, staging, test_sets, examples, results, tok, model, run_dir_path,

@@ -215,6 +215,26 @@ def all_reduce_sum(values):
     return jt.array(values).mpi_all_reduce("add").numpy()
 
 
+def gather_on_main(local: dict, folder: str, rank: int, world: int):
+    """Rank 0 gets every rank's dict merged, the others None: each writes a part file into `folder` (one this
+    run owns), a barrier, rank 0 reads them. Call on every rank."""
+    if world == 1:
+        return local
+    part = os.path.join(folder, f".part{rank}.pkl")
+    with open(part, "wb") as f:
+        pickle.dump(local, f)
+    all_reduce_sum([1.0])  # barrier: every part is written
+    if rank != 0:
+        return None
+    merged = {}
+    for r in range(world):
+        path = os.path.join(folder, f".part{r}.pkl")
+        with open(path, "rb") as f:
+            merged.update(pickle.load(f))
+        os.remove(path)
+    return merged
+
+
 class SmoothedValue:
     """A series of values: median/avg over a recent window, global avg over everything."""
 
