@@ -33,7 +33,7 @@ from collections import namedtuple
 from dataclasses import dataclass
 
 from Utils.jittor_env import Stopped
-from Utils.sandbox_processes import TOKEN_PREFIX, UIDS_PER_RUN, Supervised, is_root, uid_range, watch
+from Utils.sandbox_processes import MAX_ENTRIES, TOKEN_PREFIX, UIDS_PER_RUN, Supervised, is_root, uid_range, watch
 from Utils.sandboxed import confine, launch
 from Utils.settings import check_fields, setting
 
@@ -194,6 +194,8 @@ def judge(program: Supervised, tests: Supervised, limits: SandboxLimits) -> Resu
     ends = [side.verdict_and_work()[1] for side in (program, tests)]
     if any(side.past_backstop for side in (program, tests)) or any(end["how"] == "wall" for end in ends if end):
         return Result(TIMED_OUT, f"wall clock limit of {limits.wall_seconds:g} s", **keep)
+    if any(end["how"] == "entries" for end in ends if end):
+        return Result(FAILED, f"more than {MAX_ENTRIES} files and folders in its working directory", **keep)
     for side, end in zip((program, tests), ends):
         if end is None:  # a supervisor that failed (it writes why on its stderr)
             return Result(CRASHED, "the sandbox failed" + last_stderr_line(side.stderr.decode(errors="replace")),

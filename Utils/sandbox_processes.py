@@ -26,6 +26,9 @@ TOKEN_PREFIX = "moa-sandbox-"  # + the scorer's pid and a random tail, on each s
 UID_BASE, UIDS_PER_RUN = 2_000_000_000, 1024  # as root: a block of uids per scorer process, two per worker slot
 WORKDIR, MOUNTED_PACKAGE = "/sandbox", "/moa/sandboxed"  # inside bubblewrap
 WORKDIR_MB, FILE_MB = 64, 16  # the tmpfs working directory (bwrap); any one file a program writes
+# files and folders in bubblewrap's tmpfs folders together: their kernel memory (about 1 KiB each) is not
+# counted by a tmpfs's size, and an empty folder costs a process 5 us (launch.wait_for kills the work past it)
+MAX_ENTRIES = 65536
 # bubblewrap's own /dev/shm (16 MiB): multiprocessing's locks (sem_open) live there; on the floor /dev/shm is
 # the machine's, and stays out of reach
 PRIVATE_SHM, SHM_MB = "/dev/shm", 16
@@ -127,6 +130,7 @@ class Supervised:
         request = {"role": role, "job": job, "uid": uid, "workdir": workdir, "wall_seconds": limits.wall_seconds,
                    "readable": [*SYSTEM_DIRS, *DEVICES, installation(python)],
                    "writable": [workdir, *([PRIVATE_SHM] if mode == "bwrap" else [])],
+                   "counted": [workdir, PRIVATE_SHM] if mode == "bwrap" else [], "max_entries": MAX_ENTRIES,
                    "remove_workdir": mode != "bwrap",
                    "landlock": mode == "landlock" or confine.landlock_abi() >= 1,
                    "seccomp": mode == "landlock" or confine.seccomp_supported(),

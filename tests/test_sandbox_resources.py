@@ -37,6 +37,19 @@ def test_no_memory_beside_the_limit(sandbox_mode):
 
 
 @pytest.mark.slow
+def test_files_and_folders_are_bounded_under_bubblewrap():
+    """Empty folders cost a tmpfs none of its size, only the kernel's memory: past MAX_ENTRIES in its tmpfs
+    folders the program is ended and scored failed (on the floor its folders are on the machine's disk)."""
+    works, why = sandbox.probe("bwrap")
+    if not works:
+        pytest.skip(f"bubblewrap does not work here: {why}")
+    folders = "import os\ni = 0\nwhile True:\n    os.mkdir(f'd{i}')\n    i += 1\n"
+    result = run("bwrap", folders, limits=sandbox.SandboxLimits(exec_timeout=5.0))
+    assert result[:2] == (sandbox.FAILED, f"more than {sandbox_processes.MAX_ENTRIES} files and folders in its "
+                                          "working directory")
+
+
+@pytest.mark.slow
 def test_printing_gigabytes(sandbox_mode):
     result = run(sandbox_mode, "import sys\nwhile True:\n    sys.stdout.write('x' * 2 ** 20)\n")  # stdout: /dev/null
     assert result.status == sandbox.TIMED_OUT

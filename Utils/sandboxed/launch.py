@@ -9,8 +9,8 @@ supervisor is the PID namespace's init, and kill(-1) reaches every process in it
 child subreaper, so that every orphan is handed to it, and it kills its children until it has none,
 and removes the working directory.
 Last, one line on stdout, the report: {"status": the work's wait status, "cpu": its CPU seconds, "how":
-"exited", "wall" or "stopped"}. The work cannot reach the supervisor: another uid (as root) or a Landlock
-domain below it, no ptrace, and not dumpable, so not its /proc files either.
+"exited", "wall", "stopped" or "entries"}. The work cannot reach the supervisor: another uid (as root) or a
+Landlock domain below it, no ptrace, and not dumpable, so not its /proc files either.
 """
 import json
 import os
@@ -23,6 +23,7 @@ import time
 from . import candidate, checker, confine
 
 PR_SET_CHILD_SUBREAPER = 36
+ENTRIES_EVERY = 0.05  # seconds between looks at the files and folders the work made (a process makes ~10,000)
 CONFINE_FAILED = 121  # the work's exit status when it could not confine itself (it then runs nothing)
 
 
@@ -146,9 +147,22 @@ def names_in(fd: int) -> list:
         return []
 
 
-def wait_for(work: int, control: int, deadline: float):
-    """("exited", wait status, rusage) when the work ends by itself, else ("wall" or "stopped", ...) once
-    it is killed."""
+def entries_in(folders) -> int:
+    """Files and folders (inodes) in use on the file systems of `folders` (each its own tmpfs)."""
+    used = 0
+    for folder in folders:
+        try:
+            fs = os.statvfs(folder)
+            used += fs.f_files - fs.f_ffree
+        except OSError:
+            pass
+    return used
+
+
+def wait_for(work: int, control: int, deadline: float, counted=(), max_entries: int = 0):
+    """("exited", wait status, rusage) when the work ends by itself, else ("wall", "stopped" or "entries", ...)
+    once it is killed: "entries" when the file systems of `counted` (its tmpfs folders) hold more than
+    `max_entries` files and folders, whose kernel memory no size limit counts (looked at every ENTRIES_EVERY s)."""
     poller = select.poll()
     poller.register(control, select.POLLIN)
     try:
@@ -162,9 +176,13 @@ def wait_for(work: int, control: int, deadline: float):
         if left <= 0:
             how = "wall"
             break
-        events = dict(poller.poll(1000 * (min(left, 0.01) if pidfd is None else left)))
+        wait = min(left, 0.01) if pidfd is None else min(left, ENTRIES_EVERY) if counted else left
+        events = dict(poller.poll(1000 * wait))
         if control in events:
             how = "stopped"
+            break
+        if counted and entries_in(counted) > max_entries:
+            how = "entries"
             break
         if pidfd in events or (pidfd is None and os.waitpid(work, os.WNOHANG)[0]):
             break
@@ -226,7 +244,8 @@ def main():
         work(request, fds, verdict)
     for fd in (fds["requests"], fds["replies"]) + ((verdict,) if verdict is not None else ()):
         os.close(fd)
-    how, status, rusage = wait_for(child, fds["control"], started + request["wall_seconds"])
+    how, status, rusage = wait_for(child, fds["control"], started + request["wall_seconds"], request["counted"],
+                                   request["max_entries"])
     end_descendants()
     if request["remove_workdir"]:  # here too, so that a scorer killed meanwhile leaves no folder behind
         remove_workdir(request["workdir"])
