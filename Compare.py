@@ -130,10 +130,12 @@ def run_logged(command: list, log_path: str, what: str, stops: StopForwarder):
 
 
 def end_record(run: str) -> dict:
-    """The last 'end' line Math.py wrote into the run's log.txt."""
+    """The last 'end' line Math.py wrote into the run's log.txt, its tokens/s the last process's that timed a step
+    (a rerun that resumes a finished training trains none)."""
     with open(os.path.join(run, "log.txt")) as f:
         ends = [r for r in map(json.loads, f) if r.get("event") == "end"]
-    return ends[-1]
+    timed = [r for r in ends if r.get("timed_steps")] or ends
+    return {**ends[-1], "train_tokens_per_s": timed[-1]["train_tokens_per_s"]}
 
 
 def evaluate_method(args, method: str, stops: StopForwarder) -> dict:

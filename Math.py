@@ -33,7 +33,7 @@ import jittor as jt
 
 from Data.dataset import FinetuneDataset, load_examples, split_validation
 from Data.synthetic import make_splits
-from engine_finetune import NonFiniteLoss, Progress, RunContext, log_line, train
+from engine_finetune import NonFiniteLoss, Progress, RunContext, cut_log, log_line, train
 from Models.formats.adapters import NonFiniteAdapter, load_adapter, save_adapter
 from Models.formats.training import restore_checkpoint, resume_signature
 from Models.formats.base_model import base_args, build_model, open_tokenizer
@@ -334,6 +334,7 @@ def train_and_save(args, stop, run_id, claim, model, optimizer, stopper, dataset
     if start.next_batch >= steps_per_epoch * cfg.accum_iter:
         start.epoch, start.next_batch = start.epoch + 1, 0
     write_run_files(claim, args.output_dir, args.data_path, settings, examples)
+    cut_log(args.output_dir, start.global_step)
     log_writer = None
     if misc.is_main_process():
         from tensorboardX import SummaryWriter

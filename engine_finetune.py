@@ -27,7 +27,7 @@ import jittor as jt
 
 from Models.formats.training import checkpoint_state, save_checkpoint
 from Models.kernels.finite import nonfinite_count
-from Utils.misc import MetricLogger, SmoothedValue, all_reduce_sum, is_main_process, print_main
+from Utils.misc import MetricLogger, SmoothedValue, all_reduce_sum, atomic_write, is_main_process, print_main
 from Utils.settings import TrainArgs
 
 
@@ -144,6 +144,31 @@ def log_line(ctx, record):
             f.write(json.dumps({"run": ctx.run_id, **record}) + "\n")
 
 
+def cut_log(output_dir: str, step: int):
+    """log.txt as the checkpoint a run starts from left it (rank 0): the lines of later steps go, as tensorboard's
+    purge_step drops its events, so that a run resumed after a kill -9 (or from an earlier checkpoint) does not
+    log those steps twice."""
+    path = os.path.join(output_dir, "log.txt")
+    if not is_main_process() or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if logged_step(line) <= step]
+    if len(kept) < len(lines):
+        def write(tmp):
+            with open(tmp, "w") as out:
+                out.writelines(kept)
+        atomic_write(path, write)
+
+
+def logged_step(line: str) -> float:
+    """The step a log.txt line is of (0: none); a line a kill cut short is of no step that stays."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return math.inf
+
+
 def non_finite(what: str, progress) -> NonFiniteLoss:
     return NonFiniteLoss(f"{what} at step {progress.global_step} (epoch {progress.epoch}); stopping without saving: "
                          "checkpoint-latest.pth holds the last finite state. Try a lower --blr/--lr or --clip_grad")
@@ -185,6 +210,8 @@ def train(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, start: Pro
     progress = replace(start)
     if cfg.max_steps and progress.global_step >= cfg.max_steps:
         progress.stop_reason = "max_steps"
+    elif ctx.stopper.stopped:  # a resumed run that had stopped early: its patience stays spent
+        progress.stop_reason = "early_stop"
     while progress.epoch < cfg.epochs and progress.stop_reason is None:
         train_one_epoch(model, dataset, optimizer, cfg, ctx, progress)
         if progress.stop_reason is None:

@@ -188,7 +188,9 @@ def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random
         logits = logits[:, :n_words]
     if temperature == 0:
         return jt.argmax(logits, dim=-1)[0].numpy().astype(np.int64)
-    probs = nn.softmax(logits / temperature, dim=-1)
+    # each row's largest logit made 0 first: a tiny temperature would make the others overflow, and Jittor's
+    # softmax of logits near 1e12 is NaN
+    probs = nn.softmax((logits - logits.max(dim=-1, keepdims=True)) / temperature, dim=-1)
     return sample_top_p(probs if jt.flags.use_cuda else probs.numpy(), top_p, rng)
 
 

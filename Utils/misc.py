@@ -366,8 +366,12 @@ class EarlyStopper:
             self.best, self.bad_rounds = val_loss, 0
         else:
             self.bad_rounds += 1
-        should_stop = bool(self.patience) and self.patience > 0 and self.bad_rounds >= self.patience
-        return improved, should_stop
+        return improved, self.stopped
+
+    @property
+    def stopped(self) -> bool:
+        """Patience is spent (a run restored in this state ended by its early stop)."""
+        return bool(self.patience) and self.patience > 0 and self.bad_rounds >= self.patience
 
     def state_dict(self):
         return {"best": self.best, "bad_rounds": self.bad_rounds,

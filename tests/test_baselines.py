@@ -140,3 +140,7 @@ def test_compare_command_table_and_rerun(tiny_base, data, tmp_path, capsys):
     assert Compare.main(argv) == 0  # the same command again: every row reused, nothing rerun
     assert "reused" in capsys.readouterr().out
     assert all((tmp_path / m / "compare.log").read_text() == logs[m] for m in logs)
+    # evaluated again with another budget: the finished trainings resume with no step, their tokens/s kept
+    assert Compare.main([*argv[:argv.index("--max_examples") + 1], "2", *argv[argv.index("--max_examples") + 2:]]) == 0
+    rows = {row["method"]: row for row in json.loads((tmp_path / "compare.json").read_text())["rows"]}
+    assert all(rows[m]["steps"] == 3 and rows[m]["train_tokens_per_s"] > 0 for m in ("lora", "topk"))

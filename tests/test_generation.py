@@ -13,7 +13,7 @@ import jittor as jt
 import Infer
 from Models import LLM
 from Models.formats.base_model import base_args, build_model, open_tokenizer
-from Models.generate import (auto_batch_size, decode_buffer_bytes, generate, kv_cache_bytes,
+from Models.generate import (auto_batch_size, decode_buffer_bytes, generate, kv_cache_bytes, pick_tokens,
                              prefill_chunks, sample_top_p)
 from Models.kernels.precision import set_base_precision
 from Models.kernels import switch
@@ -79,6 +79,15 @@ def test_nucleus_sampling_equals_sorting_whole_rows(V, where):
             given = probs if where == "host" else jt.array(probs)
             np.testing.assert_array_equal(sample_top_p(given, top_p, ours), full_sort_sampling(probs, top_p, reference))
             assert ours.random() == reference.random()
+
+
+def test_a_tiny_temperature_samples_the_most_probable_token():
+    """Logits over a tiny temperature overflow (and Jittor's softmax of logits near 1e12 is NaN): each row's
+    largest is made 0 first, so the draw is the argmax, as greedy decoding's."""
+    logits = np.random.default_rng(0).standard_normal((4, 50)).astype(np.float32) * 5
+    for temperature in (1e-6, 1e-12, 1e-30, 1e-37):
+        picked = pick_tokens(jt.array(logits), temperature, 0.9, np.random.default_rng(1))
+        np.testing.assert_array_equal(picked, logits.argmax(-1))
 
 
 @pytest.mark.slow

@@ -156,6 +156,12 @@ def test_early_stopping_keeps_the_best(tiny_base, synthetic_data, tmp_path, monk
     assert max_diff(adapter(tmp_path / "adapter"), best["adapter"]) > 1e-4  # final != best
     with open(tmp_path / "adapter-best" / "adapter_params.json") as f:
         assert json.load(f)["lora_rank"] == 4
+    # resumed, a run that stopped early stays stopped: no step more, the same adapter
+    final = adapter(tmp_path / "adapter")
+    assert train(tiny_base, synthetic_data, tmp_path, "--eval_interval", 1, "--early_stop_patience", 2,
+                 "--epochs", 5, "--resume", "auto") == 0
+    assert len(log_records(tmp_path, "train")) == 4 and log_records(tmp_path, "end")[-1]["stop_reason"] == "early_stop"
+    assert max_diff(adapter(tmp_path / "adapter"), final) == 0.0
 
 
 def read_tensorboard_tags(folder):

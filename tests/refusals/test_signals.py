@@ -293,4 +293,6 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, sy
     assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
     ca, cb = (load_pth(os.path.join(d, "checkpoint-latest.pth")) for d in (straight, killed))
     assert ca["global_step"] == cb["global_step"] == 3
+    # its log.txt as the checkpoint left it, then the resumed steps: each step once
+    assert [r["step"] for r in log_records(killed, "train")] == [r["step"] for r in log_records(straight, "train")]
     assert all(ca["optimizer"]["m"][k].tobytes() == cb["optimizer"]["m"][k].tobytes() for k in a)
