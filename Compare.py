@@ -214,10 +214,9 @@ def claim_output_dir(args):
         raise RunDirError(f"--output_dir {args.output_dir} is a {tool} folder (its manifest): Compare.py writes a "
                           "folder of its own, one sub-folder per method; choose another --output_dir")
     names = ["compare.md", "compare.json", *args.methods, BASE_ROW]
+    # what a Compare.py of before manifests wrote here is its own too
     earlier = earlier_entries(args.output_dir, names) if tool is None and os.path.isdir(args.output_dir) else []
-    if earlier:  # a folder Compare.py wrote before it kept a manifest
-        record_written(args.output_dir, "Compare.py", earlier)
-    check_claimable(args.output_dir, names)
+    check_claimable(args.output_dir, [n for n in names if n not in earlier])
     os.makedirs(args.output_dir, exist_ok=True)
     record_written(args.output_dir, "Compare.py", names)
 

@@ -42,7 +42,7 @@ from Data.test_sets import (STOPPED_SAMPLES, TestSet, check_prompt_lengths, data
                             load_test_sets, score_and_write, stopped_dir)
 from Models.ModelArgs import ModelArgs
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, adapter_config_path,
-                                     load_adapter, read_adapter_config, settings_from_flags)
+                                     check_adapter_exists, load_adapter, read_adapter_config, settings_from_flags)
 from Models.formats.base_model import adapter_settings, base_args, build_model, open_tokenizer
 from Models.generate import auto_batch_size, generate
 from Models.memory import check_memory
@@ -117,8 +117,8 @@ def resolve_run(args):
                                 "pass --adapter_path, or use --no_adapter")
     # the run whose test split, base and decoding apply: the adapter's, also when --no_adapter scores its base
     located = args.adapter_path or (None if args.no_adapter and args.llama_path else newest)
-    if located is not None and not os.path.exists(located):
-        raise FileNotFoundError(f"{located}: no such adapter file or directory")
+    if located is not None:
+        check_adapter_exists(located)
     folder = None if located is None else located if os.path.isdir(located) else os.path.dirname(located)
     run_dir = os.path.dirname(os.path.abspath(folder)) if folder else None
     run_args_path = os.path.join(run_dir, "args.json") if run_dir else None
@@ -145,7 +145,8 @@ def model_settings(args, adapter, llama_path, max_seq_len):
         return base_args(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": batch})
     except (TypeError, ValueError) as e:  # a field of the wrong type, or a rule the settings together break
         config = adapter_config_path(adapter) if adapter else None
-        where = f" (the adapter's settings: {config}, then the flags given)" if config and os.path.isfile(config) else ""
+        where = f" (the adapter's settings: {config}, then the flags given)" if config and os.path.isfile(config) \
+            else ""
         raise ValueError(f"{e}{where}") from None
 
 

@@ -168,6 +168,11 @@ def adapter_config_path(path: str) -> str:
     return os.path.join(path if os.path.isdir(path) else os.path.dirname(path), ADAPTER_PARAMS)
 
 
+def check_adapter_exists(path: str):
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such adapter file or directory")
+
+
 def settings_from_flags(path: str) -> bool:
     """An adapter.pth with no adapter_params.json beside it (a bare file of the authors'): its MoA settings
     can only come from the flags given."""
@@ -180,8 +185,7 @@ def read_adapter_config(path: str, hint: str = None):
     adapter_config.json, as our ModelArgs fields (Meta's fields only when ours carries them), or None
     when there is none. `hint`
     names the authors' folder where their option sets coincide (authors.authors_folder)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such adapter file or directory")
+    check_adapter_exists(path)
     config_path = adapter_config_path(path)
     if not os.path.isfile(config_path):
         peft = peft_format()
@@ -241,8 +245,7 @@ def peft_format():
 def converted_files(source: str, out: str, out_is_dir: bool) -> list:
     """The two files a conversion of `source` (an adapter file or folder) writes at `out`, refused when one
     of them is a file of the source: a conversion never writes over what it reads."""
-    if not os.path.exists(source):
-        raise FileNotFoundError(f"{source}: no such adapter file or directory")
+    check_adapter_exists(source)
     if not out_is_dir and os.path.isdir(out):
         raise CheckpointError(f"{out} is a folder: name the .pth file to write (the authors' adapter_params.json "
                               "goes beside it)")

@@ -52,7 +52,7 @@ def top_level_names(module, objects) -> dict:
     it need not fit in a message."""
     names = {}
     for name, value in list(vars(module).items()):
-        if not (name.startswith("__") and name.endswith("__")):
+        if not wire.is_dunder(name):
             try:
                 if isinstance(value, (list, tuple, set, frozenset, dict)) and len(value) > NAME_ITEMS:
                     raise wire.WireError(f"{name} holds more than {NAME_ITEMS} items")

@@ -122,10 +122,6 @@ def last_line(error: BaseException) -> str:
     return " ".join(text.splitlines())[:300]  # every line break Python knows: the verdict is one line
 
 
-def is_dunder(name: str) -> bool:
-    return len(name) > 4 and name.startswith("__") and name.endswith("__")
-
-
 def run_tests(job: dict, link: Link):
     """Bind the program's names, run the given code and the tests, call check; raises what they raise."""
     names = link.read("ready")
@@ -135,7 +131,7 @@ def run_tests(job: dict, link: Link):
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     for name, value in names.items():
         # a dunder (__builtins__ above all: the tests' builtins would be the program's) is the interpreter's
-        if name.isidentifier() and not is_dunder(name) and (not hasattr(builtins, name) or name in shadows):
+        if name.isidentifier() and not wire.is_dunder(name) and (not hasattr(builtins, name) or name in shadows):
             namespace[name] = wire.decode(value, link.remote)
     entry_point = job["entry_point"]
     if entry_point is not None and entry_point not in names:

@@ -53,6 +53,11 @@ def read_exactly(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
+def is_dunder(name: str) -> bool:
+    """A name the interpreter owns (__builtins__, __name__, ...): never crosses as one of the program's names."""
+    return name.startswith("__") and name.endswith("__")
+
+
 def encode(value, handle_of, depth=0):
     """JSON-ready `value`: data as data, anything else as ["H", handle_of(value)]."""
     if depth > DEPTH_CAP:
