@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+import numpy as np
+
 import Utils.jittor_env  # noqa: F401  (must precede the jittor import)
 import jittor as jt
 
@@ -169,9 +171,36 @@ def logged_step(line: str) -> float:
         return math.inf
 
 
-def non_finite(what: str, progress) -> NonFiniteLoss:
-    return NonFiniteLoss(f"{what} at step {progress.global_step} (epoch {progress.epoch}); stopping without saving: "
-                         "checkpoint-latest.pth holds the last finite state. Try a lower --blr/--lr or --clip_grad")
+LOWER_LR = "try a lower --blr/--lr or --clip_grad"
+
+
+def non_finite(what: str, progress, ctx, advice: str = None) -> NonFiniteLoss:
+    """The stop on a non-finite number: what and where, the checkpoint only where one exists, and `advice`
+    (by default a lower learning rate, which can help only once the lr has acted: after step 1)."""
+    saved = os.path.isfile(os.path.join(ctx.output_dir, "checkpoint-latest.pth"))
+    kept = "checkpoint-latest.pth holds the last finite state" if saved else "no checkpoint was saved yet"
+    if advice is None:
+        advice = (LOWER_LR if progress.global_step > 1 else
+                  "at the first step no setting of the optimizer is the cause: check the base and its --precision")
+    return NonFiniteLoss(f"{what} at step {progress.global_step} (epoch {progress.epoch}); stopping without saving "
+                         f"({kept}); {advice}")
+
+
+def non_finite_weights(optimizer, lr: float, progress, ctx) -> NonFiniteLoss:
+    """The stop on adapter weights an update made non-finite: the tensors, each with its step's largest
+    gradient, and advice by what the gradients were (AdamW moves a weight by about lr at most, so from finite
+    gradients no learning rate short of 1e30 makes one non-finite)."""
+    tensors = [(name, p, g) for pg in optimizer.param_groups for name, p, g in zip(pg["names"], pg["params"], pg["grads"])]
+    bad = [(name, float(np.abs(g.numpy()).max()) if g.numel() else 0.0, int((~np.isfinite(p.numpy())).sum()))
+           for name, p, g in tensors if not np.isfinite(p.numpy()).all()]
+    listed = ", ".join(f"{name} ({count} of them, largest |gradient| {top:.3g})" for name, top, count in bad[:4])
+    more = f" and {len(bad) - 4} more tensors" if len(bad) > 4 else ""
+    if all(math.isfinite(top) for _, top, _ in bad):
+        advice = ("their gradients were finite, so the update itself failed, which no setting causes: please "
+                  "report it with this line")
+    else:
+        advice = None  # the gradients overflowed: the loss's backward
+    return non_finite(f"adapter weights not finite after the update (lr {lr:.3g}): {listed}{more}", progress, ctx, advice)
 
 
 def save(ctx, model, optimizer, progress, best=False):
@@ -190,7 +219,7 @@ def validate_and_save(ctx, model, optimizer, progress):
     if ctx.val_dataset is not None:
         val_loss = evaluate(model, ctx.val_dataset)
         if not math.isfinite(val_loss):
-            raise non_finite(f"validation loss is {val_loss}", progress)
+            raise non_finite(f"validation loss is {val_loss}", progress, ctx, LOWER_LR)
         improved, should_stop = ctx.stopper.step(val_loss)
         print_main(f"[val] step {progress.global_step}: val_loss {val_loss:.4f} (best {ctx.stopper.best:.4f})"
                    f"{' improved' if improved else ''}")
@@ -259,7 +288,7 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         train_loss = float(nll_sum / max(targets, 1.0))
         aux_loss = float(aux_sum / (cfg.accum_iter * world)) if "aux" in parts else None
         if not math.isfinite(train_loss):
-            raise non_finite(f"training loss is {train_loss}", replace(progress, global_step=progress.global_step + 1))
+            raise non_finite(f"training loss is {train_loss}", replace(progress, global_step=progress.global_step + 1), ctx)
         grad_norm = clip_gradients(optimizer, cfg.clip_grad)
         optimizer.step()
         adapter = list(model.adapter_parameters().values())
@@ -268,8 +297,7 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         grad_norm = grad_norm.item()
         progress.global_step += 1
         if bad.item() > 0:
-            raise non_finite(f"{int(bad.item())} adapter weight(s) are not finite after the update (lr {lr:.3g}, "
-                             f"grad_norm {grad_norm:.3g})", progress)
+            raise non_finite_weights(optimizer, lr, progress, ctx)
         seconds = time.time() - started
         progress.input_tokens += int(input_tokens)
         progress.train_seconds += seconds

@@ -134,6 +134,14 @@ def test_swiglu_past_exp_range():
     pair = [jt.array(g), jt.array(np.full(g.shape, 2.0, np.float32))]
     assert np.isfinite(silu_gate.fused(*pair).numpy()).all()
     assert_same(silu_gate, pair, [0, 1], atol=1e-6)
+    # the gate's gradient u s (1 + g e s), e = exp(-g), against float64 up to gates of 3e7 (1 - s taken as
+    # 1 - a rounded s was off by g 2^-24 relative: 2.8 times the gradient at 3e7)
+    g = np.array([-3e7, -2e3, -40, -1, 0.5, 30, 2e3, 4.1e4, 3e7], np.float32).repeat(8).reshape(3, 24)
+    gate, up = jt.array(g), jt.array(np.full(g.shape, 1.5, np.float32))
+    got = jt.grad(silu_gate.fused(gate, up).sum(), gate).numpy()
+    g64 = g.astype(np.float64)
+    s = 1 / (1 + np.exp(np.minimum(-g64, 700)))
+    np.testing.assert_allclose(got, 1.5 * s * (1 + g64 * (1 - s)), rtol=1e-6, atol=1e-20)
     rng = np.random.default_rng(16)
     params = [normal(rng, shape, 0.3) for shape in [(12, 32), (12,), (12, 32), (12,), (5, 12), (5,)]]
     x = normal(rng, (40, 32), 100.0)  # router gates of several hundred, both signs
@@ -333,8 +341,12 @@ def test_bf16_attention(units, monkeypatch):
     other = jt.grad((attention.fused(q, k, v, mask, True) * out_grad).sum(), [q, k, v])
     fp32 = jt.grad((attention.fused(q, k, v, mask, False) * out_grad).sum(), [q, k, v])
     for got, same_rule, exact in zip(grads, other, fp32):
-        if cpu_has_bf16_units():  # the units path exists: both routes give one rule's numbers
-            np.testing.assert_allclose(got.numpy(), same_rule.numpy(), rtol=1e-4, atol=2e-5)
+        if cpu_has_bf16_units():  # the units path exists: both routes give one rule's numbers, summed in other
+            # orders, so an fp32 intermediate next to a bf16 boundary (dP, dS) rounds either way at times: within
+            # fp32 summation but for under 1% of the elements, and those within a bf16 ulp of the largest gradient
+            off = np.abs(got.numpy() - same_rule.numpy()) > 2e-5 + 1e-4 * np.abs(same_rule.numpy())
+            assert off.mean() < 0.01
+            np.testing.assert_allclose(got.numpy(), same_rule.numpy(), atol=2.0 ** -8 * np.abs(exact.numpy()).max())
         np.testing.assert_allclose(got.numpy(), exact.numpy(), rtol=0.05, atol=0.05)
         assert np.abs(got.numpy() - exact.numpy()).max() > 0  # rounded, not the fp32 products
 

@@ -71,8 +71,15 @@ def plain_adamw_update(slots: list, updates: int):
         p.update(p - step_size * m / (jt.sqrt(v) / bc2_root + eps))
 
 
+def exact_for(slots: list, updates: int) -> bool:
+    """Whether the fused update is the plain one for every v': it takes sqrt(v') of a subnormal v' as 0
+    (cpp/adamw.h), exact while that root over bc2_root (at least sqrt(1 - b1)) stays below a quarter of an
+    ulp of eps (2^-25 eps); AdamW's eps 1e-8 leaves a margin of 10^4."""
+    return len(slots) > 0 and all(2.0 ** -63 / math.sqrt(1 - b1) < eps * 2.0 ** -25 for *_, (_, b1), eps in slots)
+
+
 # slots: (param, grad, m, v, lr, weight_decay, betas, eps) per trainable fp32 parameter
-adamw_update = Kernel(fused_adamw_update, plain_adamw_update, when=lambda slots, updates: len(slots) > 0)
+adamw_update = Kernel(fused_adamw_update, plain_adamw_update, when=exact_for)
 
 
 class AdamW(jt.optim.AdamW):

@@ -54,6 +54,7 @@ BF16_FORWARD = cpp.source("bf16_forward.cc")
 BF16_BACKWARD = cpp.source("bf16_backward.cc")
 BF16_BACKWARD_BITS = cpp.source("bf16_backward_bits.cc")
 INT8_HEADER = cpp.source("int8.h")
+QUANTIZED_MIN = 1e-30  # rows below it quantize to zeros (cpp/int8.h)
 INT8_FORWARD = cpp.source("int8_forward.cc")
 INT8_BACKWARD = cpp.source("int8_backward.cc")
 QUANTIZE = cpp.source("int8_quantize.cc")
@@ -207,7 +208,7 @@ def fused_quantize(weight: jt.Var) -> tuple:
 def plain_quantize(weight: jt.Var) -> tuple:
     w = weight.float32()
     top = w.abs().max(dim=1)  # [N]
-    inv = jt.where(top > 0, 127.0 / top.maximum(1e-30), jt.zeros_like(top))
+    inv = jt.where(top >= QUANTIZED_MIN, 127.0 / top.maximum(QUANTIZED_MIN), jt.zeros_like(top))
     values = jt.floor((w * inv.unsqueeze(1)).clamp(-127.0, 127.0) + 0.5).int8()
     return values, top / 127.0
 

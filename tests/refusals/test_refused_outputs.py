@@ -360,8 +360,11 @@ def test_non_finite_weights_stop_the_run_before_they_are_saved(tiny_base, synthe
                     result[0] = math.nan
             return result
         return reduce
-    cases = [(lambda: monkeypatch.setattr(AdamW, "step", poison_at(1)), [], "adapter weight(s) are not finite", 1, None),
-             (lambda: monkeypatch.setattr(AdamW, "step", poison_at(3)), [], "adapter weight(s) are not finite", 3, 2),
+    # an update that fails from finite gradients names the tensor and advises no setting
+    poisoned = ("adapter weights not finite after the update", "of them, largest |gradient|",
+                "their gradients were finite, so the update itself failed")
+    cases = [(lambda: monkeypatch.setattr(AdamW, "step", poison_at(1)), [], poisoned, 1, None),
+             (lambda: monkeypatch.setattr(AdamW, "step", poison_at(3)), [], poisoned, 3, 2),
              (lambda: monkeypatch.setattr(engine_finetune, "evaluate", nan_validation_at(2)), [],
               "validation loss is nan", 2, 1),
              (lambda: monkeypatch.setattr(engine_finetune, "all_reduce_sum", nan_loss_at(4)), [],
@@ -372,7 +375,10 @@ def test_non_finite_weights_stop_the_run_before_they_are_saved(tiny_base, synthe
         patch()
         assert train(tiny_base, synthetic_data, out, "--max_steps", 5, *EVERY_STEP, *extra) == 3, message
         err = capsys.readouterr().err
-        one_error_line(err, message, f"at step {step} ", "checkpoint-latest.pth holds the last finite state")
+        kept = "no checkpoint was saved yet" if saved_step is None else "checkpoint-latest.pth holds the last finite state"
+        one_error_line(err, *((message,) if isinstance(message, str) else message), f"at step {step} ", kept)
+        lr_acted = step > 1 or "validation" in str(message)  # a validation loss is after its step's update
+        assert ("lower --blr/--lr" in err) == (isinstance(message, str) and lr_acted), err  # only where it can help
         monkeypatch.undo()
         assert not (out / "adapter").exists()
         if (out / "adapter-best").exists():  # an earlier step's: finite (read_adapter refuses anything else)

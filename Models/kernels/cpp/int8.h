@@ -22,15 +22,17 @@ static inline int64_t non_finite_count(const float *w, int64_t K) {
     return bad;
 }
 
-// q [K] = w / s rounded half up, s = max |w| / 127 (symmetric absmax; 0 for a row of zeros); returns s,
-// or -1 where w holds a non-finite value. Every quantization of the project (a checkpoint read, a model
-// converted in memory) goes through here.
+// q [K] = w / s rounded half up, s = max |w| / 127 (symmetric absmax); returns s, or -1 where w holds a
+// non-finite value. A row whose max |w| is below QUANTIZED_MIN holds zeros (127 / max |w| would overflow
+// past 3.7e-37, and such weights add nothing an fp32 sum keeps). Every quantization of the project (a
+// checkpoint read, a model converted in memory) goes through here.
+static const float QUANTIZED_MIN = 1e-30f;
 static float quantize_row(const float *w, int64_t K, int8_t *q) {
     if (non_finite_count(w, K)) return -1.f;
     float top = 0.f;
     #pragma omp simd reduction(max : top)
     for (int64_t k = 0; k < K; k++) top = std::max(top, std::fabs(w[k]));
-    const float inv = top > 0.f ? 127.f / top : 0.f;
+    const float inv = top >= QUANTIZED_MIN ? 127.f / top : 0.f;
     #pragma omp simd
     for (int64_t k = 0; k < K; k++) q[k] = int8_t(std::floor(std::min(127.f, std::max(-127.f, w[k] * inv)) + 0.5f));
     return top / 127.f;
