@@ -35,7 +35,12 @@ def run_base(adapter: str):
     """The llama_path of the run's args.json beside the adapter folder, or None."""
     folder = adapter if os.path.isdir(adapter) else os.path.dirname(os.path.abspath(adapter))
     path = os.path.join(os.path.dirname(os.path.abspath(folder)), "args.json")
-    return read_json_object(path, "run settings").get("llama_path") if os.path.isfile(path) else None
+    if not os.path.isfile(path):
+        return None
+    base = read_json_object(path, "run settings").get("llama_path")
+    if not isinstance(base, str):
+        raise ValueError(f"{path}: field 'llama_path' must be the base's path, got {base!r}: pass --base")
+    return base
 
 
 def adapter_settings(adapter: str) -> ModelArgs:
