@@ -323,9 +323,9 @@ def finetune(args, stop):
     if args.overwrite and args.resume:
         fail("--overwrite replaces the folder's run and --resume continues it: give one of them")
     try:
-        recorded = recorded_run(args)
         output_dirs.check_output_dir(args.output_dir)
         output_dirs.check_owner(args.output_dir, args.resume, args.overwrite)  # early; again under the lock
+        recorded = recorded_run(args)
         if args.overwrite and os.path.isdir(args.output_dir):
             output_dirs.check_inputs_outside(output_dirs.removable_entries(args.output_dir), run_inputs(args),
                                              "--overwrite")

@@ -10,7 +10,8 @@ Neither copies the base: the files name it (--base_ref, by default --base's abso
 the `llama_path` of the run's args.json beside the adapter folder. An adapter of a Meta-layout base has no
 Hugging Face form and is refused, as is anything else the export cannot write faithfully; nothing is written
 then. The folder is written under the tools' ownership rules (Utils/output_dirs.py): names the export writes
-that something else already holds there are refused.
+that something else already holds there are refused, and so is a folder another tool wrote (a run's, an
+evaluation's); of what an earlier export wrote, the files this one does not write are removed.
 """
 import os
 import shutil
@@ -104,6 +105,7 @@ def check_out(out: str, names, inputs):
         if os.path.exists(out) and os.path.realpath(out) == os.path.realpath(folder):
             raise output_dirs.RunDirError(f"out {out} is the folder of {flag} {path}: choose another folder")
     output_dirs.check_output_dir(out, "out")
+    output_dirs.check_tool(out, TOOL, "out")
     output_dirs.check_claimable(out, names, "out")
 
 

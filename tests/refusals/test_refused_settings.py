@@ -261,7 +261,7 @@ def test_compare_refuses_flags_that_would_mislabel_its_rows(tmp_path, capsys):
     make_entries(tmp_path / "mine", "compare.md", text="my table")
     make_entries(tmp_path / "trained", ".manifest.json", text='{"tool": "Math.py", "written": ["args.json"]}')
     for folder, needles in [("mine", ["compare.md", "which no run of the tools wrote"]),
-                            ("trained", ["is a Math.py folder"])]:
+                            ("trained", ["belongs to Math.py"])]:
         before = snapshot(tmp_path / folder)
         assert_refused(capsys, lambda: Compare.main(["--output_dir", str(tmp_path / folder), "--methods", "lora"]),
                        *needles)
