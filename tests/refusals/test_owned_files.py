@@ -202,3 +202,17 @@ def test_an_export_never_takes_another_tools_folder(tiny_qwen3, tmp_path, capsys
     assert set(os.listdir(out)) - set(output_dirs.read_manifest(str(out))["written"]) == {".manifest.json",
                                                                                          "notes.txt"}
 
+
+def test_an_export_sweeps_what_a_killed_export_left(tiny_qwen3, tmp_path):
+    """A kill -9 mid-export leaves its staging folder beside the folder (and, before staging, an 80 MB temp file
+    inside it): the next export removes both, its writer being dead; a user's temp-named file stays."""
+    args = base_args(tiny_qwen3, max_seq_len=32, lora_rank=4, lora_layers="0-2", p_adapter_layers="0-0")
+    save_adapter(build_model(tiny_qwen3, args), str(tmp_path / "adapter"))
+    dead, out = dead_pid(), tmp_path / "export"
+    assert export_hf.main([str(tmp_path / "adapter"), str(out), "--base", tiny_qwen3]) is None
+    output_dirs.make_staging(str(tmp_path / f".tmp{dead}.export"), export_hf.TOOL)
+    make_entries(tmp_path, f".tmp{dead}.export/.tmp{dead}.moa_adapter.safetensors", f".tmp{dead}.mine.txt")
+    make_entries(out, f".tmp{dead}.moa_adapter.safetensors")
+    assert export_hf.main([str(tmp_path / "adapter"), str(out), "--base", tiny_qwen3]) is None
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".tmp")) == [f".tmp{dead}.mine.txt"]
+    assert not [n for n in os.listdir(out) if n.startswith(".tmp")]
