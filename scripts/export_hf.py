@@ -12,7 +12,8 @@ Hugging Face form and is refused, as is anything else the export cannot write fa
 then. The folder is written under the tools' ownership rules (Utils/output_dirs.py): names the export writes
 that something else already holds there are refused, and so is a folder another tool wrote (a run's, an
 evaluation's). The files are written into a staging folder beside it and moved in once all are written; an
-earlier export's files this one does not write are removed then.
+earlier export's files this one does not write are removed then. A base whose config.json or tokenizer_config.json
+has `auto_map` (code of its own) is refused: the exported folder loads the base with transformers' own classes.
 Exit codes: 0 done, 2 bad input or arguments, 4 a file could not be written, 130 / 143 / 138 stopped by SIGINT /
 SIGTERM / SIGUSR1 before the files were moved in (the folder is left as it was); one `error:` line.
 """
@@ -33,6 +34,7 @@ from Models.formats.base_model import base_args, base_layout  # noqa: E402
 from Models.formats.safetensors import save_safetensors  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Models.ModelArgs import BASE_FIELDS, ModelArgs  # noqa: E402
+from Models.formats.hf import CONFIG  # noqa: E402
 from Utils import output_dirs  # noqa: E402
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status  # noqa: E402
 from Utils.misc import read_json_object, write_json  # noqa: E402
@@ -76,6 +78,11 @@ def check_base(base: str, args: ModelArgs, adapter: str):
     if base_layout(base) != "hf":
         raise CheckpointError(f"{base}: a Meta-layout base, which has no Hugging Face form: export needs the "
                               "model's Hugging Face folder (config.json, safetensors)")
+    for name in (CONFIG, "tokenizer_config.json"):  # the export folder is loaded with trust_remote_code=True
+        path = os.path.join(base, name)
+        if os.path.isfile(path) and "auto_map" in read_json_object(path, "settings"):
+            raise CheckpointError(f"{path}: has 'auto_map', code of its own that trust_remote_code would run: the "
+                                  "export loads the base with transformers' own classes only; remove auto_map")
     found = base_args(base).to_dict()
     other = [f"{k}: adapter {getattr(args, k)!r}, base {found[k]!r}" for k in BASE_FIELDS
              if getattr(args, k) != found[k]]

@@ -134,6 +134,22 @@ def test_sizes_are_checked_before_anything_is_allocated(tiny_qwen3, tiny_base, s
     assert not (tmp_path / "eval").exists()
 
 
+def test_an_export_refuses_a_base_that_carries_code(tiny_qwen3, tmp_path, capsys):
+    """A base whose config.json or tokenizer_config.json has `auto_map` names code of its own, which the exported
+    folder's trust_remote_code=True would run: refused, nothing written (the same base exports without it)."""
+    from Models.formats.adapters import save_adapter
+    from scripts import export_hf
+    save_adapter(build_model(tiny_qwen3, base_args(tiny_qwen3, max_seq_len=32, lora_rank=4, lora_layers="0-2")),
+                 str(tmp_path / "adapter"))
+    auto_map = {"AutoModelForCausalLM": "evil.EvilForCausalLM", "AutoTokenizer": ["evil.EvilTokenizer", None]}
+    for name in ("config.json", "tokenizer_config.json"):
+        base = edited_base(tiny_qwen3, tmp_path / name, name, auto_map=auto_map)
+        assert_refused(capsys, lambda: export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "out"), "--base",
+                                                       base]), f"{base}/{name}", "auto_map")
+        assert not (tmp_path / "out").exists()
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "out"), "--base", tiny_qwen3]) is None
+
+
 def test_a_size_past_64_bits_in_a_safetensors_header_is_refused(tmp_path):
     header = json.dumps({"w": {"dtype": "BF16", "shape": [2**70], "data_offsets": [0, 2]}}).encode()
     path = tmp_path / "model.safetensors"
