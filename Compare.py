@@ -29,7 +29,7 @@ from pathlib import Path
 
 from Data.test_sets import data_files, load_test_sets
 from Utils.jittor_env import StopForwarder, Stopped, stop_exit_status
-from Utils.output_dirs import RunDirError, check_claimable, check_output_dir, read_manifest, record_written
+from Utils.output_dirs import check_claimable, check_output_dir, check_tool, read_manifest, record_written
 from Utils.settings import METHOD_PRESETS, RECIPES, ArgumentParser
 from Utils.misc import atomic_write, read_json_object, write_json
 
@@ -209,10 +209,8 @@ def claim_output_dir(args):
     """The output folder is Compare.py's (its manifest, Utils/output_dirs.py): refuse another tool's folder (a
     training run's) and a name this command writes that holds something no run of the tools wrote."""
     check_output_dir(args.output_dir)
+    check_tool(args.output_dir, "Compare.py")
     tool = read_manifest(args.output_dir).get("tool") if os.path.isdir(args.output_dir) else None
-    if tool not in (None, "Compare.py"):
-        raise RunDirError(f"--output_dir {args.output_dir} is a {tool} folder (its manifest): Compare.py writes a "
-                          "folder of its own, one sub-folder per method; choose another --output_dir")
     names = ["compare.md", "compare.json", *args.methods, BASE_ROW]
     # what a Compare.py of before manifests wrote here is its own too
     earlier = earlier_entries(args.output_dir, names) if tool is None and os.path.isdir(args.output_dir) else []

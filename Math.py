@@ -43,8 +43,9 @@ from Utils import misc, output_dirs
 from Models.kernels.adamw import build_optimizer
 from Utils.misc import EarlyStopper, all_reduce_sum, print_main, read_json_object
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
-from Utils.settings import (RECIPES, ArgumentParser, GenerationArgs, TrainArgs, add_arguments, check_values, given,
-                            recipe_values, recipes_help, resume_fixed, setting_fields, with_sources)
+from Utils.settings import (RECIPES, ArgumentParser, GenerationArgs, TrainArgs, add_arguments, check_record,
+                            check_values, given, recipe_values, recipes_help, resume_fixed, setting_fields,
+                            with_sources)
 
 # The demo data; the held-out test split is written beside it for Infer.py (disjoint by instruction).
 SYNTHETIC = dict(n_train=20000, n_val=200, n_test=300, seed=0)
@@ -94,6 +95,8 @@ def fail(message):
 
 # What a resumed run takes from its args.json unless given, besides the settings (resolve_settings)
 RECORDED_FLAGS = ("recipe", "llama_path", "data_path", "val_data_path")
+DEFAULT_LAYERS = ("lora_layers", "p_adapter_layers")  # Math.py's own default: every layer of the base
+SETTINGS = (ModelArgs, TrainArgs, GenerationArgs)
 
 
 def recorded_run(args) -> tuple:
@@ -103,10 +106,24 @@ def recorded_run(args) -> tuple:
     if not args.resume or not os.path.isfile(path):
         return None, {}
     recorded = read_json_object(path, "run settings")
+    check_record(path, recorded, SETTINGS)
+    # what the run read (a missing base would be the demo's) and every setting it recorded: those its recipe and
+    # Math.py's defaults set, and the training loop's; a flag given stands in for a missing one
+    flags = {k for k in RECORDED_FLAGS if getattr(args, k) is not None} | set(given(args, ModelArgs)) \
+        | set(given(args, TrainArgs))
+    recipe = recorded.get("recipe") or args.recipe
+    try:
+        recipe = recipe_values(recipe, recorded.get("variant")) if recipe else {}
+    except ValueError as e:
+        fail(f"{path}: field 'recipe': {e}")
+    required = dict.fromkeys([*RECORDED_FLAGS, *DEFAULT_LAYERS, *recipe, *(f.name for f in setting_fields(TrainArgs))])
+    missing = [k for k in required if k not in recorded and k not in flags]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        fail(f"{path}: missing field(s) {missing[:5]}{more}, which the run recorded when it started: restore them "
+             "from a copy, or give each as a flag")
     for flag in RECORDED_FLAGS:
-        if getattr(args, flag) is None and recorded.get(flag) is not None:
-            if not isinstance(recorded[flag], str):
-                fail(f"{path}: field '{flag}' must be a string, got {recorded[flag]!r}")
+        if getattr(args, flag) is None and recorded[flag] is not None:
             setattr(args, flag, recorded[flag])
     return path, recorded
 
@@ -123,7 +140,7 @@ def resolve_settings(args, n_layers, recorded_path=None, recorded=None, sources=
     unknown = sorted(set(recipe) - set().union(*sections.values()))
     if unknown:
         fail(f"--recipe {args.recipe}: unknown setting(s) {unknown}")
-    layers = [("Math.py's default", {"lora_layers": f"0-{n_layers}", "p_adapter_layers": f"0-{n_layers}"}),
+    layers = [("Math.py's default", {k: f"0-{n_layers}" for k in DEFAULT_LAYERS}),
               (f"recipe '{args.recipe}'" if args.recipe in RECIPES else args.recipe, recipe),
               (recorded_path, recorded), (None, {**given(args, ModelArgs), **given(args, TrainArgs)})]
     sources = {} if sources is None else sources
@@ -306,9 +323,9 @@ def finetune(args, stop):
     if args.overwrite and args.resume:
         fail("--overwrite replaces the folder's run and --resume continues it: give one of them")
     try:
-        recorded = recorded_run(args)
         output_dirs.check_output_dir(args.output_dir)
         output_dirs.check_owner(args.output_dir, args.resume, args.overwrite)  # early; again under the lock
+        recorded = recorded_run(args)
         if args.overwrite and os.path.isdir(args.output_dir):
             output_dirs.check_inputs_outside(output_dirs.removable_entries(args.output_dir), run_inputs(args),
                                              "--overwrite")

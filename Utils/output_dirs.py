@@ -119,6 +119,15 @@ def check_claimable(folder: str, names, flag: str = "--output_dir"):
                           f"choose another {flag}")
 
 
+def check_tool(folder: str, tool: str, flag: str = "--output_dir"):
+    """Refuse a folder whose manifest names another tool: what that tool wrote there (a run, an evaluation's
+    results, an export) is never this one's to replace or remove."""
+    manifest = read_manifest(folder) if os.path.isdir(folder) else {}
+    if manifest and manifest.get("tool") != tool:
+        raise RunDirError(f"{flag} {folder} belongs to {manifest.get('tool') or 'a tool of no name'} (by its "
+                          f"{MANIFEST}): {tool} writes into a folder of its own; choose another {flag}")
+
+
 def _inside(path: str, folder: str) -> bool:
     """Whether `path` is `folder` or lies under it, as written or with links resolved."""
     return any(p == f or p.startswith(f.rstrip(os.sep) + os.sep)
@@ -210,13 +219,17 @@ def remove(path: str):
 
 # ---- training folders --------------------------------------------------------------------
 
-def check_owner(path: str, resume, overwrite: bool):
-    """Refuse a fresh run into a folder holding another run's files (by its manifest), and any run but a
-    resumed one where a name it writes is taken by something no manifest lists."""
+def check_owner(path: str, resume, overwrite: bool, tool: str = "Math.py"):
+    """Refuse another tool's folder (an evaluation's, however asked), a fresh run into a folder holding another
+    run's files (by its manifest), and any run but a resumed one where a name it writes is taken by something no
+    manifest lists."""
+    check_tool(path, tool)
     found = written_entries(path) if os.path.isdir(path) else []
     if found and not resume and not overwrite:
-        raise RunDirError(f"--output_dir {path} holds another run's files ({', '.join(found)}): continue that run "
-                          "with --resume auto, replace it with --overwrite, or choose another --output_dir")
+        resumable = "checkpoint-latest.pth" in found  # without it --resume auto starts afresh
+        raise RunDirError(f"--output_dir {path} holds another run's files ({', '.join(found)}): "
+                          f"{'continue that run with --resume auto, ' if resumable else ''}replace it with "
+                          "--overwrite, or choose another --output_dir")
     if not resume:
         check_claimable(path, RUN_FILES)
 
@@ -247,7 +260,7 @@ class RunDir:
         self._fd = fd
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {self.run_id}\n".encode(), 0)
-        check_owner(self.path, resume, overwrite)  # again: the folder may have changed before the lock
+        check_owner(self.path, resume, overwrite, self.tool)  # again: the folder may have changed before the lock
         if overwrite and not resume:
             doomed = removable_entries(self.path)
             check_inputs_outside(doomed, keep, "--overwrite")

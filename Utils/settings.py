@@ -23,6 +23,7 @@ from Utils.misc import read_json_object
 
 FLOAT32_MAX = 3.4028234663852886e38
 INT64_LIMIT = 2**63
+MAX_POSITIONS = 2**24  # RoPE's angles take positions in float32, exact integers up to 2^24 (Models/rope.py)
 
 
 class SettingError(ValueError):
@@ -37,16 +38,16 @@ def setting(default, help, choices=None, resumable=False, **bounds):
     """A dataclass field that is also a command-line flag. `bounds` (at_least, above, at_most, below)
     bound a number; `resumable` says a resumed run may give it another value (it does not change
     what the checkpoint's run computes)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "resumable": resumable,
-                                            **checked_field(None, **bounds).metadata})
+    return field(default=default, metadata={**checked_field(None, **bounds).metadata, "help": help,
+                                            "choices": choices, "resumable": resumable})
 
 
-def checked_field(default, **bounds):
-    """A dataclass field with bounds that is not a flag (Meta's params.json fields)."""
+def checked_field(default, choices=None, **bounds):
+    """A dataclass field with a rule that is not a flag (Meta's params.json fields, args.json's run fields)."""
     unknown = set(bounds) - {name for name, _, _ in _BOUNDS}
     if unknown:
         raise TypeError(f"unknown bound(s) {sorted(unknown)}")
-    return field(default=default, metadata=bounds)
+    return field(default=default, metadata={**bounds, "choices": choices})
 
 
 def setting_fields(cls) -> list:
@@ -122,6 +123,34 @@ def resume_fixed(values: dict, *classes) -> dict:
     """The settings in `values` that a resumed run may not change (those not declared `resumable`)."""
     fixed = {f.name for cls in classes for f in setting_fields(cls) if not f.metadata["resumable"]}
     return {k: v for k, v in values.items() if k in fixed}
+
+
+@dataclass
+class RunRecord:
+    """What a training run's args.json records beside its settings (Math.py's run_flags), each with its rule."""
+    recipe: str = checked_field(None)
+    llama_path: str = checked_field(None)
+    data_path: typing.Optional[str] = checked_field(None)  # null: the synthetic data
+    val_data_path: typing.Optional[str] = checked_field(None)
+    output_dir: str = checked_field(None)
+    resume: typing.Optional[str] = checked_field(None)
+    overwrite: bool = checked_field(None)
+    init_adapter: typing.Optional[str] = checked_field(None)
+    device: str = checked_field(None, choices=("cuda", "cpu"))
+    world_size: int = checked_field(None, at_least=1)
+    run_id: str = checked_field(None)
+    synthetic_data: typing.Optional[str] = checked_field(None)
+
+
+def check_record(path: str, recorded: dict, setting_classes):
+    """A run's args.json (`recorded`, read from `path`) field by field: no field that is neither a RunRecord
+    field nor a setting of `setting_classes`, each value by its rule."""
+    known = {f.name for f in fields(RunRecord)} | {f.name for cls in setting_classes for f in setting_fields(cls)}
+    unknown = sorted(set(recorded) - known)
+    if unknown:
+        raise SettingError(f"{path}: unknown field(s) {unknown}")
+    for cls in (RunRecord, *setting_classes):
+        check_values(cls, recorded, path)
 
 
 def count_or_auto(text: str):
@@ -217,7 +246,8 @@ class TrainArgs:
 class GenerationArgs:
     """Decoding settings (Infer.py; Math.py records the recipe's in args.json for it)."""
     max_gen_len: int = setting(200, "most tokens generated per example; also bounded by the model's max_seq_len "
-                                    "minus the prompt, as the authors do", at_least=1, resumable=True)
+                                    "minus the prompt, as the authors do", at_least=1, resumable=True,
+                               at_most=MAX_POSITIONS)
     temperature: float = setting(0.0, "0 = greedy; the paper's runs sample with 0.1 and top_p 0.75", at_least=0,
                                  resumable=True)
     top_p: float = setting(0.75, "nucleus sampling mass when temperature > 0", above=0, at_most=1, resumable=True)

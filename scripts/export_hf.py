@@ -10,13 +10,23 @@ Neither copies the base: the files name it (--base_ref, by default --base's abso
 the `llama_path` of the run's args.json beside the adapter folder. An adapter of a Meta-layout base has no
 Hugging Face form and is refused, as is anything else the export cannot write faithfully; nothing is written
 then. The folder is written under the tools' ownership rules (Utils/output_dirs.py): names the export writes
-that something else already holds there are refused.
+that something else already holds there are refused, and so is a folder another tool wrote (a run's, an
+evaluation's). The files are written into a staging folder beside it and moved in once all are written; an
+earlier export's files this one does not write are removed then. A base whose config.json or tokenizer_config.json
+has `auto_map` (code of its own) is refused: the exported folder loads the base with transformers' own classes.
+Exit codes: 0 done, 2 bad input or arguments, 4 a file could not be written, 130 / 143 / 138 stopped by SIGINT /
+SIGTERM / SIGUSR1 before the files were moved in (the folder is left as it was); one `error:` line.
 """
 import os
 import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import Utils.jittor_env  # noqa: E402  must precede numpy and jittor (see block_stop_signals)
+
+if __name__ == "__main__":
+    Utils.jittor_env.block_stop_signals()
+
 from Models.formats import CheckpointError, hf_remote, peft  # noqa: E402
 from Models.formats.adapters import (ADAPTER_WEIGHTS, adapter_config_path, check_strict, read_adapter,  # noqa: E402
                                      read_adapter_config, run_adapter_hint)
@@ -24,7 +34,9 @@ from Models.formats.base_model import base_args, base_layout  # noqa: E402
 from Models.formats.safetensors import save_safetensors  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Models.ModelArgs import BASE_FIELDS, ModelArgs  # noqa: E402
+from Models.formats.hf import CONFIG  # noqa: E402
 from Utils import output_dirs  # noqa: E402
+from Utils.jittor_env import StopFlag, Stopped, stop_exit_status  # noqa: E402
 from Utils.misc import read_json_object, write_json  # noqa: E402
 from Utils.settings import ArgumentParser  # noqa: E402
 
@@ -35,7 +47,12 @@ def run_base(adapter: str):
     """The llama_path of the run's args.json beside the adapter folder, or None."""
     folder = adapter if os.path.isdir(adapter) else os.path.dirname(os.path.abspath(adapter))
     path = os.path.join(os.path.dirname(os.path.abspath(folder)), "args.json")
-    return read_json_object(path, "run settings").get("llama_path") if os.path.isfile(path) else None
+    if not os.path.isfile(path):
+        return None
+    base = read_json_object(path, "run settings").get("llama_path")
+    if not isinstance(base, str):
+        raise ValueError(f"{path}: field 'llama_path' must be the base's path, got {base!r}: pass --base")
+    return base
 
 
 def adapter_settings(adapter: str) -> ModelArgs:
@@ -61,6 +78,11 @@ def check_base(base: str, args: ModelArgs, adapter: str):
     if base_layout(base) != "hf":
         raise CheckpointError(f"{base}: a Meta-layout base, which has no Hugging Face form: export needs the "
                               "model's Hugging Face folder (config.json, safetensors)")
+    for name in (CONFIG, "tokenizer_config.json"):  # the export folder is loaded with trust_remote_code=True
+        path = os.path.join(base, name)
+        if os.path.isfile(path) and "auto_map" in read_json_object(path, "settings"):
+            raise CheckpointError(f"{path}: has 'auto_map', code of its own that trust_remote_code would run: the "
+                                  "export loads the base with transformers' own classes only; remove auto_map")
     found = base_args(base).to_dict()
     other = [f"{k}: adapter {getattr(args, k)!r}, base {found[k]!r}" for k in BASE_FIELDS
              if getattr(args, k) != found[k]]
@@ -99,11 +121,39 @@ def check_out(out: str, names, inputs):
         if os.path.exists(out) and os.path.realpath(out) == os.path.realpath(folder):
             raise output_dirs.RunDirError(f"out {out} is the folder of {flag} {path}: choose another folder")
     output_dirs.check_output_dir(out, "out")
+    output_dirs.check_output_dir(os.path.dirname(os.path.abspath(out)), "out's parent")  # takes the staging folder
+    output_dirs.check_tool(out, TOOL, "out")
     output_dirs.check_claimable(out, names, "out")
 
 
+def write_staged(out: str, files: dict, stop: StopFlag):
+    """The files written into a staging folder beside `out`, then moved in, the manifest first, and what an
+    earlier export wrote that this one does not removed. A stop signal, polled between the files, ends it with
+    `out` as it was; the moves are not interrupted (the entry point blocks the stop signals)."""
+    out = os.path.abspath(out)
+    output_dirs.remove_stale_temp(os.path.dirname(out), recursive=False)  # what a killed export left
+    output_dirs.remove_stale_temp(out, recursive=False)
+    staging = output_dirs.staging_dir(out, os.getpid())
+    output_dirs.make_staging(staging, TOOL)
+    try:
+        for name, (write, content) in files.items():
+            if stop.poll():
+                raise Stopped(stop.name)
+            write(content, os.path.join(staging, name))
+        if stop.poll():
+            raise Stopped(stop.name)
+        os.makedirs(out, exist_ok=True)
+        stale = [n for n in output_dirs.written_entries(out) if n not in files]  # an earlier export's
+        output_dirs.record_written(out, TOOL, list(files))
+        for name in files:
+            os.replace(os.path.join(staging, name), os.path.join(out, name))
+        for name in stale:
+            output_dirs.remove(os.path.join(out, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def main(argv=None):
-    """Exit codes: 0 done, 2 bad input or arguments, 4 a file could not be written (one `error:` line)."""
     p = ArgumentParser(prog="python scripts/export_hf.py", description="Export an adapter for transformers "
                        "(peft's LoRA format for plain LoRA, a trust_remote_code folder for MoA and the baselines).")
     p.add_argument("adapter", help="our adapter directory (adapter.pth + adapter_params.json)")
@@ -117,13 +167,10 @@ def main(argv=None):
         base = args.base or run_base(args.adapter)
         files = export_files(args.adapter, base, args.base_ref or os.path.abspath(base or ""))
         check_out(args.out, files, [("adapter", args.adapter), ("--base", base)])
-        os.makedirs(args.out, exist_ok=True)
-        stale = [n for n in output_dirs.written_entries(args.out) if n not in files]  # an earlier export's, ours
-        output_dirs.record_written(args.out, TOOL, list(files))
-        for name, (write, content) in files.items():
-            write(content, os.path.join(args.out, name))
-        for name in stale:
-            output_dirs.remove(os.path.join(args.out, name))
+        write_staged(args.out, files, StopFlag())
+    except Stopped as e:
+        p.exit(stop_exit_status(str(e)), f"error: stopped by {e} before the export was written; {args.out} is left "
+               "as it was\n")
     except (FileNotFoundError, ValueError) as e:  # CheckpointError and RunDirError are ValueErrors
         p.exit(2, f"error: {e}\n")
     except OSError as e:  # the inputs were read; a write failed (disk full, read-only)

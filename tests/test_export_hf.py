@@ -152,6 +152,8 @@ def test_export_refusals_write_nothing(tiny_base, tiny_qwen3, tiny_hf_llama, tmp
     refused([tmp_path / "qwen", out, "--base", tiny_qwen3], "holds adapter_config.json, which no run of the tools wrote")
     (tmp_path / "file").write_text("")
     refused([tmp_path / "qwen", tmp_path / "file" / "x", "--base", tiny_qwen3], "is under", "which is a file")
+    (tmp_path / "args.json").write_text(json.dumps({"data_path": None}))  # a run's, its base's field lost
+    refused([tmp_path / "qwen", out], f"{tmp_path / 'args.json'}: field 'llama_path'", "pass --base")
 
 
 def peft_folder(tmp_path, config=None, tensors=None, name="peft"):

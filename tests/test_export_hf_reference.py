@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, SHARED, kv_logits, max_abs, randomize_adapters
+from conftest import REPO, SHARED, edited_base, kv_logits, max_abs, randomize_adapters
 
 import jittor as jt
 
@@ -103,7 +103,7 @@ def our_side(base, settings, tokens, work, name):
     model.eval()
     save_adapter(model, str(work / name / "adapter"))
     assert export_hf.main([str(work / name / "adapter"), str(work / name / "export"), "--base", base]) is None
-    stub = type("Stops", (), {"stop_tokens": set()})()
+    stub = type("Stops", (), {"stop_tokens": set(), "n_words": None})()  # every row a token, as transformers picks
     generated = np.array(generate(model, stub, tokens[:, :PREFILL].tolist(), NEW_TOKENS))
     full = np.concatenate([tokens[:, :PREFILL], generated], 1)
     return {"logits": model.llama(jt.array(tokens.astype(np.int32))).numpy(),
@@ -167,3 +167,46 @@ def test_peft_adapter_loads_here_with_peft_logits(compared, case):
     assert max_abs(theirs["logits"], theirs["base_logits"]) > 0.5, "peft's adapter changes nothing: a vacuous check"
     print(f"{case}: logits {max_abs(logits, theirs['logits']):.2e}")
     assert max_abs(logits, theirs["logits"]) < TOLERANCE
+
+
+# a base folder's own code, named by its config.json's auto_map: it leaves a mark if it ever runs
+BASE_CODE = """
+import pathlib
+pathlib.Path(__file__).with_name("CODE_RAN").write_text("ran")
+from transformers import Qwen3Config, Qwen3ForCausalLM
+class OwnConfig(Qwen3Config):
+    pass
+class OwnForCausalLM(Qwen3ForCausalLM):
+    config_class = OwnConfig
+"""
+LOAD = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32)
+print(type(model).__name__, float(model(torch.tensor([[1, 2, 3]])).logits.abs().sum()))
+"""
+
+
+def test_the_exported_folder_runs_no_code_of_its_base(tmp_path):
+    """trust_remote_code=True is given for the exported folder's code alone: a base whose config.json names code
+    of its own (auto_map; export_hf.py refuses such a base, but the folder may name another copy of it later) is
+    loaded by transformers' Qwen3ForCausalLM, its code never run."""
+    python = reference_python()
+    sys.path.insert(0, str(REPO / "scripts"))
+    import export_hf
+    from Data.tiny_base import write_random_hf_base
+    from Models.formats.adapters import save_adapter
+    from Models.formats.base_model import base_args, build_model
+    base = write_random_hf_base(str(tmp_path / "base"), "qwen3", head_dim=32, vocab_size=512)
+    own = edited_base(base, tmp_path / "own", "config.json",
+                      auto_map={"AutoConfig": "own_code.OwnConfig", "AutoModelForCausalLM": "own_code.OwnForCausalLM"})
+    (tmp_path / "own" / "own_code.py").write_text(BASE_CODE)
+    model = build_model(base, base_args(base, max_seq_len=32, lora_rank=4, lora_layers="0-2", p_adapter_layers="0-2"))
+    randomize_adapters(model, seed=1, scale=0.2)
+    save_adapter(model, str(tmp_path / "adapter"))
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "export"), "--base", base, "--base_ref", own]) \
+        is None
+    loaded = subprocess.run([python, "-c", LOAD, str(tmp_path / "export")], capture_output=True, text=True, timeout=600)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split()[0] == "Qwen3ForCausalLM" and float(loaded.stdout.split()[1]) > 0
+    assert not (tmp_path / "own" / "CODE_RAN").exists()

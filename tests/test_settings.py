@@ -79,8 +79,9 @@ def test_precedence_defaults_recipe_flags():
 def test_a_resumed_run_takes_its_args_json_under_the_flags_given(tmp_path):
     """`--resume auto --output_dir <run>`: the base, data, recipe and every setting from the run's args.json,
     the flags given over them; a recorded value its rule refuses names the file and field."""
-    recorded = {"recipe": "math", "llama_path": "/bases/qwen3", "data_path": "/data/math_14k.json", "lora_rank": 2,
-                "max_steps": 3, "seed": 7, "output_dir": "/elsewhere"}
+    model, train, generation = resolved(["--recipe", "math", "--lora_rank", "2", "--seed", "7"])  # as Math.py records
+    recorded = {"recipe": "math", "llama_path": "/bases/qwen3", "data_path": "/data/math_14k.json",
+                "val_data_path": None, **model, **vars(train), **generation, "max_steps": 3, "output_dir": "/elsewhere"}
     (tmp_path / "args.json").write_text(json.dumps(recorded))
     ns = Math.get_args_parser().parse_args(["--resume", "auto", "--output_dir", str(tmp_path), "--max_steps", "9"])
     ns.world_size = 1

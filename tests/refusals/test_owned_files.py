@@ -1,6 +1,8 @@
 """Only what a manifest lists is ever removed or overwritten, anywhere: the sweep of temp files and staging folders
 that dead writers left (beside an evaluation folder, in a run folder and below), and scripts/compare_routers.py's
-outputs and scripts/build_base.py's base, whose bad inputs are refused in one line (exit 2) with nothing written."""
+outputs and scripts/build_base.py's base, whose bad inputs are refused in one line (exit 2) with nothing written.
+A folder another tool's manifest names is refused whole, by Math.py (--resume and --overwrite too) and
+scripts/export_hf.py, which removes only what an earlier export wrote."""
 import json
 import os
 import pickle
@@ -9,11 +11,13 @@ import subprocess
 import sys
 
 import numpy as np
-from conftest import assert_refused, exit_code, infer_base_alone, make_entries, snapshot
+from conftest import assert_refused, exit_code, infer_base_alone, make_entries, one_error_line, snapshot, train
 
 import Infer
 from Data.tiny_base import DEFAULT_BASE_DIR
-from scripts import build_base, compare_routers
+from Models.formats.adapters import save_adapter
+from Models.formats.base_model import base_args, build_model
+from scripts import build_base, compare_routers, export_hf
 from Utils import misc, output_dirs
 
 
@@ -139,3 +143,76 @@ def test_build_base_checks_its_options_and_writes_only_its_own_files(tmp_path, c
         assert_refused(capsys, lambda: build_base.main(out + extra), *needles)
         assert not (tmp_path / "new").exists() and snapshot(mine) == {"params.json": b"my own base"}
     output_dirs.check_claimable(DEFAULT_BASE_DIR, build_base.FILES, "--out")  # the shipped base: claimed
+
+
+# another tool's folders, as each leaves them (names its manifest lists)
+FOLDERS = {"Math.py": ["args.json", "log.txt", "checkpoint-latest.pth", "adapter/adapter.pth", "data/train.json"],
+           "Infer.py": ["AddSub_predictions.jsonl", "scores.json"], "Compare.py": ["compare.md", "lora/compare.log"],
+           "scripts/export_hf.py": ["config.json", "moa_adapter.safetensors"],
+           "scripts/compare_routers.py": ["similarity.json"], "scripts/build_base.py": ["params.json"]}
+
+
+def tool_folder(folder, tool):
+    make_entries(folder, *FOLDERS[tool])
+    return listed(folder, tool, *dict.fromkeys(n.split("/")[0] for n in FOLDERS[tool]))
+
+
+def test_a_run_never_takes_another_tools_folder(tiny_base, synthetic_data, tmp_path, capsys):
+    """The issue's case: Math.py into an Infer.py folder, advised to resume, trained a fresh run there; now every
+    other tool's folder is refused however asked, and --resume auto is offered only where a checkpoint is."""
+    for tool in FOLDERS:
+        if tool != "Math.py":
+            folder = tool_folder(tmp_path / tool.replace("/", "_"), tool)
+            before = snapshot(folder)
+            for extra in ([], ["--resume", "auto"], ["--overwrite"]):
+                assert train(tiny_base, synthetic_data, folder, "--max_steps", 1, *extra) == 2, (tool, extra)
+                one_error_line(capsys.readouterr().err, str(folder), f"belongs to {tool}", "choose another")
+                assert snapshot(folder) == before
+    run = listed(tmp_path / "run", "Math.py", "args.json", "log.txt")
+    make_entries(run, "args.json", "log.txt")
+    for checkpoint in (False, True):  # a run stopped before its first checkpoint has nothing to resume
+        assert train(tiny_base, synthetic_data, run, "--max_steps", 1) == 2
+        err = capsys.readouterr().err
+        one_error_line(err, "another run's files", "--overwrite")
+        assert ("--resume auto" in err) == checkpoint, err
+        make_entries(listed(run, "Math.py", "checkpoint-latest.pth"), "checkpoint-latest.pth")
+
+
+def test_an_export_never_takes_another_tools_folder(tiny_qwen3, tmp_path, capsys):
+    """The issue's case: `export_hf.py run/adapter run` deleted the run (the export removed every name the
+    manifest listed, whichever tool wrote it). Into its own folder it removes what an earlier export wrote
+    (peft's two files, before a MoA folder) and nothing else."""
+    args = base_args(tiny_qwen3, max_seq_len=32, lora_rank=4, p_adapter_size=8, lora_layers="0-2",
+                     p_adapter_layers="0-2")
+    adapter = tmp_path / "run" / "adapter"
+    save_adapter(build_model(tiny_qwen3, args), str(adapter))
+    make_entries(listed(adapter.parent, "Math.py", "adapter", "args.json", "log.txt"), "args.json", "log.txt")
+    for tool in FOLDERS:
+        if tool != "scripts/export_hf.py":
+            folder = adapter.parent if tool == "Math.py" else tool_folder(tmp_path / tool.replace("/", "_"), tool)
+            before = snapshot(folder)
+            assert_refused(capsys, lambda: export_hf.main([str(adapter), str(folder), "--base", tiny_qwen3]),
+                           str(folder), f"belongs to {tool}")
+            assert snapshot(folder) == before
+    out = tmp_path / "export"
+    make_entries(listed(out, "scripts/export_hf.py", "adapter_config.json", "adapter_model.safetensors"),
+                 "adapter_config.json", "adapter_model.safetensors", "notes.txt")
+    assert export_hf.main([str(adapter), str(out), "--base", tiny_qwen3]) is None
+    assert "adapter_config.json" not in os.listdir(out) and (out / "notes.txt").read_text() == "old"
+    assert set(os.listdir(out)) - set(output_dirs.read_manifest(str(out))["written"]) == {".manifest.json",
+                                                                                         "notes.txt"}
+
+
+def test_an_export_sweeps_what_a_killed_export_left(tiny_qwen3, tmp_path):
+    """A kill -9 mid-export leaves its staging folder beside the folder (and, before staging, an 80 MB temp file
+    inside it): the next export removes both, its writer being dead; a user's temp-named file stays."""
+    args = base_args(tiny_qwen3, max_seq_len=32, lora_rank=4, lora_layers="0-2", p_adapter_layers="0-0")
+    save_adapter(build_model(tiny_qwen3, args), str(tmp_path / "adapter"))
+    dead, out = dead_pid(), tmp_path / "export"
+    assert export_hf.main([str(tmp_path / "adapter"), str(out), "--base", tiny_qwen3]) is None
+    output_dirs.make_staging(str(tmp_path / f".tmp{dead}.export"), export_hf.TOOL)
+    make_entries(tmp_path, f".tmp{dead}.export/.tmp{dead}.moa_adapter.safetensors", f".tmp{dead}.mine.txt")
+    make_entries(out, f".tmp{dead}.moa_adapter.safetensors")
+    assert export_hf.main([str(tmp_path / "adapter"), str(out), "--base", tiny_qwen3]) is None
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".tmp")) == [f".tmp{dead}.mine.txt"]
+    assert not [n for n in os.listdir(out) if n.startswith(".tmp")]

@@ -126,12 +126,28 @@ def test_sizes_are_checked_before_anything_is_allocated(tiny_qwen3, tiny_base, s
     math_refuses(edited_base(tiny_base, tmp_path / "deep", n_layers=2**40), synthetic_data, tmp_path / "out", capsys,
                  [], ["params.json: the model needs", "GiB available"])
     # --batch_size auto (the default): the cache of its first row must fit beside the model too
-    for extra, needles in [(["--max_seq_len", 200_000_000, "--max_gen_len", 100_000_000], ["RoPE tables"]),
+    for extra, needles in [(["--max_seq_len", 200_000_000, "--max_gen_len", 16_000_000], ["RoPE tables"]),
                            (["--max_seq_len", 3_000_000, "--max_gen_len", 2_000_000],
                             ["the KV cache for --batch_size 1 x 2000", "1 GiB available"])]:
         assert_refused(capsys, lambda: Infer.main(["--no_adapter", "--llama_path", tiny_base, "--data_path", addsub,
                                                    "--output_dir", str(tmp_path / "eval"), *map(str, extra)]), *needles)
     assert not (tmp_path / "eval").exists()
+
+
+def test_an_export_refuses_a_base_that_carries_code(tiny_qwen3, tmp_path, capsys):
+    """A base whose config.json or tokenizer_config.json has `auto_map` names code of its own, which the exported
+    folder's trust_remote_code=True would run: refused, nothing written (the same base exports without it)."""
+    from Models.formats.adapters import save_adapter
+    from scripts import export_hf
+    save_adapter(build_model(tiny_qwen3, base_args(tiny_qwen3, max_seq_len=32, lora_rank=4, lora_layers="0-2")),
+                 str(tmp_path / "adapter"))
+    auto_map = {"AutoModelForCausalLM": "evil.EvilForCausalLM", "AutoTokenizer": ["evil.EvilTokenizer", None]}
+    for name in ("config.json", "tokenizer_config.json"):
+        base = edited_base(tiny_qwen3, tmp_path / name, name, auto_map=auto_map)
+        assert_refused(capsys, lambda: export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "out"), "--base",
+                                                       base]), f"{base}/{name}", "auto_map")
+        assert not (tmp_path / "out").exists()
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "out"), "--base", tiny_qwen3]) is None
 
 
 def test_a_size_past_64_bits_in_a_safetensors_header_is_refused(tmp_path):

@@ -101,6 +101,38 @@ def test_resume_refuses_settings_it_cannot_change(tiny_base, synthetic_data, tmp
     assert snapshot(out) == saved
 
 
+def test_a_resumed_runs_args_json_is_checked_field_by_field(tiny_base, synthetic_data, tmp_path, capsys):
+    """The issue's cases: without llama_path a resumed run took the demo base (then refused for its architecture),
+    an unknown field and max_gen_len 10**12 passed. args.json is read as Math.py wrote it: every field a resumed run
+    reads present (the inputs, each setting the recipe and Math.py set, the training loop's), none unknown, each
+    value by its rule; refused naming the file and the field, before anything is read or written."""
+    out = tmp_path / "run"
+    ns = Math.get_args_parser().parse_args(math_argv(tiny_base, synthetic_data, out))
+    ns.world_size = 1
+    model, train_args, generation = Math.resolve_settings(ns, 2)
+    record = {**Math.run_flags(ns), "recipe": ns.recipe, **model, **vars(train_args), **generation, "run_id": "r1"}
+    path = out / "args.json"
+    cases = [({"llama_path": None}, "missing field(s) ['llama_path']"), ({"data_path": None}, "['data_path']"),
+             ({"lora_rank": None}, "missing field(s) ['lora_rank']"), ({"epochs": None}, "['epochs']"),
+             ({"recipe": None}, "['recipe']"), ({"lora_rnak": 3}, "unknown field(s) ['lora_rnak']"),
+             ({"max_gen_len": 10**12}, "field 'max_gen_len' must be at most"), ({"device": "tpu"}, "field 'device'"),
+             ({"world_size": 0}, "field 'world_size'"), ({"run_id": 5}, "field 'run_id' must be a string"),
+             ({"overwrite": "no"}, "field 'overwrite'"), ({"temperature": -1.0}, "field 'temperature'"),
+             ({"llama_path": 7}, "field 'llama_path' must be a string"), ({"recipe": "nonesuch"}, "field 'recipe'")]
+    for change, needle in cases:
+        damaged = {k: v for k, v in {**record, **change}.items() if v is not None or k not in change}
+        make_entries(out, "args.json", text=json.dumps(damaged))
+        assert_refused(capsys, lambda: Math.main(["--resume", "auto", "--output_dir", str(out)]), str(path), needle)
+        assert os.listdir(out) == ["args.json"] and json.loads(path.read_text()) == damaged
+    make_entries(out, "args.json", text=json.dumps(record))  # as written, it resumes with its base and data
+    resumed = Math.get_args_parser().parse_args(["--resume", "auto", "--output_dir", str(out)])
+    assert Math.recorded_run(resumed)[0] == str(path) and resumed.llama_path == tiny_base
+    del record["llama_path"]  # a flag given stands in for a missing field
+    make_entries(out, "args.json", text=json.dumps(record))
+    given = Math.get_args_parser().parse_args(["--resume", "auto", "--output_dir", str(out), "--llama_path", "b"])
+    assert Math.recorded_run(given)[0] == str(path) and given.llama_path == "b"
+
+
 @pytest.mark.slow
 def test_resume_refuses_changed_data_at_the_same_path(tiny_base, synthetic_data, tmp_path, capsys):
     own = {k: str(tmp_path / f"{k}.json") for k in synthetic_data}
@@ -229,7 +261,7 @@ def test_compare_refuses_flags_that_would_mislabel_its_rows(tmp_path, capsys):
     make_entries(tmp_path / "mine", "compare.md", text="my table")
     make_entries(tmp_path / "trained", ".manifest.json", text='{"tool": "Math.py", "written": ["args.json"]}')
     for folder, needles in [("mine", ["compare.md", "which no run of the tools wrote"]),
-                            ("trained", ["is a Math.py folder"])]:
+                            ("trained", ["belongs to Math.py"])]:
         before = snapshot(tmp_path / folder)
         assert_refused(capsys, lambda: Compare.main(["--output_dir", str(tmp_path / folder), "--methods", "lora"]),
                        *needles)

@@ -246,6 +246,47 @@ def test_compare_passes_a_stop_on_to_its_run_and_waits_for_it(tmp_path, stop, co
     assert "quick exit" not in done.stdout + done.stderr
 
 
+# scripts/export_hf.py whose weights file takes 3 s to write: the stop signal comes while the export is unfinished
+SLOW_EXPORT = """
+import sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
+import Utils.jittor_env as env
+env.block_stop_signals()  # as `python scripts/export_hf.py` does before anything starts a thread
+import export_hf
+save = export_hf.save_safetensors
+def slow_save(content, path):
+    save(content, path)
+    print("weights written", flush=True)
+    time.sleep(3)
+export_hf.save_safetensors = slow_save
+export_hf.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_signal_during_an_export_leaves_the_folder_as_it_was(tiny_qwen3, tmp_path):
+    """The issue's case: SIGTERM mid-export left the new config.json beside the old weights (an adapter of the same
+    shape then loads under the other's settings) and a temp file no later export removed. The export is staged
+    beside the folder and moved in whole: stopped before, the folder is the earlier export, nothing left over."""
+    from Models.formats.adapters import save_adapter
+    from Models.formats.base_model import base_args, build_model
+    for name, alpha in (("first", 4.0), ("second", 16.0)):
+        args = base_args(tiny_qwen3, max_seq_len=32, lora_rank=4, lora_alpha=alpha, lora_layers="0-2",
+                         p_adapter_layers="0-0")
+        save_adapter(build_model(tiny_qwen3, args), str(tmp_path / name))
+    out = tmp_path / "export"
+    done = subprocess.run(python_program("scripts/export_hf.py", tmp_path / "first", out, "--base", tiny_qwen3),
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    first = snapshot(out)
+    command = [sys.executable, "-c", SLOW_EXPORT, str(REPO), str(tmp_path / "second"), str(out), "--base", tiny_qwen3]
+    done = run_and_signal(command, signal.SIGTERM, printed("weights written"), timeout=120)
+    assert done.returncode == 143, done.stdout + done.stderr
+    one_error_line(done.stderr, "stopped by SIGTERM", "before the export was written", str(out))
+    assert snapshot(out) == first and json.loads(first["config.json"])["moa"]["lora_alpha"] == 4.0
+    assert [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)] == [] and no_temp_files(out)
+
+
 @pytest.mark.slow
 def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, synthetic_data, tmp_path, capsys):
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")

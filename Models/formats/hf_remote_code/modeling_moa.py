@@ -5,7 +5,8 @@ This file is copied into a folder exported by MoA-Jittor (scripts/export_hf.py) 
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 
 It loads the base the folder names (configuration_moa.MoAConfig.base_model_name_or_path) with transformers'
-own class and adds the adapter's experts to it, reading their tensors from moa_adapter.safetensors. The
+own class, LlamaForCausalLM or Qwen3ForCausalLM by its model_type (trust_remote_code is not passed on: no code
+of the base's folder runs), and adds the adapter's experts to it, reading their tensors from moa_adapter.safetensors. The
 returned model is that base model (its forward, KV cache and generate() are transformers'), its modules
 carrying the experts (experts_moa.py) as children and forward hooks, under the names MoA-Jittor gives them.
 
@@ -42,7 +43,7 @@ import os
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import LlamaForCausalLM, PretrainedConfig, PreTrainedModel, Qwen3ForCausalLM
 
 from .configuration_moa import MoAConfig
 from .experts_moa import Gamma, LoRA, MixedLoRA, PAdapter, SparseLoRA, SwiGLURouter, prompt_output, rotate
@@ -56,6 +57,10 @@ PROJECTIONS = {"Q": ("self_attn", "q_proj", "lora_Q"), "K": ("self_attn", "k_pro
                "FFN_DOWN": ("mlp", "down_proj", "lora_DOWN")}
 CLAMP = 65500.0
 HUB_ONLY = ("revision", "subfolder", "code_revision", "_from_auto", "_commit_hash", "adapter_kwargs")
+# the base is loaded by transformers' own class for its model_type, never by code of the base's folder (auto_map):
+# trust_remote_code=True was given for this folder's code alone
+BASE_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+CONFIG_LOOKUP = ("cache_dir", "force_download", "local_files_only", "token", "proxies")
 
 
 class LayerExperts:
@@ -261,8 +266,14 @@ class MoAForCausalLM(PreTrainedModel):
         else:
             from transformers.utils import cached_file
             adapter = cached_file(folder, ADAPTER_FILE, **{k: v for k, v in hub.items() if k == "revision"})
-        model = AutoModelForCausalLM.from_pretrained(base, *model_args, **kwargs)
         expected = config.moa.get("base_config", {})
+        kwargs.pop("trust_remote_code", None)  # False for the base: its own class runs, not its folder's code
+        found, _ = PretrainedConfig.get_config_dict(base, **{k: kwargs[k] for k in CONFIG_LOOKUP if k in kwargs})
+        kind = found.get("model_type")
+        if kind != expected.get("model_type") or kind not in BASE_CLASSES:
+            raise ValueError(f"{base}: model_type {kind!r}; this adapter was trained on a "
+                             f"{expected.get('model_type')!r} base, loaded with transformers' own class")
+        model = BASE_CLASSES[kind].from_pretrained(base, *model_args, **kwargs)
         differing = [f"{k}: adapter {v!r}, base {getattr(model.config, k, None)!r}" for k, v in expected.items()
                      if getattr(model.config, k, None) != v]
         if differing:
