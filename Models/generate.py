@@ -28,6 +28,17 @@ from .ModelArgs import BF16_PRODUCTS, INSTANCE_METHODS
 from .kernels.switch import DECODE_ROWS, GEMV_ROWS
 
 PAD_TOKEN = 0  # fed in padded slots that are never read (pad_id -1 is not a valid embedding row)
+NONFINITE_PICK = -1  # pick_tokens' answer for a row whose logits are not all finite
+
+
+class NonFiniteLogits(ArithmeticError):
+    """Logits holding NaN or inf where generate() was to pick a token: for row `row` of the batch, the
+    `step`-th token of its answer, in `precision`; `where` names the prompt (default: its row)."""
+
+    def __init__(self, row: int, step: int, precision: str, where: str = None):
+        super().__init__(f"non-finite logits (NaN or inf) for token {step} of the answer to {where or f'prompt {row}'}"
+                         f", computed in {precision}: the base's or the adapter's numbers overflow there")
+        self.row, self.step, self.precision = row, step, precision
 
 
 def decode_buffer_bytes(args, batch_size: int, chunk: int) -> int:
@@ -183,15 +194,19 @@ def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random
     """Greedy (argmax on the device) when temperature == 0, else temperature + nucleus sampling (on a GPU its
     candidates are found there: sample_top_p), among the ids below n_words (the tokenizer's): an embedding
     table may have more rows than the tokenizer has tokens (Qwen3's 151,936 for 151,669), and those padding
-    rows are no tokens, whatever the weights give them."""
+    rows are no tokens, whatever the weights give them. A row whose logits hold a NaN or inf picks
+    NONFINITE_PICK: tested in the graph that picks, so it costs no sync of its own."""
     if n_words is not None and n_words < logits.shape[-1]:
         logits = logits[:, :n_words]
+    broken = jt.logical_not(jt.isfinite(logits)).any(-1)  # [B]
     if temperature == 0:
-        return jt.argmax(logits, dim=-1)[0].numpy().astype(np.int64)
+        return jt.where(broken, NONFINITE_PICK, jt.argmax(logits, dim=-1)[0]).numpy().astype(np.int64)
     # each row's largest logit made 0 first: a tiny temperature would make the others overflow, and Jittor's
-    # softmax of logits near 1e12 is NaN
+    # softmax of logits near 1e12 is NaN; a broken row is sampled from zeros, then its pick discarded
+    logits = jt.where(broken.unsqueeze(-1), 0.0, logits)
     probs = nn.softmax((logits - logits.max(dim=-1, keepdims=True)) / temperature, dim=-1)
-    return sample_top_p(probs if jt.flags.use_cuda else probs.numpy(), top_p, rng)
+    picks = sample_top_p(probs if jt.flags.use_cuda else probs.numpy(), top_p, rng)
+    return np.where(broken.numpy(), NONFINITE_PICK, picks)
 
 
 def fetch_records(step_records: list, store: list):
@@ -233,7 +248,9 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
       tokens (none when its prompt fills it), whatever the batch. The authors' inference
       takes it from the adapter's config (its training max_seq_len).
 
-    Returns one list of generated ids per prompt, cut before the first stop token.
+    Returns one list of generated ids per prompt, cut before the first stop token. Logits holding NaN or inf
+    where a prompt's token is picked raise NonFiniteLogits: a base or adapter that overflows in its precision
+    stops here instead of generating token 0.
     records: a list that receives, per prompt, a per-layer list of dicts
       {"type_weight": [n, n_types] or None, "token_weight": [n, 1] (Sparse Gamma) or None,
        "expert_weight": {family: [n, E]} of the families mixing E > 1 experts}
@@ -305,8 +322,12 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
                 sampling_s += time.perf_counter() - picking
             if pos == P:
                 prefilled = time.perf_counter()
-            tokens[:, pos] = np.where(is_prompt[:, pos], tokens[:, pos], picked)
             generated = pos - lengths + 1  # tokens each row has generated so far (<= 0: still in its prompt)
+            broken = np.flatnonzero((picked[:n_real] == NONFINITE_PICK) & ~done[:n_real] & ~is_prompt[:n_real, pos])
+            if len(broken):  # a row whose pick is kept; a finished one's later logits are read by no one
+                raise NonFiniteLogits(int(broken[0]), int(generated[broken[0]]), model.llama.args.precision)
+            picked[picked == NONFINITE_PICK] = PAD_TOKEN  # a finished row's, fed but never read
+            tokens[:, pos] = np.where(is_prompt[:, pos], tokens[:, pos], picked)
             done |= ~is_prompt[:, pos] & np.isin(tokens[:, pos], stop_ids)
             done |= generated >= budgets
             last_pos = pos
