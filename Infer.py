@@ -167,7 +167,7 @@ def load_model(llama_path, adapter, model_args):
 
 # ---- running ------------------------------------------------------------------------
 
-def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len=None, stop=None, test_sets=()):
+def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len=None, stop=None, test_sets=None):
     """Generate for the examples `indices` (longest-first batches); {index: result}.
     budget_seq_len: the authors' per-example budget (Models.generate.generate); `stop`, a StopFlag
     polled between batches; `test_sets`, which name an example whose logits are not finite."""
@@ -180,13 +180,10 @@ def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len
                 raise Stopped(stop.name)
             batch = order[start:start + args.batch_size]
             records = [] if args.save_weights else None
-            try:
-                outputs = generate(model, tok, [prompts[i] for i in batch], gen.max_gen_len, gen.temperature,
-                                   gen.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size,
-                                   budget_seq_len=budget_seq_len)
-            except NonFiniteLogits as e:  # named by its data set, not its row in the batch
-                raise NonFiniteLogits(e.row, e.step, e.precision,
-                                      example_name(test_sets, batch[e.row]) if test_sets else None) from None
+            outputs = generate(model, tok, [prompts[i] for i in batch], gen.max_gen_len, gen.temperature,
+                               gen.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size,
+                               budget_seq_len=budget_seq_len,
+                               names=[example_name(test_sets, i) for i in batch] if test_sets else None)
             for j, (i, out) in enumerate(zip(batch, outputs)):
                 text, unknown = decode_until_unknown(tok, out)
                 results[i] = {"generation": text, "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),

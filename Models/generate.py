@@ -239,7 +239,7 @@ def row_records(steps: list, row: int, n_tokens: int) -> list:
 
 def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature: float = 0.0,
              top_p: float = 0.9, seed: int = 0, records=None, batch_size=None, prefill_step: int = 64,
-             budget_seq_len=None, timings=None):
+             budget_seq_len=None, timings=None, names=None):
     """Continue each prompt (a list of token ids, bos included) by up to max_gen_len tokens. `tokenizer` gives
     stop_tokens (the ids that end a generation) and n_words (generated ids stay below it: pick_tokens).
 
@@ -261,6 +261,7 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
     timings: a dict that receives prefill_s and prefill_tokens (the chunks, all rows), decode_s and
       decode_steps (one token per row each; the first picks belong to the prefill), and sampling_s (the
       decode steps' softmax and picks, in decode_s), for benchmarks.
+    names: what a NonFiniteLogits calls each prompt (default: its row).
     """
     prompts = [list(map(int, p)) for p in prompt_token_lists]
     n_real = len(prompts)
@@ -325,7 +326,8 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
             generated = pos - lengths + 1  # tokens each row has generated so far (<= 0: still in its prompt)
             broken = np.flatnonzero((picked[:n_real] == NONFINITE_PICK) & ~done[:n_real] & ~is_prompt[:n_real, pos])
             if len(broken):  # a row whose pick is kept; a finished one's later logits are read by no one
-                raise NonFiniteLogits(int(broken[0]), int(generated[broken[0]]), model.llama.args.precision)
+                row = int(broken[0])
+                raise NonFiniteLogits(row, int(generated[row]), model.llama.args.precision, names and names[row])
             picked[picked == NONFINITE_PICK] = PAD_TOKEN  # a finished row's, fed but never read
             tokens[:, pos] = np.where(is_prompt[:, pos], tokens[:, pos], picked)
             done |= ~is_prompt[:, pos] & np.isin(tokens[:, pos], stop_ids)
