@@ -265,6 +265,9 @@ def run(args, stop=None):
     if args.batch_size == "auto":
         args.batch_size = model_args.max_batch_size = auto_batch_size(model_args, max_seq_len,
                                                                       len(range(rank, len(examples), world)))
+    precision = precision_record(model_args, config, adapter)
+    for line in precision["warnings"]:
+        print_main(f"warning: {line}", file=sys.stderr)
     print_main(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
                f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len} "
                f"(context {context or 'the prompts'}); batch size {args.batch_size}")
@@ -283,13 +286,24 @@ def run(args, stop=None):
         summary = write_results(args, staging, test_sets, examples, results, tok, model, run_dir_path,
                                 {"adapter": adapter, "llama_path": llama_path, **vars(gen),
                                  "budget_seq_len": budget_seq_len, "max_seq_len": max_seq_len,
-                                 "seed": args.seed, "world_size": world}, code, (stopped_dir(output_dir), inputs))
+                                 "seed": args.seed, "world_size": world, **precision}, code,
+                                (stopped_dir(output_dir), inputs))
         output_dirs.swap_in(staging, output_dir)
     finally:
         if rank == 0 and os.path.isdir(staging):
             shutil.rmtree(staging, ignore_errors=True)
     print_scores(summary, output_dir)
     return summary
+
+
+def precision_record(model_args, config, adapter) -> dict:
+    """scores.json's precisions: the model's, and the one the adapter trained in (its adapter_params.json's; None
+    where its files say none: the authors', peft's) with a warning when --precision made them differ."""
+    trained = (config or {}).get("precision")
+    return {"precision": model_args.precision, "kv_cache": model_args.kv_cache, "adapter_precision": trained,
+            "warnings": [] if trained in (None, model_args.precision) else [
+                f"evaluated in {model_args.precision}, the adapter trained in {trained} ({adapter_config_path(adapter)})"
+                f": its scores may differ from those in {trained}"]}
 
 
 def print_scores(summary, output_dir):
