@@ -240,6 +240,12 @@ LAYER_1_ALL = dict(target_modules="all-linear", layers_to_transform=None,
                                     "holds no tensors (2 such module(s))"),
     ({**LAYER_1_ALL, "exclude_modules": r".*\.(k_proj|v_proj|o_proj|gate_proj|up_proj)"},
      "put LoRA on model.layers.0.self_attn.q_proj"),
+    ({"target_modules": ["q_proj", "down_proj", "lm_head"]}, "{folder}/adapter_config.json: target_modules and the "
+     "fields beside it put LoRA on lm_head: no form here, where LoRA is on the seven projections only"),
+    ({"target_modules": ["q_proj", "down_proj", "q_norm"], "layers_to_transform": None,
+      "exclude_modules": r"model\.layers\.0\..*_proj"}, "put LoRA on model.layers.0.self_attn.q_norm: no form"),
+    ({"target_modules": r".*layers\.1\.(self_attn\.q_proj|mlp\.down_proj|mlp)", "layers_to_transform": None},
+     "put LoRA on model.layers.1.mlp: no form"),
     # fields of kinds or combinations peft does not take
     ({"target_modules": None}, "field 'target_modules' is missing"),
     ({"target_modules": 5}, "field 'target_modules' is 5, expected a string or a list of strings"),

@@ -29,7 +29,7 @@ from Utils.misc import read_json_object
 
 from ..ModelArgs import ModelArgs
 from . import CheckpointError
-from .hf import LAYER_NAMES, from_hf_rows, to_hf_rows
+from .hf import LAYER_NAMES, TOP_NAMES, from_hf_rows, to_hf_rows
 from .safetensors import read_arrays
 
 PEFT_CONFIG = "adapter_config.json"
@@ -186,7 +186,8 @@ def excluded_by(config: dict, key: str):
     if exclude and (re.fullmatch(exclude, key) if isinstance(exclude, str) else suffix_match(exclude, key)):
         return "exclude_modules"
     if isinstance(targets, str):
-        return None if targets.lower() == ALL_LINEAR or re.fullmatch(targets, key) else "target_modules"
+        linear = targets.lower() == ALL_LINEAR and key.rsplit(".", 1)[-1] in {hf_module(t).split(".")[-1] for t in TARGETS}
+        return None if linear or re.fullmatch(targets, key) else "target_modules"
     if key in targets:  # a module named whole: no layer rule applies
         return None
     if not suffix_match(targets, key):
@@ -264,6 +265,10 @@ def read_peft(folder: str, base: ModelArgs = None):
     if unfilled:  # peft would put LoRA there all the same, initialised as init_lora_weights says
         raise CheckpointError(f"{config_path}: target_modules and the fields beside it put LoRA on {unfilled[0]}, "
                               f"for which {path} holds no tensors ({len(unfilled)} such module(s))")
+    other = next((key for key in other_modules(base) if not excluded_by(config, key)), None)
+    if other:  # peft would put LoRA there (the embeddings, lm_head) or refuse the module (a norm, a block)
+        raise CheckpointError(f"{config_path}: target_modules and the fields beside it put LoRA on {other}: no form "
+                              "here, where LoRA is on the seven projections only")
     ours = {}
     for (layer, target, part), array in found.items():
         if part == "lora_B" and target in PERMUTED:
@@ -274,6 +279,17 @@ def read_peft(folder: str, base: ModelArgs = None):
         parent, expert, _ = TARGETS[target]
         ours[f"llama.layers.{layer}.{parent}.{expert}.{part}.weight"] = array  # checked and cast as it is assigned
     return fields, ours
+
+
+def other_modules(base: ModelArgs) -> list:
+    """peft's names of the base's modules besides the projections: those holding weights (hf.py's names) and the
+    blocks holding them."""
+    per_layer = {name[:-len(".weight")] for name in LAYER_NAMES.values()} - {hf_module(t) for t in TARGETS}
+    if not base.qk_norm:
+        per_layer -= {"self_attn.q_norm", "self_attn.k_norm"}
+    return [name[:-len(".weight")] for name in TOP_NAMES.values()] + [
+        f"model.layers.{layer}{suffix}" for layer in range(base.n_layers)
+        for suffix in ["", ".self_attn", ".mlp", *sorted(f".{m}" for m in per_layer)]]
 
 
 def module_key(layer: int, target: str) -> str:
