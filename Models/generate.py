@@ -25,6 +25,7 @@ from jittor import nn
 
 from .memory import available_memory, kv_cache_bytes, ranks_sharing_memory
 from .ModelArgs import BF16_PRODUCTS, INSTANCE_METHODS
+from .kernels.finite import nonfinite_rows
 from .kernels.switch import DECODE_ROWS, GEMV_ROWS
 
 PAD_TOKEN = 0  # fed in padded slots that are never read (pad_id -1 is not a valid embedding row)
@@ -198,7 +199,7 @@ def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random
     NONFINITE_PICK: tested in the graph that picks, so it costs no sync of its own."""
     if n_words is not None and n_words < logits.shape[-1]:
         logits = logits[:, :n_words]
-    broken = jt.logical_not(jt.isfinite(logits)).any(-1)  # [B]
+    broken = nonfinite_rows(logits)  # [B]
     if temperature == 0:
         return jt.where(broken, NONFINITE_PICK, jt.argmax(logits, dim=-1)[0]).numpy().astype(np.int64)
     # each row's largest logit made 0 first: a tiny temperature would make the others overflow, and Jittor's

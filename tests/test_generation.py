@@ -15,6 +15,7 @@ from Models import LLM
 from Models.formats.base_model import base_args, build_model, open_tokenizer
 from Models.generate import (NONFINITE_PICK, NonFiniteLogits, auto_batch_size, decode_buffer_bytes, generate,
                              kv_cache_bytes, pick_tokens, prefill_chunks, sample_top_p)
+from Models.kernels.finite import nonfinite_rows
 from Models.kernels.precision import set_base_precision
 from Models.kernels import switch
 from Models.kernels.switch import DECODE_ROWS, GEMV_ROWS, fused_kernels_on
@@ -93,7 +94,7 @@ def test_a_tiny_temperature_samples_the_most_probable_token():
 def test_rows_with_non_finite_logits_pick_no_token():
     """A row holding a NaN, inf or -inf among the tokenizer's ids picks NONFINITE_PICK, greedy or sampled; the
     other rows pick as before, and a NaN past the tokenizer's ids (an embedding table's padding rows) is no
-    token's."""
+    token's. The rows are found by a fused CPU op and Jittor's isfinite alike."""
     logits = np.random.default_rng(0).standard_normal((5, 50)).astype(np.float32)
     broken = logits.copy()
     broken[1, 7], broken[2, 0], broken[3, 49], broken[4, 45] = np.nan, np.inf, -np.inf, np.nan
@@ -102,6 +103,9 @@ def test_rows_with_non_finite_logits_pick_no_token():
         picked = pick_tokens(jt.array(broken), temperature, 0.9, np.random.default_rng(1), n_words=45)
         assert (picked[[1, 2]] == NONFINITE_PICK).all() and (picked[[0, 3, 4]] == expected[[0, 3, 4]]).all()
         assert pick_tokens(jt.array(broken), temperature, 0.9, np.random.default_rng(1))[3] == NONFINITE_PICK
+    edges = np.array([[3.4e38, -3.4e38, 1e-45, -0.0], [0, 0, 0, np.nan], [-np.inf, 0, 0, 0], [np.inf] * 4], np.float32)
+    for check in (nonfinite_rows.fused, nonfinite_rows.plain):  # the fused one tests the bits of each float
+        assert check(jt.array(edges)).numpy().tolist() == [False, True, True, True]
 
 
 class ScriptedLlama:
