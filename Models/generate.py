@@ -34,12 +34,12 @@ NONFINITE_PICK = -1  # pick_tokens' answer for a row whose logits are not all fi
 
 class NonFiniteLogits(ArithmeticError):
     """Logits holding NaN or inf where generate() was to pick a token: for row `row` of the batch, the
-    `step`-th token of its answer, in `precision`; `where` names the prompt (default: its row)."""
+    `step`-th token of its answer, computed in `precision`; `where` names the prompt (default: its row)."""
 
     def __init__(self, row: int, step: int, precision: str, where: str = None):
         super().__init__(f"non-finite logits (NaN or inf) for token {step} of the answer to {where or f'prompt {row}'}"
                          f", computed in {precision}: the base's or the adapter's numbers overflow there")
-        self.row, self.step, self.precision = row, step, precision
+        self.row, self.step = row, step
 
 
 def decode_buffer_bytes(args, batch_size: int, chunk: int) -> int:
