@@ -3,6 +3,7 @@ numbers checked by merging it into the base's own safetensors, and the refusals 
 tests/test_export_hf_reference.py checks the exported folders in transformers and peft themselves."""
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -186,12 +187,18 @@ def test_peft_folder_reads_as_our_settings_and_rows(tiny_qwen3, tmp_path):
     # tensors that are no LoRA of this base, or not finite, are refused naming the file
     arrays = dict(theirs)
     for changed, message in [({"self_attn.q_proj.lora_B.weight": np.ones((129, 2), np.float32)},
-                              "layer 1 Q lora_B has 129 rows, not whole heads of the base's head_dim 32"),
+                              "model.layers.1.self_attn.q_proj.lora_B.weight' has shape [129, 2], where LoRA of "
+                              "rank 2 on the base's self_attn.q_proj has [128, 2]"),
+                             ({"mlp.down_proj.lora_A.weight": np.ones((2, 161), np.float32)},
+                              "mlp.down_proj.lora_A.weight' has shape [2, 161], where LoRA of rank 2 on the base's "
+                              "mlp.down_proj has [2, 160]"),
+                             ({"mlp.down_proj.lora_B.weight": np.ones((64, 3), np.float32)},
+                              "mlp.down_proj.lora_B.weight' has shape [64, 3]"),
                              ({"mlp.down_proj.lora_A.weight": np.full((2, 160), np.nan, np.float32)},
                               "hold NaN or inf values")]:
         save_safetensors({**arrays, **{peft.PEFT_PREFIX + "model.layers.1." + k: v for k, v in changed.items()}},
                          os.path.join(folder, peft.PEFT_WEIGHTS))
-        with pytest.raises(CheckpointError, match=message):
+        with pytest.raises(CheckpointError, match=re.escape(message)):
             load_adapter(model, folder)
     assert peft.spans([0, 1, 2, 5, 7, 8]) == "0-3,5-6,7-9"
 

@@ -269,14 +269,17 @@ def read_peft(folder: str, base: ModelArgs = None):
     if other:  # peft would put LoRA there (the embeddings, lm_head) or refuse the module (a norm, a block)
         raise CheckpointError(f"{config_path}: target_modules and the fields beside it put LoRA on {other}: no form "
                               "here, where LoRA is on the seven projections only")
-    ours = {}
+    ours, shapes = {}, base.layer_shapes()
     for (layer, target, part), array in found.items():
+        parent, expert, linear = TARGETS[target]
+        out_features, in_features = shapes[f"{parent}.{linear}.weight"]
+        expected = [rank, in_features] if part == "lora_A" else [out_features, rank]
+        if list(array.shape) != expected:
+            raise CheckpointError(f"{path}: tensor '{PEFT_PREFIX}{module_key(layer, target)}.{part}.weight' has shape "
+                                  f"{list(array.shape)}, where LoRA of rank {rank} on the base's {hf_module(target)} "
+                                  f"has {expected}")
         if part == "lora_B" and target in PERMUTED:
-            if array.shape[0] % base.head_dim:
-                raise CheckpointError(f"{path}: layer {layer} {target} lora_B has {array.shape[0]} rows, not whole "
-                                      f"heads of the base's head_dim {base.head_dim}")
             array = from_hf_rows(array, base.head_dim)
-        parent, expert, _ = TARGETS[target]
         ours[f"llama.layers.{layer}.{parent}.{expert}.{part}.weight"] = array  # checked and cast as it is assigned
     return fields, ours
 
