@@ -42,8 +42,8 @@ from Data.prompts import format_prompt
 from Data.test_sets import (STOPPED_SAMPLES, TestSet, check_prompt_lengths, data_files, default_test_set,
                             example_name, load_test_sets, score_and_write, stopped_dir)
 from Models.ModelArgs import ModelArgs
-from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, adapter_config_path,
-                                     check_adapter_exists, load_adapter, read_adapter_config, settings_from_flags)
+from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, check_adapter_exists,
+                                     load_adapter, read_adapter_config, settings_file, settings_from_flags)
 from Models.formats.base_model import adapter_settings, base_args, build_model, open_tokenizer
 from Models.generate import NonFiniteLogits, auto_batch_size, generate
 from Models.memory import check_memory
@@ -145,7 +145,7 @@ def model_settings(args, adapter, llama_path, max_seq_len):
     try:
         return base_args(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": batch})
     except (TypeError, ValueError) as e:  # a field of the wrong type, or a rule the settings together break
-        config = adapter_config_path(adapter) if adapter else None
+        config = settings_file(adapter) if adapter else None
         where = f" (the adapter's settings: {config}, then the flags given)" if config and os.path.isfile(config) \
             else ""
         raise ValueError(f"{e}{where}") from None
@@ -302,7 +302,7 @@ def precision_record(model_args, config, adapter) -> dict:
     trained = (config or {}).get("precision")
     return {"precision": model_args.precision, "kv_cache": model_args.kv_cache, "adapter_precision": trained,
             "warnings": [] if trained in (None, model_args.precision) else [
-                f"evaluated in {model_args.precision}, the adapter trained in {trained} ({adapter_config_path(adapter)})"
+                f"evaluated in {model_args.precision}, the adapter trained in {trained} ({settings_file(adapter)})"
                 f": its scores may differ from those in {trained}"]}
 
 

@@ -285,16 +285,23 @@ def test_peft_config_that_puts_lora_where_its_tensors_are_loads(tiny_qwen3, tmp_
     assert read_adapter_config(peft_folder(tmp_path, config), base=base_args(tiny_qwen3))["lora_layers"] == "1-2"
 
 
-def test_peft_tensors_past_the_base_are_refused_naming_the_file(tiny_qwen3, addsub, tmp_path, capsys, monkeypatch):
+def test_peft_folders_refused_by_infer_are_named_by_their_files(tiny_qwen3, addsub, tmp_path, capsys, monkeypatch):
     """Infer.py reads the peft folder's settings against the base: a tensor on a layer the base lacks is named with
-    its file, before the model is built."""
+    its file, before the model is built; a flag other than the folder's settings names adapter_config.json (not
+    the adapter_params.json a folder of ours would have)."""
     import Infer
     monkeypatch.setattr(Infer, "build_model", lambda *a: pytest.fail("the model was built"))
     folder = peft_folder(tmp_path, {"layers_to_transform": [99]}, LAYER_99, layer=99)
-    assert_refused(capsys, lambda: Infer.main(["--adapter_path", folder, "--llama_path", tiny_qwen3, "--data_path",
-                                               addsub, "--output_dir", str(tmp_path / "eval")]),
+    argv = ["--llama_path", tiny_qwen3, "--data_path", addsub, "--output_dir", str(tmp_path / "eval")]
+    assert_refused(capsys, lambda: Infer.main(["--adapter_path", folder, *argv]),
                    f"{folder}/adapter_model.safetensors: tensor 'base_model.model.model.layers.99.self_attn.q_proj."
                    "lora_A.weight' is on layer 99, past the base's 2 layers")
+    monkeypatch.undo()
+    folder = peft_folder(tmp_path, name="good")
+    assert_refused(capsys, lambda: Infer.main(["--adapter_path", folder, *argv, "--lora_rank", "4"]),
+                   f"{folder}/adapter_config.json: adapter from another configuration: lora_rank: adapter has 2")
+    assert_refused(capsys, lambda: Infer.main(["--adapter_path", folder, *argv, "--lora_layers", "0-9"]),
+                   "'0-9' reaches past the model's 2 layers", f"(the adapter's settings: {folder}/adapter_config.json")
     assert not (tmp_path / "eval").exists()
 
 

@@ -168,6 +168,13 @@ def adapter_config_path(path: str) -> str:
     return os.path.join(path if os.path.isdir(path) else os.path.dirname(path), ADAPTER_PARAMS)
 
 
+def settings_file(path: str) -> str:
+    """The file an adapter's settings are read from, as messages name it: adapter_params.json beside it, or a
+    peft folder's adapter_config.json."""
+    ours, peft = adapter_config_path(path), peft_format()
+    return os.path.join(path, peft.PEFT_CONFIG) if not os.path.isfile(ours) and peft.is_peft_adapter(path) else ours
+
+
 def check_adapter_exists(path: str):
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such adapter file or directory")
@@ -224,7 +231,7 @@ def load_adapter(model: LLaMA_adapter, path: str):
     if config is not None:
         differences = config_differences(config, model.args)
         if differences:
-            raise CheckpointError(f"{adapter_config_path(path)}: adapter from another configuration: "
+            raise CheckpointError(f"{settings_file(path)}: adapter from another configuration: "
                                   + "; ".join(differences))
     peft = peft_format()
     if peft.is_peft_adapter(path) and not os.path.isfile(adapter_config_path(path)):
