@@ -186,7 +186,7 @@ def excluded_by(config: dict, key: str):
     if exclude and (re.fullmatch(exclude, key) if isinstance(exclude, str) else suffix_match(exclude, key)):
         return "exclude_modules"
     if isinstance(targets, str):
-        linear = targets.lower() == ALL_LINEAR and key.rsplit(".", 1)[-1] in {hf_module(t).split(".")[-1] for t in TARGETS}
+        linear = targets.lower() == ALL_LINEAR and any(key.endswith(f".{hf_module(t)}") for t in TARGETS)
         return None if linear or re.fullmatch(targets, key) else "target_modules"
     if key in targets:  # a module named whole: no layer rule applies
         return None
