@@ -172,10 +172,10 @@ def check_targeting(config: dict, path: str):
             layers, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
         raise CheckpointError(f"{path}: field 'layers_to_transform' is {layers!r:.80}, expected a layer number or a "
                               "list of them")
-    if isinstance(config["target_modules"], str) and (layers is not None or config.get("layers_pattern")):
+    if isinstance(config["target_modules"], str) and (layers is not None or config.get("layers_pattern") is not None):
         raise CheckpointError(f"{path}: layers_to_transform or layers_pattern with a target_modules string "
                               f"({config['target_modules']!r:.80}): peft refuses the combination")
-    if config.get("layers_pattern") and not layers:
+    if config.get("layers_pattern") and layers is None:
         raise CheckpointError(f"{path}: layers_pattern without layers_to_transform: peft refuses it")
 
 
@@ -195,13 +195,13 @@ def excluded_by(config: dict, key: str):
     layers = config.get("layers_to_transform")
     if layers is None or layers == []:
         return None
-    patterns = config.get("layers_pattern") or [r"[^.]*"]  # none: any module list's index
-    found = [m for p in ([patterns] if isinstance(patterns, str) else patterns) for m in [re.match(
-        rf".*\.{p}\.(\d+)\.", key)] if m]
-    if not found:
+    patterns = config.get("layers_pattern")  # none: the first index of a module list; peft's regular expressions
+    regexes = [rf"(?:^|.*?\.){p}\.(\d+)\." for p in ([patterns] if isinstance(patterns, str) else patterns)] \
+        if patterns else [r".*?\.[^.]*\.(\d+)\."]
+    found = next((m for m in (re.match(r, key) for r in regexes) if m), None)
+    if found is None:
         return "layers_pattern"
-    return None if int(found[0].group(1)) in ([layers] if isinstance(layers, int) else layers) else \
-        "layers_to_transform"
+    return None if int(found.group(1)) in ([layers] if isinstance(layers, int) else layers) else "layers_to_transform"
 
 
 def suffix_match(names: list, key: str) -> bool:
