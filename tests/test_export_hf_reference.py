@@ -104,7 +104,7 @@ def our_side(base, settings, tokens, work, name):
     model.eval()
     save_adapter(model, str(work / name / "adapter"))
     assert export_hf.main([str(work / name / "adapter"), str(work / name / "export"), "--base", base]) is None
-    stub = type("Stops", (), {"stop_tokens": set()})()
+    stub = type("Stops", (), {"stop_tokens": set(), "n_words": None})()  # every row a token, as transformers picks
     generated = np.array(generate(model, stub, tokens[:, :PREFILL].tolist(), NEW_TOKENS))
     full = np.concatenate([tokens[:, :PREFILL], generated], 1)
     return {"logits": model.llama(jt.array(tokens.astype(np.int32))).numpy(),
