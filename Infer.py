@@ -20,7 +20,8 @@ The results of one evaluation, never a mix: everything is written into a staging
 beside --output_dir and replaces it as a whole once every data set is scored; its manifest
 (.manifest.json) lists them. A folder holding anything its manifest does not list is refused
 (it is not an evaluation folder), and so is a mount point; a symlink's target is replaced.
-Exit codes: 0 done, 2 bad input (one line on stderr), 4 a file could not be written (disk
+Exit codes: 0 done, 2 bad input (one line on stderr), 3 non-finite logits (NaN or inf: the base or
+adapter overflows in --precision; names the example; nothing written), 4 a file could not be written (disk
 full, permissions), 130 / 143 / 138 stopped by SIGINT / SIGTERM / SIGUSR1 (while generating: nothing written; while
 the code sets' programs run: what was scored and every completion kept in <output_dir>.stopped).
 """
@@ -39,12 +40,12 @@ from tqdm import tqdm
 from Data import code_task
 from Data.prompts import format_prompt
 from Data.test_sets import (STOPPED_SAMPLES, TestSet, check_prompt_lengths, data_files, default_test_set,
-                            load_test_sets, score_and_write, stopped_dir)
+                            example_name, load_test_sets, score_and_write, stopped_dir)
 from Models.ModelArgs import ModelArgs
-from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, adapter_config_path,
-                                     check_adapter_exists, load_adapter, read_adapter_config, settings_from_flags)
+from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, check_adapter_exists,
+                                     load_adapter, read_adapter_config, settings_file, settings_from_flags)
 from Models.formats.base_model import adapter_settings, base_args, build_model, open_tokenizer
-from Models.generate import auto_batch_size, generate
+from Models.generate import NonFiniteLogits, auto_batch_size, generate
 from Models.memory import check_memory
 from Data.tiny_base import ensure_default_base
 from Models.formats import CheckpointError
@@ -144,7 +145,7 @@ def model_settings(args, adapter, llama_path, max_seq_len):
     try:
         return base_args(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": batch})
     except (TypeError, ValueError) as e:  # a field of the wrong type, or a rule the settings together break
-        config = adapter_config_path(adapter) if adapter else None
+        config = settings_file(adapter) if adapter else None
         where = f" (the adapter's settings: {config}, then the flags given)" if config and os.path.isfile(config) \
             else ""
         raise ValueError(f"{e}{where}") from None
@@ -166,27 +167,28 @@ def load_model(llama_path, adapter, model_args):
 
 # ---- running ------------------------------------------------------------------------
 
-def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len=None, stop=None):
+def generate_share(model, tok, prompts, indices, args, gen, rank, budget_seq_len=None, stop=None, test_sets=None):
     """Generate for the examples `indices` (longest-first batches); {index: result}.
     budget_seq_len: the authors' per-example budget (Models.generate.generate); `stop`, a StopFlag
-    polled between batches."""
+    polled between batches; `test_sets`, which name an example whose logits are not finite."""
     order = sorted(indices, key=lambda i: -len(prompts[i]))
     results = {}
-    bar = tqdm(total=len(order), desc="generate", disable=rank != 0, dynamic_ncols=True)
-    for start in range(0, len(order), args.batch_size):
-        if stop is not None and stop.poll():
-            raise Stopped(stop.name)
-        batch = order[start:start + args.batch_size]
-        records = [] if args.save_weights else None
-        outputs = generate(model, tok, [prompts[i] for i in batch], gen.max_gen_len, gen.temperature,
-                           gen.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size,
-                           budget_seq_len=budget_seq_len)
-        for j, (i, out) in enumerate(zip(batch, outputs)):
-            text, unknown = decode_until_unknown(tok, out)
-            results[i] = {"generation": text, "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),
-                          "records": records[j] if records is not None else None, "undecodable_id": unknown}
-        bar.update(len(batch))
-    bar.close()
+    # closed however the loop ends: an error line then starts a line of its own
+    with tqdm(total=len(order), desc="generate", disable=rank != 0, dynamic_ncols=True) as bar:
+        for start in range(0, len(order), args.batch_size):
+            if stop is not None and stop.poll():
+                raise Stopped(stop.name)
+            batch = order[start:start + args.batch_size]
+            records = [] if args.save_weights else None
+            outputs = generate(model, tok, [prompts[i] for i in batch], gen.max_gen_len, gen.temperature,
+                               gen.top_p, (args.seed, rank, start), records=records, batch_size=args.batch_size,
+                               budget_seq_len=budget_seq_len,
+                               names=[example_name(test_sets, i) for i in batch] if test_sets else None)
+            for j, (i, out) in enumerate(zip(batch, outputs)):
+                text, unknown = decode_until_unknown(tok, out)
+                results[i] = {"generation": text, "token_ids": prompts[i] + out, "n_prompt": len(prompts[i]),
+                              "records": records[j] if records is not None else None, "undecodable_id": unknown}
+            bar.update(len(batch))
     return results
 
 
@@ -263,6 +265,9 @@ def run(args, stop=None):
     if args.batch_size == "auto":
         args.batch_size = model_args.max_batch_size = auto_batch_size(model_args, max_seq_len,
                                                                       len(range(rank, len(examples), world)))
+    precision = precision_record(model_args, config, adapter)
+    for line in precision["warnings"]:
+        print_main(f"warning: {line}", file=sys.stderr)
     print_main(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
                f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len} "
                f"(context {context or 'the prompts'}); batch size {args.batch_size}")
@@ -274,20 +279,31 @@ def run(args, stop=None):
     output_dirs.make_staging(staging)
     try:
         local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, gen, rank,
-                               budget_seq_len, stop)
+                               budget_seq_len, stop, test_sets)
         results = misc.gather_on_main(local, staging, rank, world)
         if rank != 0:
             return None
         summary = write_results(args, staging, test_sets, examples, results, tok, model, run_dir_path,
                                 {"adapter": adapter, "llama_path": llama_path, **vars(gen),
                                  "budget_seq_len": budget_seq_len, "max_seq_len": max_seq_len,
-                                 "seed": args.seed, "world_size": world}, code, (stopped_dir(output_dir), inputs))
+                                 "seed": args.seed, "world_size": world, **precision}, code,
+                                (stopped_dir(output_dir), inputs))
         output_dirs.swap_in(staging, output_dir)
     finally:
         if rank == 0 and os.path.isdir(staging):
             shutil.rmtree(staging, ignore_errors=True)
     print_scores(summary, output_dir)
     return summary
+
+
+def precision_record(model_args, config, adapter) -> dict:
+    """scores.json's precisions: the model's, and the one the adapter trained in (its adapter_params.json's; None
+    where its files say none: the authors', peft's) with a warning when --precision made them differ."""
+    trained = (config or {}).get("precision")
+    return {"precision": model_args.precision, "kv_cache": model_args.kv_cache, "adapter_precision": trained,
+            "warnings": [] if trained in (None, model_args.precision) else [
+                f"evaluated in {model_args.precision}, the adapter trained in {trained} ({settings_file(adapter)})"
+                f": its scores may differ from those in {trained}"]}
 
 
 def print_scores(summary, output_dir):
@@ -376,6 +392,9 @@ def main(argv=None):
         if misc.get_rank() == 0:
             sys.stderr.write(f"error: {stopped_message(e)}\n")
         sys.exit(stop_exit_status(str(e)))
+    except NonFiniteLogits as e:  # on the rank that met them: another rank's examples may be finite
+        sys.stderr.write(f"error: {e}; stopping, nothing written\n")
+        sys.exit(3)
     except (FileNotFoundError, ValueError) as e:  # CheckpointError is a ValueError
         if misc.get_rank() == 0:
             sys.stderr.write(f"error: {e}\n")

@@ -76,6 +76,12 @@ def load_test_sets(sources, max_examples, samples_per_task=1):
     return examples, test_sets
 
 
+def example_name(test_sets, i: int) -> str:
+    """Example i of the joined examples as a message names it: its place in its data set, and the file."""
+    ts = next(ts for ts in test_sets if ts.first <= i < ts.first + ts.count)
+    return f"example {i - ts.first} of data set '{ts.name}' ({ts.path})"
+
+
 def check_prompt_lengths(prompts, test_sets, context):
     """Refuse prompts that leave no room to generate within the context, naming the first of them."""
     too_long = [(ts, i) for ts in test_sets for i in range(ts.first, ts.first + ts.count) if len(prompts[i]) >= context]

@@ -25,9 +25,21 @@ from jittor import nn
 
 from .memory import available_memory, kv_cache_bytes, ranks_sharing_memory
 from .ModelArgs import BF16_PRODUCTS, INSTANCE_METHODS
+from .kernels.finite import nonfinite_rows
 from .kernels.switch import DECODE_ROWS, GEMV_ROWS
 
 PAD_TOKEN = 0  # fed in padded slots that are never read (pad_id -1 is not a valid embedding row)
+NONFINITE_PICK = -1  # pick_tokens' answer for a row whose logits are not all finite
+
+
+class NonFiniteLogits(ArithmeticError):
+    """Logits holding NaN or inf where generate() was to pick a token: for row `row` of the batch, the
+    `step`-th token of its answer, computed in `precision`; `where` names the prompt (default: its row)."""
+
+    def __init__(self, row: int, step: int, precision: str, where: str = None):
+        super().__init__(f"non-finite logits (NaN or inf) for token {step} of the answer to {where or f'prompt {row}'}"
+                         f", computed in {precision}: the base's or the adapter's numbers overflow there")
+        self.row, self.step = row, step
 
 
 def decode_buffer_bytes(args, batch_size: int, chunk: int) -> int:
@@ -183,15 +195,19 @@ def pick_tokens(logits: jt.Var, temperature: float, top_p: float, rng: np.random
     """Greedy (argmax on the device) when temperature == 0, else temperature + nucleus sampling (on a GPU its
     candidates are found there: sample_top_p), among the ids below n_words (the tokenizer's): an embedding
     table may have more rows than the tokenizer has tokens (Qwen3's 151,936 for 151,669), and those padding
-    rows are no tokens, whatever the weights give them."""
+    rows are no tokens, whatever the weights give them. A row whose logits hold a NaN or inf picks
+    NONFINITE_PICK: tested in the graph that picks, so it costs no sync of its own."""
     if n_words is not None and n_words < logits.shape[-1]:
         logits = logits[:, :n_words]
+    broken = nonfinite_rows(logits)  # [B]
     if temperature == 0:
-        return jt.argmax(logits, dim=-1)[0].numpy().astype(np.int64)
+        return jt.where(broken, NONFINITE_PICK, jt.argmax(logits, dim=-1)[0]).numpy().astype(np.int64)
     # each row's largest logit made 0 first: a tiny temperature would make the others overflow, and Jittor's
-    # softmax of logits near 1e12 is NaN
+    # softmax of logits near 1e12 is NaN; a broken row is sampled from zeros, then its pick discarded
+    logits = jt.where(broken.unsqueeze(-1), 0.0, logits)
     probs = nn.softmax((logits - logits.max(dim=-1, keepdims=True)) / temperature, dim=-1)
-    return sample_top_p(probs if jt.flags.use_cuda else probs.numpy(), top_p, rng)
+    picks = sample_top_p(probs if jt.flags.use_cuda else probs.numpy(), top_p, rng)
+    return np.where(broken.numpy(), NONFINITE_PICK, picks)
 
 
 def fetch_records(step_records: list, store: list):
@@ -224,7 +240,7 @@ def row_records(steps: list, row: int, n_tokens: int) -> list:
 
 def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature: float = 0.0,
              top_p: float = 0.9, seed: int = 0, records=None, batch_size=None, prefill_step: int = 64,
-             budget_seq_len=None, timings=None):
+             budget_seq_len=None, timings=None, names=None):
     """Continue each prompt (a list of token ids, bos included) by up to max_gen_len tokens. `tokenizer` gives
     stop_tokens (the ids that end a generation) and n_words (generated ids stay below it: pick_tokens).
 
@@ -233,7 +249,9 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
       tokens (none when its prompt fills it), whatever the batch. The authors' inference
       takes it from the adapter's config (its training max_seq_len).
 
-    Returns one list of generated ids per prompt, cut before the first stop token.
+    Returns one list of generated ids per prompt, cut before the first stop token. Logits holding NaN or inf
+    where a prompt's token is picked raise NonFiniteLogits: a base or adapter that overflows in its precision
+    stops here instead of generating token 0.
     records: a list that receives, per prompt, a per-layer list of dicts
       {"type_weight": [n, n_types] or None, "token_weight": [n, 1] (Sparse Gamma) or None,
        "expert_weight": {family: [n, E]} of the families mixing E > 1 experts}
@@ -244,6 +262,7 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
     timings: a dict that receives prefill_s and prefill_tokens (the chunks, all rows), decode_s and
       decode_steps (one token per row each; the first picks belong to the prefill), and sampling_s (the
       decode steps' softmax and picks, in decode_s), for benchmarks.
+    names: what a NonFiniteLogits calls each prompt (default: its row).
     """
     prompts = [list(map(int, p)) for p in prompt_token_lists]
     n_real = len(prompts)
@@ -305,8 +324,13 @@ def generate(model, tokenizer, prompt_token_lists, max_gen_len: int, temperature
                 sampling_s += time.perf_counter() - picking
             if pos == P:
                 prefilled = time.perf_counter()
-            tokens[:, pos] = np.where(is_prompt[:, pos], tokens[:, pos], picked)
             generated = pos - lengths + 1  # tokens each row has generated so far (<= 0: still in its prompt)
+            broken = np.flatnonzero((picked[:n_real] == NONFINITE_PICK) & ~done[:n_real] & ~is_prompt[:n_real, pos])
+            if len(broken):  # a row whose pick is kept; a finished one's later logits are read by no one
+                row = int(broken[0])
+                raise NonFiniteLogits(row, int(generated[row]), model.llama.args.precision, names and names[row])
+            picked[picked == NONFINITE_PICK] = PAD_TOKEN  # a finished row's, fed but never read
+            tokens[:, pos] = np.where(is_prompt[:, pos], tokens[:, pos], picked)
             done |= ~is_prompt[:, pos] & np.isin(tokens[:, pos], stop_ids)
             done |= generated >= budgets
             last_pos = pos

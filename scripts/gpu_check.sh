@@ -96,14 +96,16 @@ begin() {
   fi
 }
 
-# the decode layer's CUDA form against the plain layer, and generation through it (greedy vs no cache, batched);
+# the decode layer's CUDA form against the plain layer, and generation through it (greedy vs no cache, batched;
+# rows whose logits are not finite picking no token, greedy and sampled on the device);
 # MOA_GPU_KERNELS=1 turns it on (off by default until this has passed on a GPU). Compiling is most of it: about
 # 44 distinct CUDA ops with the mixtures' (each 7 s of nvcc on this project's 2-core CPU), compiled 4 tests at a
 # time (pytest-xdist's workers; one test's graph holds only a few ops to compile at once)
 decode_tests() {
-  local tests="decode_layer_equals or built_once or greedy_cache or batch_of_4 or records_match"
+  local tests="decode_layer_equals or built_once or greedy_cache or batch_of_4 or records_match or non_finite"
   step gpu_decode 340 env use_cuda=1 MOA_GPU_KERNELS=1 OMP_NUM_THREADS=4 "$VENV/bin/python" -m pytest -q \
-    -p no:cacheprovider -rf -n 4 --dist worksteal tests/test_decode_layer.py tests/test_infer.py -k "$tests"
+    -p no:cacheprovider -rf -n 4 --dist worksteal tests/test_decode_layer.py tests/test_infer.py \
+    tests/test_generation.py -k "$tests"
 }
 
 # side_by_side NAME SECONDS ARGS...: bench/side_by_side.py beside the authors' code on the GPU in bf16, as step NAME

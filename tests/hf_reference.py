@@ -9,6 +9,8 @@ jobs.json: a list of jobs, each {"kind": ..., "out": npz path, ...}:
             trust_remote_code=True)
   "make_peft" {"base", "folder", "tokens", "lora": LoraConfig fields, "seed"}: a peft LoRA adapter with random
             A and B (init_lora_weights=False) saved into folder, and its logits
+  "select"  {"configs": LoraConfig fields each, "keys": a base's module names}: which configs LoraConfig takes
+            (`taken` [C]) and, for those, which modules peft's check_target_module_exists puts LoRA on (`chosen` [C,K])
 Every model is loaded in fp32. The npz holds `logits` (the whole sequence, no cache), `base_logits` (the base
 alone), and for peft/remote `kv_logits` (a prefill of `prefill` tokens, then one token per step through the KV
 cache: the last position of each), `generated` (generate(), greedy, new_tokens tokens from the first `prefill`
@@ -71,10 +73,24 @@ def run(job):
     np.savez(job["out"], **{k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in result.items()})
 
 
+def select(job):
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+    taken, chosen = [], []
+    for fields in job["configs"]:
+        try:
+            config = LoraConfig(**fields)
+        except ValueError:
+            config = None
+        taken.append(config is not None)
+        chosen.append([config is not None and bool(check_target_module_exists(config, key)) for key in job["keys"]])
+    np.savez(job["out"], taken=np.array(taken), chosen=np.array(chosen))
+
+
 def main():
     with open(sys.argv[1]) as f:
         for job in json.load(f):
-            run(job)
+            select(job) if job["kind"] == "select" else run(job)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ numbers checked by merging it into the base's own safetensors, and the refusals 
 tests/test_export_hf_reference.py checks the exported folders in transformers and peft themselves."""
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -156,15 +157,17 @@ def test_export_refusals_write_nothing(tiny_base, tiny_qwen3, tiny_hf_llama, tmp
     refused([tmp_path / "qwen", out], f"{tmp_path / 'args.json'}: field 'llama_path'", "pass --base")
 
 
-def peft_folder(tmp_path, config=None, tensors=None, name="peft"):
-    """A peft LoRA folder: rank 2 on layer 1's q_proj and down_proj of a 64-wide base, `config` fields changed."""
+def peft_folder(tmp_path, config=None, tensors=None, name="peft", layer=1):
+    """A peft LoRA folder: rank 2 on layer `layer`'s q_proj and down_proj of a 64-wide base, `config` fields
+    changed (`tensors`: other shapes)."""
     folder = tmp_path / name
     folder.mkdir()
     base = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "down_proj"],
-            "bias": "none", "use_dora": False, "lora_dropout": 0.05, "task_type": "CAUSAL_LM"}
+            "layers_to_transform": [1], "bias": "none", "use_dora": False, "lora_dropout": 0.05,
+            "task_type": "CAUSAL_LM"}
     (folder / peft.PEFT_CONFIG).write_text(json.dumps({**base, **(config or {})}))
     rng = np.random.default_rng(0)
-    prefix = peft.PEFT_PREFIX + "model.layers.1."
+    prefix = peft.PEFT_PREFIX + f"model.layers.{layer}."
     shapes = tensors or {"self_attn.q_proj.lora_A.weight": (2, 64), "self_attn.q_proj.lora_B.weight": (128, 2),
                          "mlp.down_proj.lora_A.weight": (2, 160), "mlp.down_proj.lora_B.weight": (64, 2)}
     save_safetensors({prefix + k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()},
@@ -186,12 +189,18 @@ def test_peft_folder_reads_as_our_settings_and_rows(tiny_qwen3, tmp_path):
     # tensors that are no LoRA of this base, or not finite, are refused naming the file
     arrays = dict(theirs)
     for changed, message in [({"self_attn.q_proj.lora_B.weight": np.ones((129, 2), np.float32)},
-                              "layer 1 Q lora_B has 129 rows, not whole heads of the base's head_dim 32"),
+                              "model.layers.1.self_attn.q_proj.lora_B.weight' has shape [129, 2], where LoRA of "
+                              "rank 2 on the base's self_attn.q_proj has [128, 2]"),
+                             ({"mlp.down_proj.lora_A.weight": np.ones((2, 161), np.float32)},
+                              "mlp.down_proj.lora_A.weight' has shape [2, 161], where LoRA of rank 2 on the base's "
+                              "mlp.down_proj has [2, 160]"),
+                             ({"mlp.down_proj.lora_B.weight": np.ones((64, 3), np.float32)},
+                              "mlp.down_proj.lora_B.weight' has shape [64, 3]"),
                              ({"mlp.down_proj.lora_A.weight": np.full((2, 160), np.nan, np.float32)},
                               "hold NaN or inf values")]:
         save_safetensors({**arrays, **{peft.PEFT_PREFIX + "model.layers.1." + k: v for k, v in changed.items()}},
                          os.path.join(folder, peft.PEFT_WEIGHTS))
-        with pytest.raises(CheckpointError, match=message):
+        with pytest.raises(CheckpointError, match=re.escape(message)):
             load_adapter(model, folder)
     assert peft.spans([0, 1, 2, 5, 7, 8]) == "0-3,5-6,7-9"
 
@@ -219,8 +228,88 @@ def test_peft_settings_with_no_form_here_are_refused(tmp_path, config, tensors, 
         read_adapter_config(peft_folder(tmp_path, config, tensors))
 
 
+LAYER_99 = {"self_attn.q_proj.lora_A.weight": (2, 64), "self_attn.q_proj.lora_B.weight": (128, 2)}
+LAYER_1_ALL = dict(target_modules="all-linear", layers_to_transform=None,
+                   exclude_modules=r"model\.layers\.0\..*|.*\.(k_proj|v_proj|o_proj|gate_proj|up_proj)")
+
+
+@pytest.mark.parametrize("config,message", [
+    # where peft puts LoRA (check_target_module_exists) and where the tensors are disagree: refused either way
+    ({"target_modules": ["q_proj"]}, "'base_model.model.model.layers.1.mlp.down_proj.lora_A.weight' is on a module "
+                                     "that {folder}/adapter_config.json's target_modules ['q_proj'] keeps LoRA off"),
+    ({"layers_to_transform": [0]}, "layers.1.self_attn.q_proj.lora_A.weight' is on a module that {folder}/"
+                                   "adapter_config.json's layers_to_transform [0] keeps LoRA off: peft would leave"),
+    ({"layers_to_transform": 0}, "layers_to_transform 0 keeps LoRA off"),
+    ({"layers_pattern": "h"}, "layers_pattern 'h' keeps LoRA off"),
+    ({"exclude_modules": ["down_proj"]}, "mlp.down_proj.lora_A.weight' is on a module that {folder}/adapter_config"
+                                         ".json's exclude_modules ['down_proj'] keeps LoRA off"),
+    ({"target_modules": r".*\.q_proj", "layers_to_transform": None}, r"target_modules '.*\\.q_proj' keeps LoRA off"),
+    ({"layers_to_transform": None}, "{folder}/adapter_config.json: target_modules and the fields beside it put LoRA "
+                                    "on model.layers.0.self_attn.q_proj, for which {folder}/adapter_model.safetensors "
+                                    "holds no tensors (2 such module(s))"),
+    ({**LAYER_1_ALL, "exclude_modules": r".*\.(k_proj|v_proj|o_proj|gate_proj|up_proj)"},
+     "put LoRA on model.layers.0.self_attn.q_proj"),
+    ({"target_modules": ["q_proj", "down_proj", "lm_head"]}, "{folder}/adapter_config.json: target_modules and the "
+     "fields beside it put LoRA on lm_head: no form here, where LoRA is on the seven projections only"),
+    ({"target_modules": ["q_proj", "down_proj", "q_norm"], "layers_to_transform": None,
+      "exclude_modules": r"model\.layers\.0\..*_proj"}, "put LoRA on model.layers.0.self_attn.q_norm: no form"),
+    ({"target_modules": r".*layers\.1\.(self_attn\.q_proj|mlp\.down_proj|mlp)", "layers_to_transform": None},
+     "put LoRA on model.layers.1.mlp: no form"),
+    # fields of kinds or combinations peft does not take
+    ({"target_modules": None}, "field 'target_modules' is missing"),
+    ({"target_modules": 5}, "field 'target_modules' is 5, expected a string or a list of strings"),
+    ({"target_modules": "(["}, "field 'target_modules' '([' is no regular expression"),
+    ({"target_modules": "all-linear"}, "layers_to_transform or layers_pattern with a target_modules string ('all-"),
+    ({"target_modules": ".*", "layers_to_transform": None, "layers_pattern": []}, "with a target_modules string"),
+    ({"layers_to_transform": None, "layers_pattern": "layers"}, "layers_pattern without layers_to_transform"),
+    ({"layers_to_transform": ["1"]}, "field 'layers_to_transform' is ['1'], expected a layer number or a list"),
+    ({"exclude_modules": {"down_proj": 1}}, "field 'exclude_modules' is {'down_proj': 1}, expected a string or"),
+    # settings that must say exactly what peft reads, naming the file and the field
+    ({"r": 2.0}, "{folder}/adapter_config.json: field 'r' is 2.0, expected a positive integer"),
+    ({"bias": 0}, "{folder}/adapter_config.json: bias 0 changes what the adapter computes and has no form in "
+                  "MoA-Jittor's LoRA (only 'none' has)"),
+    ({"bias": None}, "bias None changes what the adapter computes"),
+    ({"use_rslora": True, "lora_alpha": 1.5e308}, "{folder}/adapter_config.json: lora_alpha 1.5e+308 times sqrt(r)"),
+])
+def test_peft_tensors_must_be_where_the_config_puts_lora(tiny_qwen3, tmp_path, config, message):
+    folder = peft_folder(tmp_path, config)
+    expected = message.replace("{folder}", folder)
+    with pytest.raises(CheckpointError) as info:
+        read_adapter_config(folder, base=base_args(tiny_qwen3))
+    assert expected in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("config", [
+    {"layers_to_transform": 1, "layers_pattern": ["h", "layers"]}, LAYER_1_ALL,
+    {"target_modules": r"model\.layers\.1\.(self_attn\.q_proj|mlp\.down_proj)", "layers_to_transform": None},
+    {"target_modules": ["model.layers.1.self_attn.q_proj", "down_proj"], "layers_to_transform": [1, 5],
+     "exclude_modules": "lm_head"}])
+def test_peft_config_that_puts_lora_where_its_tensors_are_loads(tiny_qwen3, tmp_path, config):
+    assert read_adapter_config(peft_folder(tmp_path, config), base=base_args(tiny_qwen3))["lora_layers"] == "1-2"
+
+
+def test_peft_folders_refused_by_infer_are_named_by_their_files(tiny_qwen3, addsub, tmp_path, capsys, monkeypatch):
+    """Infer.py reads the peft folder's settings against the base: a tensor on a layer the base lacks is named with
+    its file, before the model is built; a flag other than the folder's settings names adapter_config.json (not
+    the adapter_params.json a folder of ours would have)."""
+    import Infer
+    monkeypatch.setattr(Infer, "build_model", lambda *a: pytest.fail("the model was built"))
+    folder = peft_folder(tmp_path, {"layers_to_transform": [99]}, LAYER_99, layer=99)
+    argv = ["--llama_path", tiny_qwen3, "--data_path", addsub, "--output_dir", str(tmp_path / "eval")]
+    assert_refused(capsys, lambda: Infer.main(["--adapter_path", folder, *argv]),
+                   f"{folder}/adapter_model.safetensors: tensor 'base_model.model.model.layers.99.self_attn.q_proj."
+                   "lora_A.weight' is on layer 99, past the base's 2 layers")
+    monkeypatch.undo()
+    folder = peft_folder(tmp_path, name="good")
+    assert_refused(capsys, lambda: Infer.main(["--adapter_path", folder, *argv, "--lora_rank", "4"]),
+                   f"{folder}/adapter_config.json: adapter from another configuration: lora_rank: adapter has 2")
+    assert_refused(capsys, lambda: Infer.main(["--adapter_path", folder, *argv, "--lora_layers", "0-9"]),
+                   "'0-9' reaches past the model's 2 layers", f"(the adapter's settings: {folder}/adapter_config.json")
+    assert not (tmp_path / "eval").exists()
+
+
 def test_peft_layers_differing_in_projections_are_refused(tmp_path):
-    folder = peft_folder(tmp_path)
+    folder = peft_folder(tmp_path, {"layers_to_transform": None})
     arrays = read_arrays(os.path.join(folder, peft.PEFT_WEIGHTS))
     arrays[peft.PEFT_PREFIX + "model.layers.0.mlp.down_proj.lora_A.weight"] = np.ones((2, 160), np.float32)
     arrays[peft.PEFT_PREFIX + "model.layers.0.mlp.down_proj.lora_B.weight"] = np.ones((64, 2), np.float32)

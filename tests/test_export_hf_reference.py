@@ -13,6 +13,7 @@ has random tensors N(0, 0.2^2) (LoRA B nonzero), so every expert and router move
 does). Compared in fp32, to 1e-4: the whole sequence's logits, the KV-cache path (a prefill, then one token a
 step), generate()'s greedy tokens against ours (Models/generate.py) and its logits at each step.
 """
+import itertools
 import json
 import os
 import subprocess
@@ -210,3 +211,41 @@ def test_the_exported_folder_runs_no_code_of_its_base(tmp_path):
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert loaded.stdout.split()[0] == "Qwen3ForCausalLM" and float(loaded.stdout.split()[1]) > 0
     assert not (tmp_path / "own" / "CODE_RAN").exists()
+
+
+# where peft puts LoRA: every combination of these, on every module of a 3-layer Qwen3-shaped base
+SELECTIONS = {
+    "target_modules": [["q_proj", "v_proj"], ["q_proj", "down_proj", "lm_head"], ["model.layers.1.self_attn.q_proj",
+                       "up_proj"], ["self_attn.q_proj", "mlp"], r".*\.(q|k)_proj", r"model\.layers\.[01]\..*_proj",
+                       "q_proj", ".*", ["embed_tokens", "o_proj"], ["q_norm", "k_proj"]],
+    "layers_to_transform": [None, [], [1], 2, [0, 2, 7]],
+    "layers_pattern": [None, [], "layers", ["h", "layers"], "model.layers", "model", "lay.rs"],
+    "exclude_modules": [None, [], ["down_proj"], r".*\.1\..*", ["model.layers.0.self_attn.q_proj"], "lm_head"]}
+
+
+def test_the_peft_reader_selects_the_modules_peft_does(tmp_path):
+    """peft.check_targeting refuses exactly the configs peft's LoraConfig refuses, and peft.excluded_by puts LoRA on
+    exactly the modules peft's check_target_module_exists does (the projections, the norms, the blocks, the
+    embeddings, lm_head), for every combination of target_modules, layers_to_transform, layers_pattern and
+    exclude_modules in SELECTIONS: a peft folder loads here only as peft applies it."""
+    from Models.formats import CheckpointError, peft
+    from Models.ModelArgs import ModelArgs
+    python = reference_python()
+    base = ModelArgs(n_layers=3, qk_norm=True)
+    keys = [peft.module_key(layer, t) for layer in range(3) for t in peft.TARGETS] + peft.other_modules(base)
+    configs = [dict(zip(SELECTIONS, values)) for values in itertools.product(*SELECTIONS.values())]
+    job = {"kind": "select", "configs": configs, "keys": keys, "out": str(tmp_path / "select.npz")}
+    (tmp_path / "jobs.json").write_text(json.dumps([job]))
+    run = subprocess.run([python, str(REPO / "tests" / "hf_reference.py"), str(tmp_path / "jobs.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = np.load(job["out"])
+    assert 0 < theirs["taken"].sum() < len(configs) and 0 < theirs["chosen"].sum() < theirs["chosen"].size
+    for config, taken, chosen in zip(configs, theirs["taken"], theirs["chosen"]):
+        try:
+            peft.check_targeting(config, "adapter_config.json")
+        except CheckpointError:
+            assert not taken, config
+            continue
+        assert taken, config
+        assert [peft.excluded_by(config, key) is None for key in keys] == chosen.tolist(), config

@@ -13,8 +13,9 @@ import jittor as jt
 import Infer
 from Models import LLM
 from Models.formats.base_model import base_args, build_model, open_tokenizer
-from Models.generate import (auto_batch_size, decode_buffer_bytes, generate, kv_cache_bytes, pick_tokens,
-                             prefill_chunks, sample_top_p)
+from Models.generate import (NONFINITE_PICK, NonFiniteLogits, auto_batch_size, decode_buffer_bytes, generate,
+                             kv_cache_bytes, pick_tokens, prefill_chunks, sample_top_p)
+from Models.kernels.finite import nonfinite_rows
 from Models.kernels.precision import set_base_precision
 from Models.kernels import switch
 from Models.kernels.switch import DECODE_ROWS, GEMV_ROWS, fused_kernels_on
@@ -88,6 +89,62 @@ def test_a_tiny_temperature_samples_the_most_probable_token():
     for temperature in (1e-6, 1e-12, 1e-30, 1e-37):
         picked = pick_tokens(jt.array(logits), temperature, 0.9, np.random.default_rng(1))
         np.testing.assert_array_equal(picked, logits.argmax(-1))
+
+
+def test_rows_with_non_finite_logits_pick_no_token():
+    """A row holding a NaN, inf or -inf among the tokenizer's ids picks NONFINITE_PICK, greedy or sampled; the
+    other rows pick as before, and a NaN past the tokenizer's ids (an embedding table's padding rows) is no
+    token's. The rows are found by a fused CPU op and Jittor's isfinite alike."""
+    logits = np.random.default_rng(0).standard_normal((5, 50)).astype(np.float32)
+    broken = logits.copy()
+    broken[1, 7], broken[2, 0], broken[3, 49], broken[4, 45] = np.nan, np.inf, -np.inf, np.nan
+    for temperature in (0.0, 0.7):
+        expected = pick_tokens(jt.array(logits), temperature, 0.9, np.random.default_rng(1), n_words=45)
+        picked = pick_tokens(jt.array(broken), temperature, 0.9, np.random.default_rng(1), n_words=45)
+        assert (picked[[1, 2]] == NONFINITE_PICK).all() and (picked[[0, 3, 4]] == expected[[0, 3, 4]]).all()
+        assert pick_tokens(jt.array(broken), temperature, 0.9, np.random.default_rng(1))[3] == NONFINITE_PICK
+    edges = np.array([[3.4e38, -3.4e38, 1e-45, -0.0], [0, 0, 0, np.nan], [-np.inf, 0, 0, 0], [np.inf] * 4], np.float32)
+    for check in (nonfinite_rows.fused, nonfinite_rows.plain):  # the fused one tests the bits of each float
+        assert check(jt.array(edges)).numpy().tolist() == [False, True, True, True]
+
+
+class ScriptedLlama:
+    """A stand-in for model.llama whose logits at each position p pick token (2 + p) % 16, except that row
+    `nan_row`'s logits are NaN at positions from `nan_from` on."""
+
+    def __init__(self, nan_row, nan_from, vocab=16):
+        self.args = SimpleNamespace(max_seq_len=64, method="moe", precision="bf16")
+        self.nan_row, self.nan_from, self.vocab = nan_row, nan_from, vocab
+
+    def reset_cache(self):
+        pass
+
+    def __call__(self, tokens, start_pos, records=None, last=True):
+        B, T = tokens.shape
+        assert (tokens.numpy() >= 0).all()  # an embedding row, also in a finished row
+        position = start_pos + T  # the one the logits pick a token for
+        logits = np.zeros((B, 1, self.vocab), np.float32)
+        logits[:, 0, (2 + position) % self.vocab] = 1.0
+        if position >= self.nan_from:
+            logits[self.nan_row] = np.nan
+        return jt.array(logits)
+
+
+def test_non_finite_logits_stop_generation_naming_the_row_and_token():
+    """generate() raises NonFiniteLogits at the first kept pick whose logits are not finite, naming the prompt's
+    row, the token of its answer and the precision; logits of a row still reading its prompt, or of one that has
+    finished (a stop token, or its budget), are read by no one and stop nothing."""
+    model = SimpleNamespace(llama=ScriptedLlama(nan_row=1, nan_from=9), eval=lambda: None)
+    prompts = [[1, 5, 5, 5], [1, 5, 5, 5, 5, 5]]  # generating from positions 4 and 6
+    with pytest.raises(NonFiniteLogits, match="token 4 of the answer to prompt 1, computed in bf16") as info:
+        generate(model, NO_STOP, prompts, 8)  # positions 6, 7, 8, then 9
+    assert (info.value.row, info.value.step) == (1, 4)
+    assert generate(model, SimpleNamespace(stop_tokens={9}, n_words=None), prompts, 8) == [[6, 7, 8], [8]]
+    model.llama.nan_row, model.llama.nan_from = 0, 7  # row 0's budget of 3 ends at position 6, row 1's at 8
+    assert generate(model, NO_STOP, prompts, 3) == [[6, 7, 8], [8, 9, 10]]
+    model.llama.nan_row, model.llama.nan_from = 1, 4  # from inside row 1's prompt
+    with pytest.raises(NonFiniteLogits, match="token 1 of the answer to prompt 1"):
+        generate(model, NO_STOP, prompts, 3)
 
 
 @pytest.mark.slow

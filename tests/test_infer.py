@@ -241,13 +241,36 @@ def test_infer_scores_per_dataset_and_average(monkeypatch, tok, run_dir, crafted
         assert [r["index"] for r in lines] == list(range(len(rows)))
 
 
+def test_scores_record_the_precision_and_a_warning_where_training_differs(monkeypatch, tok, run_dir, crafted_dirs,
+                                                                          tmp_path, capsys):
+    """scores.json records the precision the model ran in and the one the adapter trained in; --precision
+    other than training's is one warning line, printed before generating and recorded."""
+    monkeypatch.setattr(Infer, "generate", fake_generate(tok))
+    adapter = os.path.join(run_dir, "adapter")
+    argv = ["--adapter_path", adapter, "--data_path", crafted_dirs[0], "--output_dir", str(tmp_path / "eval")]
+    Infer.main(argv)
+    assert "warning:" not in capsys.readouterr().err
+    with open(tmp_path / "eval" / "scores.json") as f:
+        scores = json.load(f)
+    assert (scores["precision"], scores["kv_cache"], scores["adapter_precision"], scores["warnings"]) == \
+        ("fp32", "base", "fp32", [])
+    summary = Infer.main(argv + ["--precision", "bf16"])
+    line = f"evaluated in bf16, the adapter trained in fp32 ({adapter}/adapter_params.json)"
+    assert [w for w in capsys.readouterr().err.splitlines() if w.startswith("warning:")] == \
+        [f"warning: {summary['warnings'][0]}"] and summary["warnings"][0].startswith(line)
+    with open(tmp_path / "eval" / "scores.json") as f:
+        assert json.load(f)["precision"] == "bf16" and summary["adapter_precision"] == "fp32"
+
+
 def test_infer_authors_adapter_reads_their_params(monkeypatch, tok, run_dir, base_dir, crafted_dirs, tmp_path, capsys):
     monkeypatch.setattr(Infer, "generate", fake_generate(tok))
     authors = str(tmp_path / "authors" / "adapter.pth")
     export_authors_adapter(os.path.join(run_dir, "adapter"), authors)  # + their adapter_params.json
     common = ["--adapter_path", authors, "--llama_path", base_dir, "--data_path", crafted_dirs[0],
               "--output_dir", str(tmp_path / "eval")]
-    assert Infer.main(common)["datasets"]["AddSub"]["accuracy"] == pytest.approx(0.75)  # no MoA flag needed
+    summary = Infer.main(common)
+    assert summary["datasets"]["AddSub"]["accuracy"] == pytest.approx(0.75)  # no MoA flag needed
+    assert (summary["precision"], summary["adapter_precision"], summary["warnings"]) == ("fp32", None, [])
     os.remove(os.path.join(os.path.dirname(authors), "adapter_params.json"))
     assert_refused(capsys, lambda: Infer.main(common), "needs the MoA flags")  # it also names the unexpected tensors
     flags = ["--variant", "sparse", "--lora_layers", "0-2", "--p_adapter_layers", "0-2",

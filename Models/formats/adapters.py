@@ -168,6 +168,13 @@ def adapter_config_path(path: str) -> str:
     return os.path.join(path if os.path.isdir(path) else os.path.dirname(path), ADAPTER_PARAMS)
 
 
+def settings_file(path: str) -> str:
+    """The file an adapter's settings are read from, as messages name it: adapter_params.json beside it, or a
+    peft folder's adapter_config.json."""
+    ours, peft = adapter_config_path(path), peft_format()
+    return os.path.join(path, peft.PEFT_CONFIG) if not os.path.isfile(ours) and peft.is_peft_adapter(path) else ours
+
+
 def check_adapter_exists(path: str):
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such adapter file or directory")
@@ -180,16 +187,16 @@ def settings_from_flags(path: str) -> bool:
     return weights.endswith(".pth") and os.path.isfile(weights) and not os.path.isfile(adapter_config_path(path))
 
 
-def read_adapter_config(path: str, hint: str = None):
+def read_adapter_config(path: str, hint: str = None, base: ModelArgs = None):
     """The adapter_params.json beside an adapter (ours or the authors'), or a peft LoRA folder's
     adapter_config.json, as our ModelArgs fields (Meta's fields only when ours carries them), or None
-    when there is none. `hint`
-    names the authors' folder where their option sets coincide (authors.authors_folder)."""
+    when there is none. `hint` names the authors' folder where their option sets coincide
+    (authors.authors_folder); `base`, the base's settings, which a peft folder's tensors are checked against."""
     check_adapter_exists(path)
     config_path = adapter_config_path(path)
     if not os.path.isfile(config_path):
         peft = peft_format()
-        return peft.read_peft(path)[0] if peft.is_peft_adapter(path) else None
+        return peft.read_peft(path, base)[0] if peft.is_peft_adapter(path) else None
     try:
         config = read_json_object(config_path, "adapter settings")
     except ValueError as e:
@@ -220,15 +227,15 @@ def tensor_names_hint(path: str):
 def load_adapter(model: LLaMA_adapter, path: str):
     """Load our adapter directory or file, the authors' adapter.pth, or a peft LoRA folder (peft.py) into
     `model` strictly."""
-    config = read_adapter_config(path, hint=folder_of(model.args))
+    config = read_adapter_config(path, hint=folder_of(model.args), base=model.args)
     if config is not None:
         differences = config_differences(config, model.args)
         if differences:
-            raise CheckpointError(f"{adapter_config_path(path)}: adapter from another configuration: "
+            raise CheckpointError(f"{settings_file(path)}: adapter from another configuration: "
                                   + "; ".join(differences))
     peft = peft_format()
     if peft.is_peft_adapter(path) and not os.path.isfile(adapter_config_path(path)):
-        weights, arrays = os.path.join(path, peft.PEFT_WEIGHTS), peft.read_peft(path, model.args.head_dim)[1]
+        weights, arrays = os.path.join(path, peft.PEFT_WEIGHTS), peft.read_peft(path, model.args)[1]
     else:
         weights = os.path.join(path, ADAPTER_WEIGHTS) if os.path.isdir(path) else path
         arrays = read_adapter(weights)

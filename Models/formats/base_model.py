@@ -74,10 +74,11 @@ def load_base_model(path: str, **settings) -> LLaMA_adapter:
 def adapter_settings(adapter: str, path: str) -> dict:
     """The MoA settings a trained adapter records (its adapter_params.json, ours or the authors'; {} without
     one), refused when it was trained on another base than the folder `path`."""
-    config = read_adapter_config(adapter)
+    base = base_args(path)
+    config = read_adapter_config(adapter, base=base)
     if config is None:
         return {}
-    base = base_args(path).to_dict()
+    base = base.to_dict()
     other = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in BASE_FIELDS
              if k in config and config[k] != base[k]]
     if other:

@@ -1,5 +1,6 @@
 """How many elements of a set of fp32 tensors are NaN or infinite: the adapter after each optimizer
-step (engine_finetune), so a non-finite adapter is caught at the step that made it, never saved.
+step (engine_finetune), so a non-finite adapter is caught at the step that made it, never saved; and
+which rows of a decode step's logits hold one (Models/generate.pick_tokens), in one pass over them.
 
 The fused op reads up to SLOTS_PER_OP tensors in one pass on all cores (a few ops for the whole
 adapter instead of one reduction per tensor); it tests the exponent bits, which no compiler flag
@@ -44,3 +45,27 @@ def plain_nonfinite_count(tensors: list) -> jt.Var:
 
 nonfinite_count = Kernel(fused_nonfinite_count, plain_nonfinite_count,
                          when=lambda tensors: all(t.dtype == "float32" for t in tensors))
+
+
+ROWS_SOURCE = """
+#pragma omp parallel for schedule(static)
+for (int64_t b = 0; b < in0_shape0; b++) {
+    const uint32_t *bits = (const uint32_t *)in0_p + b * in0_shape1;
+    uint32_t bad = 0;
+    for (int64_t v = 0; v < in0_shape1; v++)
+        bad |= (bits[v] & 0x7f800000u) == 0x7f800000u;
+    out0_p[b] = bad;
+}
+"""
+
+
+def fused_nonfinite_rows(x: jt.Var) -> jt.Var:
+    """bool [B]: whether row b of x [B,V] (fp32) holds a NaN or inf; one pass, no [B,V] temporary."""
+    return jt.code([x.shape[0]], "bool", [x], cpu_header="#include <cstdint>\n", cpu_src=ROWS_SOURCE)
+
+
+def plain_nonfinite_rows(x: jt.Var) -> jt.Var:
+    return jt.logical_not(jt.isfinite(x)).any(-1)
+
+
+nonfinite_rows = Kernel(fused_nonfinite_rows, plain_nonfinite_rows, when=lambda x: x.dtype == "float32")

@@ -1,7 +1,8 @@
 """Bases, refused in one line naming the file and the tensor or field (exit 2), nothing written: a tensor holding
 NaN or inf (a corrupted download) found while it streams in, a config field of the wrong kind found before anything
 is computed from it, and a base, RoPE tables or KV cache larger than the memory left found before any of it is
-allocated (--batch_size auto included)."""
+allocated (--batch_size auto included). A base whose finite weights overflow when computed stops the evaluation at
+its first non-finite logits, naming the example (exit 3)."""
 import json
 import shutil
 import struct
@@ -71,6 +72,26 @@ def test_a_non_finite_base_tensor_is_refused_naming_it(tiny_qwen3, tiny_base, ad
     assert counts == [2, 2]  # 3.3e38 stays finite in bf16; 3.4e38 rounds to inf there
     assert checked_in_memory(jt.array(np.array([3.4e38], np.float32)), "float32", "bfloat16",
                              ("f", "t")).checks[0].count.item() == 1
+
+
+
+@pytest.mark.slow
+def test_a_base_that_overflows_stops_the_evaluation_naming_the_example(tiny_base, addsub, tmp_path, capsys):
+    """Weights that are finite as stored (1e38, in every precision's range) but overflow once multiplied give NaN
+    logits: the evaluation stops at the first, naming the data set, the example and the precision (exit 3), and
+    writes nothing, in fp32, bf16 and int8 alike."""
+    weights = load_pth(f"{tiny_base}/consolidated.00.pth")
+    weights["layers.1.feed_forward.w2.weight"] = weights["layers.1.feed_forward.w2.weight"].copy()
+    weights["layers.1.feed_forward.w2.weight"][:, :3] = 1e38
+    base = tmp_path / "overflowing"
+    shutil.copytree(tiny_base, base)
+    save_pth(weights, base / "consolidated.00.pth")
+    for precision in ("fp32", "bf16", "int8"):
+        assert_refused(capsys, lambda: infer_base_alone(str(base), tmp_path / "eval", "--data_path", addsub,
+                                                        "--precision", precision),
+                       "non-finite logits", "token 1 of the answer to example 0 of data set 'AddSub'", addsub,
+                       f"computed in {precision}", code=3)
+        assert not (tmp_path / "eval").exists()
 
 
 CONFIG_CASES = [  # (file, fields, what the one line names besides the file)
