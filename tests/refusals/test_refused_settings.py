@@ -29,6 +29,9 @@ def test_flags_are_checked_by_their_settings_rules(tiny_base, synthetic_data, tm
         (["--lora_targets", "Q,X"], ["unknown target", "'X'"]),
         (["--min_lr", "0.1"], ["--min_lr 0.1", "above the learning rate 0.01"]),
         (["--val_fraction", "1"], ["--val_fraction", "< 1"]), (["--lb_loss_coeff", "-1"], ["--lb_loss_coeff"]),
+        # 0 or a subnormal in float32: trains nothing, or with no effect
+        (["--lr", "1e-300"], ["--lr", "0 or a subnormal"]), (["--min_lr", "1e-40"], ["--min_lr", "subnormal"]),
+        (["--weight_decay=1e-39"], ["--weight_decay", "subnormal"]),
     ]
     for extra, needles in cases:
         math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, extra, needles)
@@ -48,6 +51,16 @@ def test_recipe_and_params_files_are_checked_naming_file_and_field(tiny_base, sy
         (field, _), = bad.items()
         math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, ["--llama_path", base],
                      [os.path.join(base, "params.json"), f"field '{field}'"])
+
+
+def test_a_learning_rate_that_computes_as_zero_is_refused():
+    """float32 holds 1e-300 as 0 and 1e-40 as a subnormal: either trains nothing. The least normal float32 passes."""
+    from Utils.settings import FLOAT32_TINY, SettingError, TrainArgs
+    assert TrainArgs(lr=FLOAT32_TINY, min_lr=FLOAT32_TINY).lr == FLOAT32_TINY
+    for settings, needle in [(dict(lr=1e-300), "--lr must be 0 or at least"), (dict(min_lr=5e-39), "--min_lr"),
+                             (dict(blr=2e-38, batch_size=1), "--blr \\* --batch_size")]:
+        with pytest.raises(SettingError, match=needle):
+            TrainArgs(**settings)
 
 
 def test_recorded_decoding_and_adapter_settings_are_checked(tmp_path):
