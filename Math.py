@@ -36,7 +36,8 @@ from Data.synthetic import make_splits
 from engine_finetune import NonFiniteLoss, Progress, RunContext, cut_log, log_line, train
 from Models.formats.adapters import NonFiniteAdapter, load_adapter, save_adapter
 from Models.formats.training import restore_checkpoint, resume_signature
-from Models.formats.base_model import base_args, build_model, open_tokenizer
+from Models.formats.base_model import base_args, build_model, open_tokenizer, settings_file
+from Models.memory import check_memory
 from Models.ModelArgs import INSTANCE_METHODS, ModelArgs
 from Data.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
@@ -181,6 +182,8 @@ def prepare(args, recorded):
     model_settings, cfg, generation = resolve_settings(args, params.n_layers, *recorded, sources)
     try:
         model_args = base_args(args.llama_path, **model_settings, max_batch_size=cfg.batch_size // args.world_size)
+        # the adapters with their gradients and AdamW's moments too, before the data or the model is read
+        check_memory(model_args, settings_file(args.llama_path), training=True)
     except ValueError as e:  # a rule joining several settings (the base's file alone was read above)
         fail(with_sources(str(e), sources))
     flags = [f"--{k} {v}" for k, (v, where) in sources.items() if where == f"--{k}"]

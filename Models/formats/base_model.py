@@ -32,14 +32,21 @@ def base_layout(path: str) -> str:
 
 
 def base_args(path: str, **overrides) -> ModelArgs:
-    """The base's settings (params.json or config.json) updated with runtime/MoA `overrides`. The base the
-    file and the sizing overrides (SIZE_SETTINGS) describe must fit in the memory left: checked first,
-    before anything is built from them (a layer span over n_layers, the RoPE tables, the model); in int8,
-    the least it takes, unless `overrides` set the precision (build_model checks the model's own)."""
+    """The base's settings (params.json or config.json), updated with runtime/MoA `overrides`. With overrides (a
+    model to build), the base that the file and the sizing overrides (SIZE_SETTINGS) describe must fit, in the
+    precision the model will have (the overrides' or ModelArgs' default): checked first, before anything is built
+    from them (a layer span over n_layers, the RoPE tables, the model). Without, the file is only read: nothing
+    is built from its sizes."""
     read = ModelArgs.from_params_json if base_layout(path) == "meta" else hf.args_from_config
-    sized = read(path, **{"precision": "int8", **{k: v for k, v in overrides.items() if k in SIZE_SETTINGS}})
-    check_memory(sized, os.path.join(path, LAYOUTS[base_layout(path)]))
+    if overrides:
+        sized = read(path, **{k: v for k, v in overrides.items() if k in SIZE_SETTINGS})
+        check_memory(sized, settings_file(path))
     return read(path, **overrides)
+
+
+def settings_file(path: str) -> str:
+    """The base's settings file (params.json or config.json)."""
+    return os.path.join(path, LAYOUTS[base_layout(path)])
 
 
 def weight_paths(path: str) -> list:
@@ -51,7 +58,7 @@ def build_model(path: str, args: ModelArgs) -> LLaMA_adapter:
     """The model `args` describes, its frozen base read from the folder tensor by tensor (and checked
     finite while it is read: reading.py); refused before anything is allocated when it does not fit in
     the memory left."""
-    check_memory(args, os.path.join(path, LAYOUTS[base_layout(path)]))
+    check_memory(args, settings_file(path))
     model = LLaMA_adapter(args)
     (meta if base_layout(path) == "meta" else hf).load_base(model, path)
     return model
