@@ -233,6 +233,9 @@ class GenerationArgs:
 
 
 # ---- recipes -------------------------------------------------------------------------------------
+# Under every recipe Math.py puts LoRA and the parallel adapter in every layer unless a recipe or flag says
+# otherwise (ModelArgs' own default, '0-0', is a model without them)
+EVERY_LAYER_SPANS = ("lora_layers", "p_adapter_layers")
 # Each recipe: settings of ModelArgs, TrainArgs and GenerationArgs; "soft"/"sparse" hold what one
 # variant adds. "all" as a layer span means every layer of the base.
 _PAPER_EXPERTS = dict(lora_layers="all", lora_rank=8, lora_alpha=8.0, lora_targets="Q,K,V,O,FFN_DOWN",

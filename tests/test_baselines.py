@@ -8,7 +8,7 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import TINY_FLAGS, log_records, train, write_synthetic_splits
+from conftest import LORA_ONLY_IDLE, NO_TYPE_ROUTER_IDLE, TINY_FLAGS, log_records, train, write_synthetic_splits
 
 import Infer
 from Models.formats.adapters import read_adapter_config
@@ -45,7 +45,8 @@ def data(tmp_path_factory):
 
 def train_method(base, data, out, method, *extra):
     """Math.main on the tiny flags with `method`'s flags; its exit code."""
-    return train(base, data, out, "--max_seq_len", 192, *METHODS[method], *extra)
+    idle = {"instance": (), "unipeft": NO_TYPE_ROUTER_IDLE}.get(method, LORA_ONLY_IDLE)
+    return train(base, data, out, "--max_seq_len", 192, *METHODS[method], *extra, leave_out=idle)
 
 
 @pytest.mark.slow

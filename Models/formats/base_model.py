@@ -31,17 +31,21 @@ def base_layout(path: str) -> str:
     return found[0]
 
 
+def base_settings(path: str, **overrides) -> ModelArgs:
+    """The base's settings file (params.json or config.json) updated with `overrides`, nothing sized: for a program
+    that reads a field (n_layers, vocab_size) and then builds its model through base_args, which sizes it in the
+    run's own precision."""
+    return (ModelArgs.from_params_json if base_layout(path) == "meta" else hf.args_from_config)(path, **overrides)
+
+
 def base_args(path: str, **overrides) -> ModelArgs:
-    """The base's settings (params.json or config.json), updated with runtime/MoA `overrides`. With overrides (a
-    model to build), the base that the file and the sizing overrides (SIZE_SETTINGS) describe must fit, in the
-    precision the model will have (the overrides' or ModelArgs' default): checked first, before anything is built
-    from them (a layer span over n_layers, the RoPE tables, the model). Without, the file is only read: nothing
-    is built from its sizes."""
-    read = ModelArgs.from_params_json if base_layout(path) == "meta" else hf.args_from_config
-    if overrides:
-        sized = read(path, **{k: v for k, v in overrides.items() if k in SIZE_SETTINGS})
-        check_memory(sized, settings_file(path))
-    return read(path, **overrides)
+    """The base's settings updated with runtime/MoA `overrides`. The base that the file and the sizing overrides
+    (SIZE_SETTINGS) describe must fit: checked first, before anything is built from them (a layer span over
+    n_layers, the RoPE tables, the model), in the precision the model will have (the overrides', else ModelArgs'
+    default); with no overrides at all (a base read for its shape) in int8, the least any precision takes."""
+    sizing = {k: v for k, v in overrides.items() if k in SIZE_SETTINGS} if overrides else {"precision": "int8"}
+    check_memory(base_settings(path, **sizing), settings_file(path))
+    return base_settings(path, **overrides)
 
 
 def settings_file(path: str) -> str:
@@ -84,7 +88,7 @@ def adapter_settings(adapter: str, path: str) -> dict:
     config = read_adapter_config(adapter)
     if config is None:
         return {}
-    base = base_args(path).to_dict()
+    base = base_settings(path).to_dict()
     other = [f"{k}: adapter {config[k]!r}, base {base[k]!r}" for k in BASE_FIELDS
              if k in config and config[k] != base[k]]
     if other:
