@@ -133,6 +133,10 @@ def test_sizes_are_checked_before_anything_is_allocated(tiny_qwen3, tiny_base, s
                      ["params.json: the model needs", f"base weights in {precision} ", "GiB available"])
     assert_refused(capsys, lambda: infer_base_alone(deep, tmp_path / "eval", "--data_path", addsub, "--precision",
                                                     "fp32"), "params.json: the model needs", "base weights in fp32 ")
+    # read for its shape alone (export, conversion: no run precision), the base is sized by the least it takes
+    with pytest.raises(ValueError, match=r"params.json \(a lower bound: int8 takes the least of any --precision\): "
+                                         r"the model needs .*base weights in int8 "):
+        base_args(deep)
     # --batch_size auto (the default): the cache of its first row must fit beside the model too
     for extra, needles in [(["--max_seq_len", 200_000_000, "--max_gen_len", 100_000_000], ["RoPE tables"]),
                            (["--max_seq_len", 3_000_000, "--max_gen_len", 2_000_000],
