@@ -122,6 +122,9 @@ def check_weights(data, path, kind: str):
         raise ValueError(f"{path}: {where} {what}, not the {kind} structure Infer.py --save_weights writes")
     if not isinstance(data, dict) or data.get("kind") != kind:
         bad("is", f"kind {data.get('kind') if isinstance(data, dict) else type(data).__name__!r}")
+    if not (isinstance(data.get("method", "moa"), str) and isinstance(data.get("variant", ""), str)
+            and (data.get("method", "moa") != "moa" or "variant" in data)):
+        bad("its method and variant", "are not names (MoA's with its variant)")
     layers = data.get("layer_types")
     if not (isinstance(layers, list) and all(isinstance(n, list) and all(isinstance(t, str) for t in n) for n in layers)):
         bad("its layer_types", "are not per layer a list of type names")

@@ -166,6 +166,16 @@ def test_compare_routers_checks_every_weight_before_writing(tmp_path, capsys):
         assert_refused(capsys, lambda: compare_routers.main([bad, runs[1], "--output_dir", str(out)]),
                        f"{bad}/type_weight.pkl", "example 1 has no dataset name, index, integer token_ids")
         assert snapshot(out) == written
+    for i, fields in enumerate([{"method": ["moa"]}, {"variant": None}]):  # what labels the runs
+        bad = tmp_path / f"named{i}"
+        shutil.copytree(runs[0], bad)
+        with open(bad / "type_weight.pkl", "rb") as f:
+            data = pickle.load(f)
+        with open(bad / "type_weight.pkl", "wb") as f:
+            pickle.dump({**data, **fields}, f)
+        assert_refused(capsys, lambda: compare_routers.main([str(bad), runs[1], "--output_dir", str(out)]),
+                       f"{bad}/type_weight.pkl", "its method and variant are not names")
+        assert snapshot(out) == written
 
 
 def test_build_base_checks_its_options_and_writes_only_its_own_files(tmp_path, capsys):
