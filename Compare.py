@@ -76,7 +76,7 @@ OWN_FLAGS = ("recipe", "max_steps", "output_dir", "llama_path", "data_path", "ov
 
 def check_math_flags(args):
     """Refuse flags after `--` that would override what a row's label promises (a method's preset) or what
-    this command sets."""
+    this command sets, or that do nothing in every method compared."""
     named = {token[2:].split("=")[0] for token in args.math_flags if token.startswith("--")}
     named |= {name[3:] for name in named if name.startswith("no-")}
     clash = [(f"--{name}", f"the {method} preset") for method in args.methods for name in METHOD_PRESETS[method]
@@ -85,6 +85,11 @@ def check_math_flags(args):
         flag, owner = clash[0]
         raise ValueError(f"{flag} after `--` would override {owner}, and the table would show the row under a "
                          "method it no longer is: set it through Compare.py's own flags or leave it out")
+    left_out = [method_flags(args, method)[1] for method in args.methods]
+    nowhere = [name for name in left_out[0] if all(name in idle for idle in left_out)]
+    if nowhere:
+        raise ValueError(f"--{nowhere[0]} after `--` does nothing in any method compared ({left_out[0][nowhere[0]]} "
+                         f"in {args.methods[0]}): leave it out")
 
 
 def settings_parser() -> ArgumentParser:

@@ -275,6 +275,11 @@ def test_compare_passes_a_flag_to_the_methods_it_does_something_in():
     assert flags["unipeft"][0] == ["--val_data_path", "v.json", "--lora_rank", "4", "--p_adapter_size", "8"]
     assert "--swi_x" in Compare.commands(args, "sparse")["math"]
     assert "--swi_x" not in Compare.commands(args, "lora")["math"]
+    Compare.check_math_flags(args)  # each does something in some method
+    for methods, flag in [(["sparse", "lora"], "--p_adapter_hydra"), (["lora", "topk"], "--prompt_len=4")]:
+        nowhere = Compare.get_args_parser().parse_args(["--methods", *methods, "--", flag])
+        with pytest.raises(ValueError, match=f"{flag.split('=')[0]} after `--` does nothing in any method compared"):
+            Compare.check_math_flags(nowhere)
 
 
 def test_compare_refuses_flags_that_would_mislabel_its_rows(tmp_path, capsys):
