@@ -66,9 +66,14 @@ LORA_ONLY_IDLE, NO_TYPE_ROUTER_IDLE = ("--p_adapter_size", "--swi_x"), ("--swi_x
 def math_argv(tiny_base, synthetic_data, out, *extra, leave_out=()) -> list:
     """Math.py's arguments for a tiny run on `synthetic_data` into `out`, the TINY_FLAGS of `leave_out` left out;
     `extra` flags win."""
-    tiny = [a for flag, value in zip(TINY_FLAGS[::2], TINY_FLAGS[1::2]) if flag not in leave_out for a in (flag, value)]
     return [str(a) for a in ["--llama_path", tiny_base, "--data_path", synthetic_data["train"],
-                             "--val_data_path", synthetic_data["val"], "--output_dir", out, *tiny, *extra]]
+                             "--val_data_path", synthetic_data["val"], "--output_dir", out, *tiny_flags(leave_out),
+                             *extra]]
+
+
+def tiny_flags(leave_out=()) -> list:
+    """TINY_FLAGS but those named in `leave_out` (LORA_ONLY_IDLE, NO_TYPE_ROUTER_IDLE)."""
+    return [a for flag, value in zip(TINY_FLAGS[::2], TINY_FLAGS[1::2]) if flag not in leave_out for a in (flag, value)]
 
 
 def train(tiny_base, synthetic_data, out, *extra, leave_out=()) -> int:

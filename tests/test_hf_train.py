@@ -10,8 +10,8 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import (LORA_ONLY_IDLE, MPIRUN, NO_TYPE_ROUTER_IDLE, TINY_FLAGS, log_records, math_argv, mpirun, train,
-                      write_synthetic_splits)
+from conftest import (LORA_ONLY_IDLE, MPIRUN, NO_TYPE_ROUTER_IDLE, log_records, math_argv, mpirun, tiny_flags,
+                      train, write_synthetic_splits)
 
 import Compare
 import Infer
@@ -79,7 +79,7 @@ def test_every_baseline_trains_and_is_scored_on_a_qwen3_base(tiny_qwen3, data, t
         assert [s["total"] for s in summary["datasets"].values()] == [2], method
     compare = ["--methods", "lora", "--ranks", "1", "--max_steps", "1", "--max_examples", "2", "--llama_path",
                tiny_qwen3, "--data_path", data["train"], "--test_data", data["val"], "--output_dir",
-               str(tmp_path / "compare"), "--", *TINY_FLAGS, "--val_data_path", data["val"]]
+               str(tmp_path / "compare"), "--", *tiny_flags(LORA_ONLY_IDLE), "--val_data_path", data["val"]]
     assert Compare.main(compare) == 0
     rows = {row["method"]: row for row in json.loads((tmp_path / "compare" / "compare.json").read_text())["rows"]}
     assert list(rows) == ["lora", "base"] and rows["lora"]["steps"] == 1
