@@ -9,7 +9,8 @@ data set, training tokens/s.
 
 Each method is one Math.py run (the recipe, then the method's settings from
 Utils/settings.METHOD_PRESETS, then --max_steps and the flags after `--`, which may not
-override a preset or a flag of Compare.py's own) in
+override a preset or a flag of Compare.py's own; a model setting among them that does nothing in a method,
+as --p_adapter_size in LoRA's, is left out of that method's run, saying so) in
 <output_dir>/<method>/, then one Infer.py evaluation in <output_dir>/<method>/eval/; the
 base model alone is scored once as a reference row. A method whose evaluation already
 exists with the same command is not run again, and an interrupted training continues from
@@ -21,6 +22,7 @@ it wrote, and a file there that no run of the tools wrote is never replaced (Uti
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,8 +31,10 @@ from pathlib import Path
 
 from Data.test_sets import data_files, load_test_sets
 from Utils.jittor_env import StopForwarder, Stopped, stop_exit_status
-from Utils.output_dirs import check_claimable, check_output_dir, check_tool, read_manifest, record_written
-from Utils.settings import METHOD_PRESETS, RECIPES, ArgumentParser
+from Utils.output_dirs import RunDirError, check_claimable, check_output_dir, check_tool, read_manifest, record_written
+from Models.ModelArgs import ModelArgs, idle_settings
+from Utils.settings import (EVERY_LAYER_SPANS, METHOD_PRESETS, RECIPES, ArgumentParser, add_arguments, given,
+                            recipe_values, setting_fields)
 from Utils.misc import atomic_write, read_json_object, write_json
 
 # Utils.misc imports Jittor, whose SIGCHLD handler ends this process when a child dies by a
@@ -60,17 +64,19 @@ def get_args_parser():
                    "./output/compare)")
     p.add_argument("--overwrite", action="store_true", help="rerun every method, replacing earlier results")
     p.add_argument("math_flags", nargs="*", help="after `--`: more Math.py flags for every method (not one a "
-                   "method's preset or this command sets: the table's rows would not be what they say)")
+                   "method's preset or this command sets: the table's rows would not be what they say); a model "
+                   "setting that does nothing in a method is left out of its run")
     return p
 
 
+SETTINGS = {f.name for f in setting_fields(ModelArgs)}
 # Math.py flags Compare.py sets itself for every run
 OWN_FLAGS = ("recipe", "max_steps", "output_dir", "llama_path", "data_path", "overwrite", "resume")
 
 
 def check_math_flags(args):
     """Refuse flags after `--` that would override what a row's label promises (a method's preset) or what
-    this command sets."""
+    this command sets, or that do nothing in every method compared."""
     named = {token[2:].split("=")[0] for token in args.math_flags if token.startswith("--")}
     named |= {name[3:] for name in named if name.startswith("no-")}
     clash = [(f"--{name}", f"the {method} preset") for method in args.methods for name in METHOD_PRESETS[method]
@@ -79,6 +85,37 @@ def check_math_flags(args):
         flag, owner = clash[0]
         raise ValueError(f"{flag} after `--` would override {owner}, and the table would show the row under a "
                          "method it no longer is: set it through Compare.py's own flags or leave it out")
+    left_out = [method_flags(args, method)[1] for method in args.methods]
+    nowhere = [name for name in left_out[0] if all(name in idle for idle in left_out)]
+    if nowhere:
+        raise ValueError(f"--{nowhere[0]} after `--` does nothing in any method compared ({left_out[0][nowhere[0]]} "
+                         f"in {args.methods[0]}): leave it out")
+
+
+def settings_parser() -> ArgumentParser:
+    """The model settings among Math.py's flags (the rest pass through as they are)."""
+    parser = ArgumentParser(prog="Compare.py --", add_help=False, allow_abbrev=False)
+    add_arguments(parser, ModelArgs)
+    return parser
+
+
+def method_flags(args, method: str) -> tuple:
+    """(the flags after `--` for `method`'s Math.py, {setting: why} of those left out): a model setting that does
+    nothing in that method's model (Models/ModelArgs.IDLE_SETTINGS, which Math.py refuses when given) applies to
+    the other methods only, as --p_adapter_size does nothing in LoRA's."""
+    given_settings, rest = settings_parser().parse_known_args(args.math_flags)
+    shared = given(given_settings, ModelArgs)
+    preset = METHOD_PRESETS[method]
+    recipe = recipe_values(args.recipe, preset.get("variant", shared.get("variant")))
+    values = {**{name: "all" for name in EVERY_LAYER_SPANS}, **recipe, **preset, **shared}
+    spans = [int(n) for name in ("lora_layers", "p_adapter_layers", "prompt_layers")
+             for n in re.findall(r"\d+", str(values.get(name, "")))]
+    try:  # the base's shape is not needed: which layers have experts, not how many layers there are
+        model = ModelArgs(**{k: v for k, v in values.items() if k in SETTINGS}, n_layers=max([1, *spans]))
+    except (TypeError, ValueError):  # Math.py refuses it, naming where each setting came from
+        return list(args.math_flags), {}
+    left_out = {k: why for k, why in idle_settings(model).items() if k in shared}
+    return rest + preset_flags({k: v for k, v in shared.items() if k not in left_out}), left_out
 
 
 def preset_flags(settings: dict) -> list:
@@ -105,7 +142,7 @@ def commands(args, method: str) -> dict:
     math = [python, "Math.py", "--recipe", args.recipe, *preset_flags(METHOD_PRESETS[method]), *common,
             "--max_steps", str(args.max_steps), "--output_dir", run]
     math += ["--data_path", args.data_path] if args.data_path else []
-    math += [*args.math_flags, *(["--overwrite"] if args.overwrite else ["--resume", "auto"])]
+    math += [*method_flags(args, method)[0], *(["--overwrite"] if args.overwrite else ["--resume", "auto"])]
     if args.ranks > 1:
         math = ["mpirun", "--oversubscribe", "-np", str(args.ranks), *math]
     return {"math": math, "infer": infer + ["--adapter_path", os.path.join(run, "adapter")]}
@@ -152,6 +189,8 @@ def evaluate_method(args, method: str, stops: StopForwarder) -> dict:
     started = time.time()
     log_path = os.path.join(run, "compare.log")
     if "math" in cmds:
+        for name, why in method_flags(args, method)[1].items():
+            print(f"[compare] {method}: --{name} left out: {why}")
         print(f"[compare] {method}: training ({os.path.relpath(log_path)})", flush=True)
         run_logged(cmds["math"], log_path, f"{method}: Math.py", stops)
     print(f"[compare] {method}: evaluating", flush=True)

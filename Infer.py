@@ -41,10 +41,10 @@ from Data import code_task
 from Data.prompts import format_prompt
 from Data.test_sets import (STOPPED_SAMPLES, TestSet, check_prompt_lengths, data_files, default_test_set,
                             example_name, load_test_sets, score_and_write, stopped_dir)
-from Models.ModelArgs import ModelArgs
+from Models.ModelArgs import ModelArgs, check_flags_do_something
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, check_adapter_exists,
                                      load_adapter, read_adapter_config, settings_file, settings_from_flags)
-from Models.formats.base_model import adapter_settings, base_args, build_model, open_tokenizer
+from Models.formats.base_model import adapter_settings, base_args, base_settings, build_model, open_tokenizer
 from Models.generate import NonFiniteLogits, auto_batch_size, generate
 from Models.memory import check_memory
 from Data.tiny_base import ensure_default_base
@@ -143,7 +143,9 @@ def model_settings(args, adapter, llama_path, max_seq_len):
         k: v for k, v in given(args, ModelArgs).items() if k in ("precision", "kv_cache")}
     batch = args.batch_size if args.batch_size != "auto" else 1  # auto: set once the model is loaded
     try:
-        return base_args(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": batch})
+        model_args = base_args(llama_path, **{**overrides, "max_seq_len": max_seq_len, "max_batch_size": batch})
+        check_flags_do_something(model_args, given(args, ModelArgs))
+        return model_args
     except (TypeError, ValueError) as e:  # a field of the wrong type, or a rule the settings together break
         config = settings_file(adapter) if adapter else None
         where = f" (the adapter's settings: {config}, then the flags given)" if config and os.path.isfile(config) \
@@ -251,7 +253,7 @@ def run(args, stop=None):
     output_dir = replaced_eval_dir(requested, inputs)
     gen = generation_settings(args, run_args, os.path.join(run_dir_path, "args.json") if run_dir_path else None)
     examples, test_sets = load_test_sets(sources, args.max_examples, gen.samples_per_task)
-    params = base_args(llama_path)
+    params = base_settings(llama_path)
     tok = open_tokenizer(llama_path, params.vocab_size)
     prompts = [tok.encode(format_prompt(ex), bos=True, eos=False) for ex in examples]
     config = read_adapter_config(adapter) if adapter else None

@@ -36,14 +36,16 @@ from Data.synthetic import make_splits
 from engine_finetune import NonFiniteLoss, Progress, RunContext, cut_log, log_line, train
 from Models.formats.adapters import NonFiniteAdapter, load_adapter, save_adapter
 from Models.formats.training import restore_checkpoint, resume_signature
-from Models.formats.base_model import base_args, build_model, open_tokenizer
-from Models.ModelArgs import INSTANCE_METHODS, ModelArgs
+from Models.formats.base_model import base_args, base_settings, build_model, open_tokenizer, settings_file
+from Models.memory import check_memory
+from Models.ModelArgs import INSTANCE_METHODS, ModelArgs, check_flags_do_something
 from Data.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
 from Models.kernels.adamw import build_optimizer
 from Utils.misc import EarlyStopper, all_reduce_sum, print_main, read_json_object
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
-from Utils.settings import (RECIPES, ArgumentParser, GenerationArgs, TrainArgs, add_arguments, check_record,
+from Utils.settings import (EVERY_LAYER_SPANS, RECIPES, ArgumentParser, GenerationArgs, TrainArgs, add_arguments,
+                            check_record,
                             check_values, given, recipe_values, recipes_help, resume_fixed, setting_fields,
                             with_sources)
 
@@ -95,7 +97,6 @@ def fail(message):
 
 # What a resumed run takes from its args.json unless given, besides the settings (resolve_settings)
 RECORDED_FLAGS = ("recipe", "llama_path", "data_path", "val_data_path")
-DEFAULT_LAYERS = ("lora_layers", "p_adapter_layers")  # Math.py's own default: every layer of the base
 SETTINGS = (ModelArgs, TrainArgs, GenerationArgs)
 
 
@@ -116,7 +117,7 @@ def recorded_run(args) -> tuple:
         recipe = recipe_values(recipe, recorded.get("variant")) if recipe else {}
     except ValueError as e:
         fail(f"{path}: field 'recipe': {e}")
-    required = dict.fromkeys([*RECORDED_FLAGS, *DEFAULT_LAYERS, *recipe, *(f.name for f in setting_fields(TrainArgs))])
+    required = dict.fromkeys([*RECORDED_FLAGS, *EVERY_LAYER_SPANS, *recipe, *(f.name for f in setting_fields(TrainArgs))])
     missing = [k for k in required if k not in recorded and k not in flags]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -140,7 +141,7 @@ def resolve_settings(args, n_layers, recorded_path=None, recorded=None, sources=
     unknown = sorted(set(recipe) - set().union(*sections.values()))
     if unknown:
         fail(f"--recipe {args.recipe}: unknown setting(s) {unknown}")
-    layers = [("Math.py's default", {k: f"0-{n_layers}" for k in DEFAULT_LAYERS}),
+    layers = [("Math.py's default", {name: f"0-{n_layers}" for name in EVERY_LAYER_SPANS}),
               (f"recipe '{args.recipe}'" if args.recipe in RECIPES else args.recipe, recipe),
               (recorded_path, recorded), (None, {**given(args, ModelArgs), **given(args, TrainArgs)})]
     sources = {} if sources is None else sources
@@ -193,14 +194,17 @@ def prepare(args, recorded):
             args.llama_path = ensure_default_base()
         except FileNotFoundError as err:
             fail(str(err))
-    params = base_args(args.llama_path)
+    params = base_settings(args.llama_path)
     sources = {}
     model_settings, cfg, generation = resolve_settings(args, params.n_layers, *recorded, sources)
-    try:
+    given_flags = {k: v for k, (v, where) in sources.items() if where == f"--{k}"}
+    try:  # rules joining settings, then the memory with the adapters' training state, before any data is read
         model_args = base_args(args.llama_path, **model_settings, max_batch_size=cfg.batch_size // args.world_size)
-    except ValueError as e:  # a rule joining several settings (the base's file alone was read above)
+        check_memory(model_args, settings_file(args.llama_path), training=True)
+        check_flags_do_something(model_args, given_flags)
+    except ValueError as e:
         fail(with_sources(str(e), sources))
-    flags = [f"--{k} {v}" for k, (v, where) in sources.items() if where == f"--{k}"]
+    flags = [f"--{k} {v}" for k, v in given_flags.items()]
     print_main(f"settings: {recorded[0] + ' (the run resumed)' if recorded[0] else 'recipe ' + args.recipe}"
                f"{', then ' + ' '.join(flags) if flags else ''}; base {args.llama_path}"
                f"{' (the tiny demo base: no --llama_path given)' if tiny_base else ''}, data "

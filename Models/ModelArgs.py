@@ -40,6 +40,63 @@ ARCHITECTURES = ("llama", "qwen3")
 SPANS = "half-open spans: '0-2' is layers 0 and 1, '0-8,24-32' sixteen layers, 'all' every one, '0-0' none"
 
 
+def _sparse_moa(a) -> bool:
+    return a.method == "moa" and a.variant == "sparse"
+
+
+def _any_experts(a) -> bool:
+    return bool(a.lora_layer_set or a.prompt_layer_set or a.p_adapter_layer_set)
+
+
+_NO_THRESHOLD = "only Sparse MoA (--method moa --variant sparse) has a threshold"
+_NO_LORA, _NO_ADAPTER = "no layer has LoRA (--lora_layers)", "no layer has a parallel adapter (--p_adapter_layers)"
+# Settings that do nothing under the others' values: (setting, whether it does nothing in a model, why); the first
+# row that holds names the reason. A flag given for one of them is refused (Math.py, Infer.py): it would pass
+# silently. A recipe's own values are not checked, and Compare.py passes a flag after `--` only to the methods it
+# does something in.
+IDLE_SETTINGS = (
+    ("max_threshold", lambda a: not _sparse_moa(a), _NO_THRESHOLD),
+    ("const_threshold", lambda a: not _sparse_moa(a), _NO_THRESHOLD),
+    ("gamma_grad", lambda a: not _sparse_moa(a), _NO_THRESHOLD),
+    ("top_k", lambda a: a.method != "topk", "only --method topk keeps the top k experts"),
+    ("lb_loss_coeff", lambda a: a.method not in SPARSE_MOE_METHODS,
+     "only --method topk and adamole add a load-balancing loss"),
+    ("expert_num", lambda a: not _any_experts(a), "no layer has experts"),
+    ("lora_rank", lambda a: not a.lora_layer_set, _NO_LORA),
+    ("lora_alpha", lambda a: not a.lora_layer_set, _NO_LORA),
+    ("lora_targets", lambda a: not a.lora_layer_set, _NO_LORA),
+    ("hydra_moe", lambda a: not a.lora_layer_set, _NO_LORA),
+    ("hydra_moe", lambda a: a.expert_num == 1, "one LoRA expert (--expert_num 1) has no A to share"),
+    ("hydra_moe", lambda a: a.method in SPARSE_MOE_METHODS,
+     "the experts of --method topk and adamole keep their own A"),
+    ("prompt_len", lambda a: not a.prompt_layer_set, "no layer has prompt tuning (--prompt_layers)"),
+    ("p_adapter_size", lambda a: not a.p_adapter_layer_set, _NO_ADAPTER),
+    ("p_adapter_hydra", lambda a: not a.p_adapter_layer_set, _NO_ADAPTER),
+    ("p_adapter_hydra", lambda a: a.expert_num == 1,
+     "one parallel adapter (--expert_num 1) has no down projection to share"),
+    ("swi_x", lambda a: a.method not in ("moa", "instance") or not _any_experts(a),
+     "no layer has a type router (--method moa or instance, with experts)"),
+)
+
+
+def idle_settings(args) -> dict:
+    """{setting: why it does nothing} in the model `args` describes (IDLE_SETTINGS)."""
+    idle = {}
+    for name, does_nothing, why in IDLE_SETTINGS:
+        if name not in idle and does_nothing(args):
+            idle[name] = why
+    return idle
+
+
+def check_flags_do_something(args, flags: dict):
+    """Refuse the first of the settings `flags` ({name: value} the user gave) that does nothing in the model `args`."""
+    idle = idle_settings(args)
+    for name, value in flags.items():
+        if name in idle:
+            flag = f"--{'' if value else 'no-'}{name}" if isinstance(value, bool) else f"--{name} {value}"
+            raise ValueError(f"{flag} does nothing here: {idle[name]}; leave it out")
+
+
 def parse_layer_span(spec: str, n_layers: int, field: str = "layers") -> frozenset:
     """'0-8,24-32' -> {0..7, 24..31}; spans are half-open, '0-0' means none, 'all' every layer."""
     if str(spec).strip() == "all":

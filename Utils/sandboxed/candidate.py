@@ -7,8 +7,10 @@ included. It decides only what values its functions return, which is what a prog
 Messages (wire.py), each answered in order:
 - first, unasked: ["ready", {name: value}] with the program's top-level names (functions, classes and
   other objects as handles), or ["raised", type name, message] when the program itself raised;
-- asked: ["call", handle, [args], {kwargs}], ["getattr", handle, name], ["setattr", handle, name, value];
-  answered ["value", value] or ["raised", type name, message].
+- asked: ["call", handle, [args], {kwargs}], ["getattr", handle, name], ["setattr", handle, name, value],
+  ["iter", handle]; answered ["value", value] or ["raised", type name, message]. An iterator a call returns,
+  and iter(object) for "iter", cross drained (wire.py); a top-level name or an attribute that is an iterator
+  stays a handle (draining it would consume what the program's own functions read).
 """
 import json
 import os
@@ -66,7 +68,7 @@ def top_level_names(module, objects) -> dict:
 
 def answer(request, objects):
     """The reply to one request."""
-    if type(request) is not list or len(request) < 2 or request[0] not in ("call", "getattr", "setattr"):
+    if type(request) is not list or len(request) < 2 or request[0] not in ("call", "getattr", "setattr", "iter"):
         raise wire.WireError(f"not a request: {str(request)[:80]}")
     target = objects.get(request[1])
     if request[0] == "call":
@@ -74,10 +76,12 @@ def answer(request, objects):
         kwargs = {str(name): wire.decode(value, objects.get) for name, value in request[3].items()}
         result = target(*args, **kwargs)
     elif request[0] == "getattr":
-        result = getattr(target, request[2])
+        return ["value", wire.encode(getattr(target, request[2]), objects.handle_of)]
+    elif request[0] == "iter":
+        result = iter(target)
     else:
         result = setattr(target, request[2], wire.decode(request[3], objects.get))
-    return ["value", wire.encode(result, objects.handle_of)]
+    return ["value", wire.encode(result, objects.handle_of, drain=True)]
 
 
 def serve(job: dict, requests: int, replies: int):

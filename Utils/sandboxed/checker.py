@@ -9,7 +9,7 @@ when the problem's own solution defines them; no dunder name, such as __builtins
 given code (HumanEval's prompt: its helpers, such as poly or encode_cyclic, run here as the data set
 wrote them), the entry point bound to
 the program's, then the tests, then check(entry point). A handle is equal only to itself and is always
-true; its attributes and calls are the program's.
+true; its attributes, calls and items (iterating it) are the program's.
 
 Verdict, one line on the verdict descriptor: "passed" when check returned (or the tests ran to their
 end), "failed\t<last line of the error>" when they raised, "gone\t<why>" when the program's process
@@ -19,6 +19,9 @@ import builtins
 import os
 
 from . import wire
+
+
+LIST_ITERATOR = type(iter([]))
 
 
 class ProgramError(Exception):
@@ -49,7 +52,7 @@ class Link:
                 raise TypeError(f"the tests pass a {type(other).__name__} to the program, which only data "
                                 "and its own objects can reach")
             return other._handle
-        return wire.encode(value, handle_of)
+        return wire.encode(value, handle_of, drain=True)
 
     def read(self, kind: str = "value"):
         """The next reply, a "value" (decoded) or the first message, "ready" (the program's names, as sent), or
@@ -108,6 +111,13 @@ class Remote:
 
     def __setattr__(self, name, value):
         self._link.ask("setattr", self._handle, name, self._link.encode(value))
+
+    def __iter__(self):
+        """The items of iter(the object), drained in the program's process (wire.py): an iterator of data."""
+        items = self._link.ask("iter", self._handle)
+        if type(items) is not LIST_ITERATOR:  # the program's process answers what it likes
+            raise TypeError("the program's object gave no items to iterate")
+        return items
 
     def __repr__(self):
         return f"<the program's object {self._handle}>"

@@ -1,14 +1,19 @@
 """The messages between the tests' process (checker.py) and the program's (candidate.py): length-prefixed
 JSON over two pipes, and values as data.
 
-A value crosses as data when it is None, a bool, int, float, complex, str, bytes or bytearray, or a
+A value crosses as data when it is None, a bool, int, float, complex, str, bytes, bytearray or range, or a
 list, tuple, set, frozenset or dict of such values (a subclass, such as Counter, namedtuple or an
-IntEnum, crosses as its base type); anything else stays where it is and crosses as a handle, a number
-the other side can name it by. `decode` builds only those types, so whatever the program's process
-sends, the tests' process gets plain data and handles: never an object whose methods the program
-wrote.
+IntEnum, crosses as its base type). An iterator that a call returns (a generator, map, filter, zip, any
+object with __next__) is drained where it lives, at most ITER_ITEMS items, and crosses as an iterator over
+a list of them: iterable once and equal only to itself, as the iterator was (HumanEval 33 and 37 test
+`tuple(candidate(...))`). Anything else stays where it is and crosses as a handle, a number the other side
+can name it by; the other side may ask to iterate it, which drains iter(it) the same way. `decode` builds
+only those types, so whatever the program's process sends, the tests' process gets plain data and
+handles: never an object whose methods the program wrote.
 """
 import binascii
+import collections.abc
+import itertools
 import json
 import os
 import struct
@@ -16,6 +21,7 @@ import struct
 MESSAGE_CAP = 64 * 2 ** 20  # bytes in one message; a longer one is refused
 DEPTH_CAP = 200  # nesting of one value
 EXACT = 2 ** 53  # ints beyond this cross as hexadecimal text (JSON readers round them; Python limits their digits)
+ITER_ITEMS = 10 ** 6  # items drained from one iterator; one that yields more (itertools.count()) is refused
 
 
 class WireError(ValueError):
@@ -58,13 +64,22 @@ def is_dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
-def encode(value, handle_of, depth=0):
-    """JSON-ready `value`: data as data, anything else as ["H", handle_of(value)]."""
+def drained(iterator) -> list:
+    """The items of `iterator`, at most ITER_ITEMS; more is a WireError."""
+    items = list(itertools.islice(iterator, ITER_ITEMS + 1))
+    if len(items) > ITER_ITEMS:
+        raise WireError(f"an iterator of more than {ITER_ITEMS} items")
+    return items
+
+
+def encode(value, handle_of, depth=0, drain=False):
+    """JSON-ready `value`: data as data, with `drain` an iterator (within it too) as ["G", its items], anything
+    else as ["H", handle_of(value)]."""
     if depth > DEPTH_CAP:
         raise WireError(f"a value nested more than {DEPTH_CAP} deep")
     if value is None or value is True or value is False:
         return value
-    inner = lambda items: [encode(item, handle_of, depth + 1) for item in items]  # noqa: E731
+    inner = lambda items: [encode(item, handle_of, depth + 1, drain) for item in items]  # noqa: E731
     if isinstance(value, int):
         number = int(value)
         return number if -EXACT < number < EXACT else ["I", format(number, "x")]
@@ -81,6 +96,10 @@ def encode(value, handle_of, depth=0):
             return [tag, *inner(kind.__iter__(value))]
     if isinstance(value, dict):
         return ["D", *[inner(pair) for pair in dict.items(value)]]
+    if isinstance(value, range):
+        return ["R", *inner((value.start, value.stop, value.step))]
+    if drain and isinstance(value, collections.abc.Iterator):
+        return ["G", *inner(drained(value))]
     return ["H", handle_of(value)]
 
 
@@ -98,6 +117,12 @@ def decode(data, handle, depth=0):
     try:
         if tag in ("L", "T", "S", "F"):
             return {"L": list, "T": tuple, "S": set, "F": frozenset}[tag](inner(rest))
+        if tag == "G":
+            return iter(inner(rest))  # a list's iterator: this interpreter's own type
+        if tag == "R" and len(rest) == 3:
+            bounds = inner(rest)
+            if all(type(bound) is int for bound in bounds):
+                return range(*bounds)
         if tag == "D" and all(type(pair) is list and len(pair) == 2 for pair in rest):
             return dict(inner(pair) for pair in rest)
         if tag == "I" and len(rest) == 1 and type(rest[0]) is str:

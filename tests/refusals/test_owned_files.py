@@ -129,6 +129,59 @@ def test_compare_routers_writes_only_what_it_owns_and_refuses_bad_inputs(tmp_pat
     assert not (tmp_path / "ran").exists()
 
 
+def edited_weights(folder, copy, kind: str, layer: int, change):
+    """A copy of a weights folder whose `kind` pickle has example 1's entry changed: change(example, layer)."""
+    shutil.copytree(folder, copy)
+    path = os.path.join(copy, f"{kind}.pkl")
+    with open(path, "rb") as f:
+        data = pickle.load(f)
+    change(data["examples"][1], layer)
+    with open(path, "wb") as f:
+        pickle.dump(data, f)
+    return str(copy)
+
+
+def test_compare_routers_checks_every_weight_before_writing(tmp_path, capsys):
+    """Router weights of strings, objects, complex numbers or booleans, and examples keyed by what no run writes, are
+    refused (exit 2) naming the file, the example and the layer; NaN or inf ones exit 3; and the output folder, which
+    holds an earlier comparison, is left as it was (similarity.json was written before the figure failed)."""
+    runs = [weights_folder(tmp_path / f"run{i}" / "eval") for i in range(2)]
+    out = tmp_path / "out"
+    assert compare_routers.main([*runs, "--output_dir", str(out)]) is None
+    capsys.readouterr()
+    written = snapshot(out)
+
+    def weights(value):
+        return lambda ex, layer: ex["weights"].__setitem__(layer, value(ex["weights"][layer]))
+    cases = [("type_weight", lambda w: w.astype(str), 2, "dtype <U"),
+             ("type_weight", lambda w: w.astype(object), 2, "dtype object"),
+             ("type_weight", lambda w: w + 1j, 2, "dtype complex"), ("token_weight", lambda w: w > 0.5, 2, "dtype bool"),
+             ("type_weight", lambda w: np.where(w > 0.5, np.nan, w), 3, "NaN or inf"),
+             ("token_weight", lambda w: np.full_like(w, np.inf), 3, "NaN or inf")]
+    for i, (kind, value, code, needle) in enumerate(cases):
+        bad = edited_weights(runs[0], tmp_path / f"bad{i}", kind, 1, weights(value))
+        assert_refused(capsys, lambda: compare_routers.main([bad, runs[1], "--output_dir", str(out)]),
+                       f"{bad}/{kind}.pkl", "example 1 layer 1", needle, code=code)
+        assert snapshot(out) == written
+    for i, change in enumerate([lambda ex, _: ex.__setitem__("dataset", ["AddSub"]),
+                                lambda ex, _: ex.__setitem__("token_ids", [[0]] * len(ex["token_ids"])),
+                                lambda ex, _: ex.pop("index")]):
+        bad = edited_weights(runs[0], tmp_path / f"keys{i}", "type_weight", 0, change)
+        assert_refused(capsys, lambda: compare_routers.main([bad, runs[1], "--output_dir", str(out)]),
+                       f"{bad}/type_weight.pkl", "example 1 has no dataset name, index, integer token_ids")
+        assert snapshot(out) == written
+    for i, fields in enumerate([{"method": ["moa"]}, {"variant": None}]):  # what labels the runs
+        bad = tmp_path / f"named{i}"
+        shutil.copytree(runs[0], bad)
+        with open(bad / "type_weight.pkl", "rb") as f:
+            data = pickle.load(f)
+        with open(bad / "type_weight.pkl", "wb") as f:
+            pickle.dump({**data, **fields}, f)
+        assert_refused(capsys, lambda: compare_routers.main([str(bad), runs[1], "--output_dir", str(out)]),
+                       f"{bad}/type_weight.pkl", "its method and variant are not names")
+        assert snapshot(out) == written
+
+
 def test_build_base_checks_its_options_and_writes_only_its_own_files(tmp_path, capsys):
     """Refused before the tokenizer trains: options the model's rules or the budget refuse, and an --out holding
     a file of the four it writes that no run of the tools wrote (a base of the user's); the shipped base's

@@ -1,15 +1,18 @@
 """Bases, refused in one line naming the file and the tensor or field (exit 2), nothing written: a tensor holding
 NaN or inf (a corrupted download) found while it streams in, a config field of the wrong kind found before anything
-is computed from it, and a base, RoPE tables or KV cache larger than the memory left found before any of it is
-allocated (--batch_size auto included). A base whose finite weights overflow when computed stops the evaluation at
-its first non-finite logits, naming the example (exit 3)."""
+is computed from it, and a base, RoPE tables, adapters or KV cache larger than the memory left found before any of
+it is allocated (--batch_size auto included). A base whose finite weights overflow when computed stops the
+evaluation at its first non-finite logits, naming the example (exit 3)."""
 import json
+import os
 import shutil
 import struct
+import subprocess
+import time
 
 import numpy as np
 import pytest
-from conftest import assert_refused, edited_base, infer_base_alone, math_refuses
+from conftest import assert_refused, edited_base, infer_base_alone, math_argv, math_refuses, python_program
 
 import Infer
 from Models import memory
@@ -143,9 +146,18 @@ def test_sizes_are_checked_before_anything_is_allocated(tiny_qwen3, tiny_base, s
         folder = edited_base(tiny_qwen3, tmp_path / f"big{i}", "config.json", **fields)
         assert_refused(capsys, lambda: infer_base_alone(folder, tmp_path / "eval", "--data_path", addsub),
                        f"{folder}/config.json: the model needs", "base weights", "more than the 1 GiB available")
-    # a layer span over 2^40 layers (Math.py's default: every layer) would be built before the model
-    math_refuses(edited_base(tiny_base, tmp_path / "deep", n_layers=2**40), synthetic_data, tmp_path / "out", capsys,
-                 [], ["params.json: the model needs", "GiB available"])
+    # a layer span over 2^40 layers (Math.py's default: every layer) would be built before the model; the refusal
+    # names the base in the run's own precision (it once named int8, the least it sized first)
+    deep = edited_base(tiny_base, tmp_path / "deep", n_layers=2**40)
+    for flags, precision in [([], "fp32"), (["--precision", "bf16"], "bf16"), (["--precision", "int8"], "int8")]:
+        math_refuses(deep, synthetic_data, tmp_path / "out", capsys, flags,
+                     ["params.json: the model needs", f"base weights in {precision} ", "GiB available"])
+    assert_refused(capsys, lambda: infer_base_alone(deep, tmp_path / "eval", "--data_path", addsub, "--precision",
+                                                    "fp32"), "params.json: the model needs", "base weights in fp32 ")
+    # read for its shape alone (export, conversion: no run precision), the base is sized by the least it takes
+    with pytest.raises(ValueError, match=r"params.json \(a lower bound: int8 takes the least of any --precision\): "
+                                         r"the model needs .*base weights in int8 "):
+        base_args(deep)
     # --batch_size auto (the default): the cache of its first row must fit beside the model too
     for extra, needles in [(["--max_seq_len", 200_000_000, "--max_gen_len", 16_000_000], ["RoPE tables"]),
                            (["--max_seq_len", 3_000_000, "--max_gen_len", 2_000_000],
@@ -169,6 +181,68 @@ def test_an_export_refuses_a_base_that_carries_code(tiny_qwen3, tmp_path, capsys
                                                        base]), f"{base}/{name}", "auto_map")
         assert not (tmp_path / "out").exists()
     assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "out"), "--base", tiny_qwen3]) is None
+
+
+ADAPTER_SHAPE = dict(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16,
+                     lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN", lora_rank=3, p_adapter_size=5, prompt_len=2)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(lora_layers="0-3", p_adapter_layers="1-3", swi_x=2),  # Sparse MoA: type routers and Gamma
+    dict(lora_layers="0-2", p_adapter_layers="1-3", swi_x=0, const_threshold=True),
+    dict(variant="soft", lora_layers="0-3", prompt_layers="1-2", p_adapter_layers="0-1", expert_num=3),
+    dict(variant="soft", lora_layers="0-3", prompt_layers="0-3", p_adapter_layers="0-3", expert_num=2,
+         hydra_moe=True, p_adapter_hydra=True),
+    dict(method="moe", lora_layers="0-3", expert_num=4, hydra_moe=True),
+    dict(method="topk", lora_layers="0-3", expert_num=4, top_k=2),
+    dict(method="adamole", lora_layers="1-3", expert_num=3),
+    dict(method="instance", variant="soft", lora_layers="0-3", prompt_layers="0-2", p_adapter_layers="1-3"),
+    dict(method="unipeft", variant="soft", lora_layers="0-1", prompt_layers="0-3", p_adapter_layers="1-3"),
+])
+def test_the_adapters_are_counted_as_the_model_builds_them(settings):
+    """memory.adapter_parameters, which refuses adapters past the memory before any is allocated, counts exactly
+    the parameters LLaMA_adapter builds, for every method and the shared-weight variants."""
+    from Models.LLaMA_Adapter import LLaMA_adapter
+    from Models.ModelArgs import ModelArgs
+    args = ModelArgs(**{**ADAPTER_SHAPE, **settings})
+    assert memory.adapter_parameters(args) == LLaMA_adapter(args).parameter_counts()["total"] > 0
+    assert memory.adapter_parameters(ModelArgs(**ADAPTER_SHAPE)) == 0  # no layer has experts
+
+
+def test_adapters_and_their_training_state_are_counted_before_allocation():
+    """In training each adapter parameter takes 16 bytes (itself, its gradient, AdamW's two moments); a rank of 10^8
+    is 10^8 * (32 + 32) parameters on one target and refused naming the adapters' flags."""
+    from Models.ModelArgs import ModelArgs
+    args = ModelArgs(**{**ADAPTER_SHAPE, "method": "moe", "lora_layers": "0-1", "lora_targets": "Q",
+                          "lora_rank": 10**8})  # no router
+    assert memory.adapter_parameters(args) == 64 * 10**8
+    fixed = memory.base_bytes(args) + memory.rope_table_bytes(args)
+    memory.check_memory(args, "f", available=fixed + 16 * 64 * 10**8, training=True)  # fits exactly
+    memory.check_memory(args, "f", available=fixed + 4 * 64 * 10**8)  # to infer: the parameters alone
+    with pytest.raises(ValueError, match=r"6,400,000,000 adapter parameters with their gradients and AdamW moments "
+                                         r"95\.4 GiB.*: lower the adapters' sizes \(--lora_rank"):
+        memory.check_memory(args, "f", available=fixed + 16 * 64 * 10**8 - 1, training=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--lora_rank", "--expert_num", "--prompt_len", "--p_adapter_size", "--swi_x"])
+def test_adapters_past_the_machine_are_refused_before_anything_is_allocated(flag, tiny_base, synthetic_data, tmp_path):
+    """An adapter size of 10^8 ended in a segfault or double free (exit 134), 4*10^6 in the OOM killer: now one
+    line, exit 2, within seconds, the process never larger than the program itself, nothing written."""
+    soft = ["--variant", "soft", "--prompt_layers", "all"] if flag == "--prompt_len" else []
+    start = time.monotonic()
+    with open(tmp_path / "stderr", "w+") as err:
+        process = subprocess.Popen(python_program("Math.py", *math_argv(tiny_base, synthetic_data, tmp_path / "out",
+                                                                         *soft, flag, 10**8)), stderr=err)
+        _, status, usage = os.wait4(process.pid, 0)  # this process's own peak memory
+        process.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        stderr = err.read()
+    assert process.returncode == 2 and time.monotonic() - start < 60, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "adapter parameters with their gradients" in lines[0] and flag in lines[0], lines
+    assert usage.ru_maxrss < 2 * 2**20  # KiB: under 2 GiB, where the adapters alone would take thousands
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_size_past_64_bits_in_a_safetensors_header_is_refused(tmp_path):

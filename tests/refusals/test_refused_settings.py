@@ -29,6 +29,9 @@ def test_flags_are_checked_by_their_settings_rules(tiny_base, synthetic_data, tm
         (["--lora_targets", "Q,X"], ["unknown target", "'X'"]),
         (["--min_lr", "0.1"], ["--min_lr 0.1", "above the learning rate 0.01"]),
         (["--val_fraction", "1"], ["--val_fraction", "< 1"]), (["--lb_loss_coeff", "-1"], ["--lb_loss_coeff"]),
+        # 0 or a subnormal in float32: trains nothing, or with no effect
+        (["--lr", "1e-300"], ["--lr", "0 or a subnormal"]), (["--min_lr", "1e-40"], ["--min_lr", "subnormal"]),
+        (["--weight_decay=1e-39"], ["--weight_decay", "subnormal"]),
     ]
     for extra, needles in cases:
         math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, extra, needles)
@@ -48,6 +51,16 @@ def test_recipe_and_params_files_are_checked_naming_file_and_field(tiny_base, sy
         (field, _), = bad.items()
         math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, ["--llama_path", base],
                      [os.path.join(base, "params.json"), f"field '{field}'"])
+
+
+def test_a_learning_rate_that_computes_as_zero_is_refused():
+    """float32 holds 1e-300 as 0 and 1e-40 as a subnormal: either trains nothing. The least normal float32 passes."""
+    from Utils.settings import FLOAT32_TINY, SettingError, TrainArgs
+    assert TrainArgs(lr=FLOAT32_TINY, min_lr=FLOAT32_TINY).lr == FLOAT32_TINY
+    for settings, needle in [(dict(lr=1e-300), "--lr must be 0 or at least"), (dict(min_lr=5e-39), "--min_lr"),
+                             (dict(blr=2e-38, batch_size=1), "--blr \\* --batch_size")]:
+        with pytest.raises(SettingError, match=needle):
+            TrainArgs(**settings)
 
 
 def test_recorded_decoding_and_adapter_settings_are_checked(tmp_path):
@@ -235,6 +248,70 @@ def test_a_moa_flag_must_equal_the_adapters_setting(tiny_run, addsub, tmp_path, 
         assert not (tmp_path / "eval").exists()
     equal = [a for field in differing for a in (f"--{field}", str(saved[field]))]
     assert Infer.main([*common, *equal])["datasets"]["AddSub"]["total"] == 2
+
+
+def test_flags_that_do_nothing_are_refused(tiny_base, synthetic_data, addsub, tmp_path, capsys):
+    """A setting given on the command line that the others make do nothing is refused naming it and why (one rule
+    table, Models/ModelArgs.IDLE_SETTINGS); the same values from a recipe are the recipe's, not refused."""
+    no_lora = ["--lora_layers", "0-0"]
+    cases = [(["--variant", "soft", "--max_threshold", "0.3"], "--max_threshold 0.3", "only Sparse MoA"),
+             (["--variant", "soft", "--const_threshold"], "--const_threshold", "only Sparse MoA"),
+             (["--variant", "soft", "--no-const_threshold"], "--no-const_threshold", "only Sparse MoA"),
+             (["--method", "instance", "--gamma_grad", "ste"], "--gamma_grad ste", "only Sparse MoA"),
+             (["--top_k", "3"], "--top_k 3", "only --method topk"),
+             (["--method", "adamole", "--expert_num", "4", "--p_adapter_layers", "0-0", "--top_k", "3"], "--top_k 3",
+              "only --method topk"),
+             (["--lb_loss_coeff", "5"], "--lb_loss_coeff 5.0", "only --method topk and adamole"),
+             (["--expert_num", "1", "--hydra_moe"], "--hydra_moe", "one LoRA expert"),
+             (["--method", "topk", "--expert_num", "4", "--p_adapter_layers", "0-0", "--hydra_moe"], "--hydra_moe",
+              "the experts of --method topk"),
+             (["--p_adapter_hydra"], "--p_adapter_hydra", "one parallel adapter"),
+             (["--prompt_len", "5"], "--prompt_len 5", "no layer has prompt tuning"),
+             (["--p_adapter_layers", "0-0", "--p_adapter_size", "8"], "--p_adapter_size 8", "no layer has a parallel"),
+             ([*no_lora, "--lora_rank", "8"], "--lora_rank 8", "no layer has LoRA"),
+             ([*no_lora, "--lora_alpha", "2"], "--lora_alpha 2.0", "no layer has LoRA"),
+             (["--method", "moe", "--swi_x", "2"], "--swi_x 2", "no layer has a type router"),
+             ([*no_lora, "--p_adapter_layers", "0-0", "--expert_num", "2"], "--expert_num 2", "no layer has experts")]
+    for extra, flag, why in cases:  # the demo recipe's settings, then the flags given
+        argv = ["--llama_path", tiny_base, "--data_path", synthetic_data["train"], "--output_dir",
+                str(tmp_path / "out"), "--max_steps", "1", *extra]
+        assert_refused(capsys, lambda: Math.main(argv), f"error: {flag} does nothing here: {why}")
+        assert not (tmp_path / "out").exists()
+    # a recipe's values are its own: a soft recipe holding Sparse MoA's threshold and topk's k is not refused (the
+    # run goes on to the next check, an accum_iter past the batches)
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"variant": "soft", "max_threshold": 0.3, "top_k": 3, "lb_loss_coeff": 5.0,
+                                  "const_threshold": True, "prompt_len": 4}))
+    math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, ["--recipe", recipe, "--accum_iter", 10**6],
+                 ["cannot fill one optimizer step"])
+    import Infer  # Infer.py's model flags too: with no adapter, no LoRA
+    assert_refused(capsys, lambda: Infer.main(["--no_adapter", "--llama_path", tiny_base, "--data_path", addsub,
+                                               "--output_dir", str(tmp_path / "eval"), "--lora_rank", "4"]),
+                   "--lora_rank 4 does nothing here: no layer has LoRA")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_compare_passes_a_flag_to_the_methods_it_does_something_in():
+    """Flags after `--` are for every method: one that does nothing in a method's model (Math.py would refuse it)
+    is left out of that method's Math.py command only."""
+    import Compare
+    args = Compare.get_args_parser().parse_args(["--", "--lora_rank", "4", "--p_adapter_size=8", "--swi_x", "2",
+                                                 "--lb_loss_coeff", "0.01", "--val_data_path", "v.json"])
+    flags = {method: Compare.method_flags(args, method) for method in ("sparse", "soft", "lora", "topk", "unipeft")}
+    assert flags["sparse"][0] == ["--val_data_path", "v.json", "--lora_rank", "4", "--p_adapter_size", "8",
+                                  "--swi_x", "2"] and list(flags["sparse"][1]) == ["lb_loss_coeff"]
+    assert flags["soft"][0] == flags["sparse"][0]
+    assert flags["lora"][0] == ["--val_data_path", "v.json", "--lora_rank", "4"]
+    assert sorted(flags["lora"][1]) == ["lb_loss_coeff", "p_adapter_size", "swi_x"]
+    assert flags["topk"][0] == ["--val_data_path", "v.json", "--lora_rank", "4", "--lb_loss_coeff", "0.01"]
+    assert flags["unipeft"][0] == ["--val_data_path", "v.json", "--lora_rank", "4", "--p_adapter_size", "8"]
+    assert "--swi_x" in Compare.commands(args, "sparse")["math"]
+    assert "--swi_x" not in Compare.commands(args, "lora")["math"]
+    Compare.check_math_flags(args)  # each does something in some method
+    for methods, flag in [(["sparse", "lora"], "--p_adapter_hydra"), (["lora", "topk"], "--prompt_len=4")]:
+        nowhere = Compare.get_args_parser().parse_args(["--methods", *methods, "--", flag])
+        with pytest.raises(ValueError, match=f"{flag.split('=')[0]} after `--` does nothing in any method compared"):
+            Compare.check_math_flags(nowhere)
 
 
 def test_compare_refuses_flags_that_would_mislabel_its_rows(tmp_path, capsys):
