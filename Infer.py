@@ -80,7 +80,8 @@ def get_args_parser():
                         "fit in the memory left after loading the model (at most 64 with a bf16 base, 16 otherwise)")
     p.add_argument("--save_weights", action="store_true",
                    help="save type_weight.pkl / token_weight.pkl and draw router heatmaps")
-    p.add_argument("--plot_examples", type=int, default=3, help="examples drawn in the token_weight heatmap")
+    p.add_argument("--plot_examples", type=int, default=3, help="examples of each data set drawn token by token "
+                   "(the per-token heatmaps, the router report)")
     p.add_argument("--plot_tokens", type=int, default=160, help="most tokens per example in the token_weight "
                    "heatmap: all of a longer example's answer and the end of its prompt, at least a third of them")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
@@ -356,16 +357,21 @@ def write_results(args, folder, test_sets, examples, results, tok, model, run_di
     code scoring keeps what was scored as `keep` says (Data.test_sets.score_and_write)."""
     summary = score_and_write(test_sets, examples, results, folder, meta, code, keep)
     log_path = os.path.join(run_dir_path, "log.txt") if run_dir_path else None
-    from Utils import plots  # matplotlib only on rank 0
+    from Utils import plots, weight_pickles  # matplotlib only on rank 0
     type_data = token_data = expert_data = None
     if args.save_weights:
-        type_data, token_data, expert_data = plots.weight_pickles(test_sets, tok, results, model)
+        type_data, token_data, expert_data = weight_pickles.weight_pickles(test_sets, tok, results, model)
         misc.save_on_master(type_data, os.path.join(folder, "type_weight.pkl"))
         misc.save_on_master(token_data, os.path.join(folder, "token_weight.pkl"))
         if expert_data is not None:
             misc.save_on_master(expert_data, os.path.join(folder, "expert_weight.pkl"))
-    pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)), expert_data,
-                          args.plot_tokens)
+        from Utils import router_report
+        run = router_report.run_view(type_data, token_data, router_report.read_predictions(folder),
+                                     per_dataset=args.plot_examples)
+        router_report.write_report(os.path.join(folder, router_report.REPORT), router_report.report_data(
+            [run], f"Router report: {meta['adapter']}", [f"{sum(ts.count for ts in test_sets)} examples "
+            f"in {len(test_sets)} data set(s); the tables average over all of them"]))
+    pngs = plots.plot_all(folder, type_data, token_data, log_path, args.plot_examples, expert_data, args.plot_tokens)
     if pngs:
         print_main("[infer] plots: " + ", ".join(
             f"{name}.png" + (f" (colours {scale[0]:.4g} to {scale[1]:.4g})" if scale else "")
