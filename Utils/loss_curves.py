@@ -66,7 +66,7 @@ def plot_loss_curves(log_path, path):
     for label, points in (("train", train_points(rows)), ("val", val)):
         if points:
             ax.plot(*zip(*points), marker="o" if label == "val" or len(points) < 20 else None, markersize=3,
-                    label=f"{label} loss ({len(points)} points)")
+                    label=f"{label} loss ({len(points)} point{'' if len(points) == 1 else 's'})")
     if not ax.lines:
         plt.close(fig)
         return None

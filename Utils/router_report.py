@@ -12,6 +12,7 @@ router at the layer chosen (Sparse MoA: Gamma, or the number of active experts; 
 type), each with its answer's correctness from <set>_predictions.jsonl. Every quantity has ONE colour scale shared by
 all runs and layers, starting at 0.
 """
+import collections
 import json
 import os
 
@@ -106,6 +107,15 @@ def page(data: dict) -> str:
     with open(TEMPLATE, encoding="utf-8") as f:
         template = f.read()
     return template.replace("__REPORT_DATA__", text)
+
+
+def write_evaluation_report(folder: str, type_data, token_data, per_dataset: int, adapter: str) -> str:
+    """Infer.py's router_report.html in its evaluation folder, beside the predictions it reads."""
+    run = run_view(type_data, token_data, read_predictions(folder), per_dataset=per_dataset)
+    counts = collections.Counter(ex["dataset"] for ex in type_data["examples"])
+    return write_report(os.path.join(folder, REPORT), report_data([run], f"Router report: {adapter}", [
+        "tables: over every token of " + ", ".join(f"{n} {name} examples" for name, n in counts.items()),
+        f"tokens: the first {per_dataset} examples of each data set (Infer.py --plot_examples)"]))
 
 
 def write_report(path: str, data: dict) -> str:

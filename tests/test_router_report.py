@@ -89,15 +89,18 @@ def test_page_draws_without_errors_and_follows_the_layer_chosen(tmp_path):
 
 @needs_browser
 def test_a_soft_run_and_a_broken_page(tmp_path):
-    """Soft MoA has no Gamma: its tokens are coloured by the strongest type. A page whose data is broken says so in
-    #errors (what the other tests read is no vacuous empty)."""
+    """Soft MoA has no Gamma: its tokens are coloured by the strongest type. A page whose data is broken and that
+    loads an image from the network says both in #errors (what the other tests read is no vacuous empty): the
+    script's error, and the load its Content-Security-Policy blocked."""
     rendered, errors, page = page_dom(report(tmp_path / "soft.html", "soft"))
     assert (rendered, errors) == ("layer 0 by top", "") and "Gamma" not in page.split('id="by"')[1].split("</select>")[0]
     assert len(set(token_colours(page))) > 2  # several types win somewhere
     broken = tmp_path / "broken.html"
-    broken.write_text(router_report.page({"title": "x", "notes": [], "scales": {}, "type_colours": []}))
+    broken.write_text(router_report.page({"title": "x", "notes": [], "scales": {}, "type_colours": []}).replace(
+        "</body>", '<img src="http://192.0.2.1/x.png"></body>'))
     rendered, errors, _ = page_dom(broken)
-    assert rendered is None and errors.startswith("error: ")
+    assert rendered is None and errors.startswith("error: Uncaught TypeError")
+    assert "error: blocked img-src http://192.0.2.1/x.png" in errors
 
 
 @needs_browser
