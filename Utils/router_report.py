@@ -37,9 +37,15 @@ def read_predictions(folder: str) -> dict:
     rows = {}
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         if name.endswith("_predictions.jsonl"):
-            with open(os.path.join(folder, name)) as f:
-                for line in f:
-                    row = json.loads(line)
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                for n, line in enumerate(f, 1):
+                    try:
+                        row = json.loads(line)
+                    except ValueError as e:
+                        raise ValueError(f"{path}: line {n} is not JSON ({e})") from None
+                    if not isinstance(row, dict):
+                        raise ValueError(f"{path}: line {n} is not a JSON object (a prediction row)")
                     rows[(name[:-len("_predictions.jsonl")], row.get("index"))] = row
     return rows
 
