@@ -170,9 +170,10 @@ def chosen_examples(data, per_dataset: int) -> list:
 
 
 def token_panels(data, examples, max_tokens, cell, cmap, scale, bar_label, ticks=None):
-    """Tokens x layers, one panel per example of `examples` that has values: cell(layer, its weights of the tokens
-    drawn) is a layer's column (NaN where it has none), the prompt's end and the answer drawn (token_window), a line
-    between them; one colour scale for the panels. The figure, or None when no example has values."""
+    """Tokens x layers, one panel per example of `examples` that has values, a row of panels per data set:
+    cell(layer, its weights of the tokens drawn) is a layer's column (NaN where it has none), the prompt's end and
+    the answer drawn (token_window), a line between them; one colour scale for the panels. The figure, or None when
+    no example has values."""
     n_layers = len(data["layer_types"])
     chosen = [data["examples"][i] for i in examples if i < len(data["examples"])
               and any(w is not None for w in data["examples"][i]["weights"])]
@@ -182,10 +183,18 @@ def token_panels(data, examples, max_tokens, cell, cmap, scale, bar_label, ticks
     tables = [np.stack([np.full(stop - start, np.nan) if w is None else cell(layer, w[start:stop])
                         for layer, w in enumerate(ex["weights"])], axis=1) for ex, (start, stop) in zip(chosen, windows)]
     scale = scale or colour_range(*tables)
-    height = 1.8 + 0.16 * max(len(t) for t in tables)
-    fig, axes = plt.subplots(1, len(chosen), squeeze=False, layout="constrained",
-                             figsize=((2.4 + 0.45 * n_layers) * len(chosen) + 1.5, height))
-    for ax, ex, (start, stop), table in zip(axes[0], chosen, windows, tables):
+    datasets = list(dict.fromkeys(ex["dataset"] for ex in chosen))
+    places = [(datasets.index(ex["dataset"]), sum(e["dataset"] == ex["dataset"] for e in chosen[:k]))
+              for k, ex in enumerate(chosen)]
+    n_columns = max(column for _, column in places) + 1
+    height = (1.8 + 0.16 * max(len(t) for t in tables)) * len(datasets)
+    fig, axes = plt.subplots(len(datasets), n_columns, squeeze=False, layout="constrained",
+                             figsize=((2.4 + 0.45 * n_layers) * n_columns + 1.5, height))
+    for ax in axes.ravel():
+        ax.axis("off")  # but the panels drawn
+    for (row, column), ex, (start, stop), table in zip(places, chosen, windows, tables):
+        ax = axes[row, column]
+        ax.axis("on")
         image = heatmap(ax, table, [f"L{i}" for i in range(n_layers)],
                         [token_label(t) for t in ex["tokens"][start:stop]], cmap=cmap, annotate=False, scale=scale)
         for tick in ax.get_yticklabels():
