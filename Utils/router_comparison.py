@@ -19,6 +19,7 @@ in (scores.json); runs alike in all of these by their folders.
 """
 import json
 import os
+import textwrap
 
 import numpy as np
 
@@ -217,6 +218,11 @@ def gamma_table(token_data, example: int):
     return np.stack([np.full(n, np.nan) if w is None else w[:, 0] for w in weights], axis=1)
 
 
+def wrapped(text: str, width: int = 34) -> str:
+    """A title or label in lines of at most `width` characters: the panels side by side keep apart."""
+    return "\n".join(textwrap.wrap(text, width))
+
+
 def comparison_figure(runs: list, sims: dict, example: int = 0):
     """One figure (not yet saved): each run's type weights (top) and Gamma on one example (middle, Sparse MoA), one
     colour scale per quantity for every run; the loss curves and the runs' within-layer correlations (bottom)."""
@@ -231,7 +237,7 @@ def comparison_figure(runs: list, sims: dict, example: int = 0):
     for k, (ax, run, table) in enumerate(zip(axes[0], runs, tables)):
         image = plots.heatmap(ax, table[:, keep], [columns[j] for j in keep],
                               [f"layer {i}" for i in range(table.shape[0])] if k == 0 else [], scale=scale)
-        ax.set_title(f"{run['label']}: mean type weight", fontsize=9, wrap=True)
+        ax.set_title(wrapped(f"{run['label']}: mean type weight"), fontsize=9)
     fig.colorbar(image, ax=axes[0].tolist(), label=plots.scale_label("mean type weight, every run", scale))
     if rows == 3:
         scale = plots.colour_range(*[g for g in gammas if g is not None])
@@ -243,7 +249,7 @@ def comparison_figure(runs: list, sims: dict, example: int = 0):
                                   annotate=False, scale=scale)
             ax.set_yticks([])
             ax.set_ylabel(f"tokens of example {example}" if ax is axes[1][0] else "")
-            ax.set_title(f"{run['label']}: Gamma per token", fontsize=9, wrap=True)
+            ax.set_title(wrapped(f"{run['label']}: Gamma per token"), fontsize=9)
         fig.colorbar(image, ax=axes[1].tolist(), label=plots.scale_label("Gamma, every run", scale))
     bottom = axes[-1]
     for run in runs:
@@ -261,10 +267,12 @@ def comparison_figure(runs: list, sims: dict, example: int = 0):
     labels = [run["label"] for run in runs]
     if n > 1:
         matrix, overall = (np.array(sims[k], dtype=np.float64) for k in ("mean_centred", "mean"))
-        plots.heatmap(bottom[1], matrix, labels, labels, cmap="coolwarm", annotate=False, scale=plots.Scale(-1, 1))
+        names = [wrapped(label, 24) for label in labels]
+        image = plots.heatmap(bottom[1], matrix, names, names, cmap="coolwarm", annotate=False, scale=plots.Scale(-1, 1))
         for (i, j), r in np.ndenumerate(matrix):
             bottom[1].text(j, i, "undefined" if np.isnan(r) else f"{r:.2f}\n(overall {overall[i, j]:.2f})",
-                           ha="center", va="center", fontsize=6)
+                           ha="center", va="center", fontsize=6,
+                           color="k" if np.isnan(r) else plots.text_colour(image.cmap(image.norm(r))))
         bottom[1].set_title("correlation of mean type weights within layers\n(each layer's mean taken away; "
                             "overall, offsets included, in brackets)", fontsize=8)
     for ax in bottom[2 if n > 1 else 1:]:
