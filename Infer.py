@@ -15,7 +15,8 @@ Greedy results do not depend on the batch size, the batching or the number of ra
 Writes into --output_dir: <dataset>_predictions.jsonl per data set, scores.json
 (accuracy per data set and their average; pass@k for code sets, whose programs run in
 Utils/sandbox.py: see docs/code.md) and, with --save_weights,
-type_weight.pkl, token_weight.pkl and heatmaps (structure: Utils/plots.py).
+type_weight.pkl, token_weight.pkl (structure: Utils/weight_pickles.py), heatmaps and router_report.html,
+the router report, a page that opens from disk in a browser (Utils/router_report.py).
 The results of one evaluation, never a mix: everything is written into a staging folder
 beside --output_dir and replaces it as a whole once every data set is scored; its manifest
 (.manifest.json) lists them. A folder holding anything its manifest does not list is refused
@@ -79,8 +80,10 @@ def get_args_parser():
                    help="prompts generated together per rank, or auto: the most whose KV cache and decoding buffers "
                         "fit in the memory left after loading the model (at most 64 with a bf16 base, 16 otherwise)")
     p.add_argument("--save_weights", action="store_true",
-                   help="save type_weight.pkl / token_weight.pkl and draw router heatmaps")
-    p.add_argument("--plot_examples", type=int, default=3, help="examples drawn in the token_weight heatmap")
+                   help="save type_weight.pkl / token_weight.pkl, draw router heatmaps and write "
+                        "router_report.html (the router report: opens from disk in a browser)")
+    p.add_argument("--plot_examples", type=int, default=3, help="examples of each data set drawn token by token "
+                   "(the per-token heatmaps, the router report)")
     p.add_argument("--plot_tokens", type=int, default=160, help="most tokens per example in the token_weight "
                    "heatmap: all of a longer example's answer and the end of its prompt, at least a third of them")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="use the GPU when there is one, or cpu")
@@ -356,16 +359,16 @@ def write_results(args, folder, test_sets, examples, results, tok, model, run_di
     code scoring keeps what was scored as `keep` says (Data.test_sets.score_and_write)."""
     summary = score_and_write(test_sets, examples, results, folder, meta, code, keep)
     log_path = os.path.join(run_dir_path, "log.txt") if run_dir_path else None
-    from Utils import plots  # matplotlib only on rank 0
+    from Utils import plots, router_report, weight_pickles  # matplotlib only on rank 0
     type_data = token_data = expert_data = None
     if args.save_weights:
-        type_data, token_data, expert_data = plots.weight_pickles(test_sets, tok, results, model)
+        type_data, token_data, expert_data = weight_pickles.weight_pickles(test_sets, tok, results, model)
         misc.save_on_master(type_data, os.path.join(folder, "type_weight.pkl"))
         misc.save_on_master(token_data, os.path.join(folder, "token_weight.pkl"))
         if expert_data is not None:
             misc.save_on_master(expert_data, os.path.join(folder, "expert_weight.pkl"))
-    pngs = plots.plot_all(folder, type_data, token_data, log_path, tuple(range(args.plot_examples)), expert_data,
-                          args.plot_tokens)
+        router_report.write_evaluation_report(folder, type_data, token_data, args.plot_examples, meta["adapter"])
+    pngs = plots.plot_all(folder, type_data, token_data, log_path, args.plot_examples, expert_data, args.plot_tokens)
     if pngs:
         print_main("[infer] plots: " + ", ".join(
             f"{name}.png" + (f" (colours {scale[0]:.4g} to {scale[1]:.4g})" if scale else "")

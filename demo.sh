@@ -30,6 +30,6 @@ base = json.load(open(f"{run}/eval_base/scores.json"))["average"]
 moa = json.load(open(f"{run}/eval/scores.json"))["average"]
 print(f"\n[demo] accuracy on the held-out synthetic test set: base alone {100 * base:.1f}% -> MoA {100 * moa:.1f}%")
 print(f"[demo] adapter: {run}/adapter   predictions and scores: {run}/eval/")
-print(f"[demo] router pickles and heatmaps: {run}/eval/*.pkl, {run}/eval/*.png")
+print(f"[demo] router pickles and heatmaps: {run}/eval/*.pkl, {run}/eval/*.png; in a browser: {run}/eval/router_report.html")
 PYEOF
 echo "[demo] training $(( trained - start ))s, evaluation $(( done_at - trained ))s"

@@ -134,6 +134,7 @@ class Progress:
     input_tokens: int = 0  # padded inputs over all ranks
     train_seconds: float = 0.0
     timed: Throughput = field(default_factory=Throughput)  # tokens/s without the steps that compile
+    unlogged: list = field(default_factory=list)  # the train losses since the last log.txt line (its step_losses)
 
     def position(self) -> dict:
         return {"epoch": self.epoch, "data_iter_step": self.next_batch, "global_step": self.global_step}
@@ -144,6 +145,13 @@ def log_line(ctx, record):
     if is_main_process():
         with open(os.path.join(ctx.output_dir, "log.txt"), "a") as f:
             f.write(json.dumps({"run": ctx.run_id, **record}) + "\n")
+
+
+def log_step_losses(ctx, progress):
+    """The train losses of the steps since the last log.txt line, as a line of their own (the loss curve's)."""
+    if progress.unlogged:
+        log_line(ctx, {"event": "step_losses", "step": progress.global_step, "step_losses": progress.unlogged})
+        progress.unlogged = []
 
 
 def cut_log(output_dir: str, step: int):
@@ -310,13 +318,17 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
             ctx.log_writer.add_scalar("lr", lr, progress.global_step)
             if aux_loss is not None:
                 ctx.log_writer.add_scalar("aux_loss", aux_loss, progress.global_step)
+        progress.unlogged.append(round(train_loss, 6))
         if progress.global_step % cfg.log_interval == 0 or progress.global_step == 1:
             log_line(ctx, {"event": "train", "step": progress.global_step, "epoch": epoch, "train_loss": train_loss,
                            **({} if aux_loss is None else {"aux_loss": aux_loss}),
-                           "lr": lr, "grad_norm": grad_norm, "tokens": int(input_tokens)})
+                           "lr": lr, "grad_norm": grad_norm, "tokens": int(input_tokens),
+                           "step_losses": progress.unlogged})  # every step's loss: the loss curve has them all
+            progress.unlogged = []
 
         saved = opt_step + 1 == last or (cfg.eval_interval > 0 and progress.global_step % cfg.eval_interval == 0)
         if saved:
+            log_step_losses(ctx, progress)  # before each checkpoint: a resumed run's log has every step before it
             validate_and_save(ctx, model, optimizer, progress)
         if stop_votes > 0:  # summed over ranks, so every rank stops at the same step
             progress.stop_reason = "signal"
@@ -324,6 +336,7 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
             progress.stop_reason = "max_steps"
         if progress.stop_reason is not None:
             if not saved:
+                log_step_losses(ctx, progress)
                 save(ctx, model, optimizer, progress)
             if opt_step + 1 < end:  # at `end` the loop ends by itself, its last progress line printed
                 break

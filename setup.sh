@@ -25,6 +25,14 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "[setup] missing system packages: ${missing[*]} (install them as root; continuing without)" >&2
   fi
 fi
+# optional, on its own so that a system without the package (Ubuntu ships a snap) still gets the others: the
+# router report's browser test (tests/test_router_report.py) opens the page in it, and skips without it
+if ! command -v chromium >/dev/null && [ -z "${PIP_NO_INDEX:-}" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] apt-get install chromium (the router report's browser test)"
+  if ! { timeout 120 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq chromium >/dev/null; }; then
+    echo "[setup] no chromium: the router report's browser test will skip" >&2
+  fi
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"

@@ -1,51 +1,16 @@
-"""Heatmaps of the router's decisions and loss curves, as PNG files (matplotlib, Agg).
+"""Heatmaps of the router's decisions as PNG files (matplotlib, Agg; the loss curve: Utils/loss_curves.py; the
+interactive page: Utils/router_report.py).
 
-`Infer.py --save_weights` writes two pickles (plain Python lists/dicts, numpy
-arrays and None; nothing else) into its output directory:
+The pickles' structure, and how they are read: Utils/weight_pickles.py.
 
-    type_weight.pkl = {
-        "kind": "type_weight",
-        "method": "moa" | "moe" | "topk" | "adamole" | "instance" | "unipeft",
-        "variant": "soft" | "sparse",     # MoA's
-        "layer_types": [[str, ...], ...],  # per layer, the router's column names in order,
-                                           # e.g. ["Q", "K", "V", "O", "FFN_DOWN", "PADAPTER"]
-                                           # (UniPEFT: ["LORA", "PROMPT", "PADAPTER"]); [] for a
-                                           # layer without experts or a method without a type router
-        "examples": [                      # in input order (data files in the order given)
-            {"dataset": str,               # e.g. "AddSub" or "synthetic"
-             "index": int,                 # position of the example in its data file
-             "tokens": [str, ...],         # text of each token (prompt then generation), n_tokens long
-             "token_ids": [int, ...],      # n_tokens ids; token 0 is bos
-             "n_prompt": int,              # the first n_prompt tokens are the prompt
-             "generation": str,            # decoded generated text (stop token excluded)
-             "weights": [np.ndarray float32 [n_tokens, n_types_of_layer] or None, ...]},  # per layer
-            ...]}
-
-    token_weight.pkl = the same, with "kind": "token_weight" and "weights" per layer
-        np.ndarray float32 [n_tokens, 1]: Sparse MoA's per-token threshold Gamma, or None
-        (Soft MoA, or a layer without experts).
-
-    expert_weight.pkl (only for a model with families of several experts: MoE-LoRA, top-k,
-    AdaMoLE, or expert_num > 1) = the same, with "kind": "expert_weight", "layer_types"
-    listing per layer the families that mix experts, and "weights" per layer a dict
-    {family: np.ndarray float32 [n_tokens, expert_num]}: the weight each expert's output got
-    (top-k and AdaMoLE: 0 for an unselected expert).
-
-Instance-level methods (instance, unipeft) decide once per sequence: their type weights
-repeat the sequence's gates on every token, and the heatmaps show them per example.
-
-Row t of a weight array belongs to token t: the values the router computed when
-that token was fed to the model (a token's weights decide how the experts
-process it, and thereby what comes next). type_weight is the weight w each
-expert type's output is multiplied by (Sparse: 0 for an unselected expert).
-
-Functions take the loaded dicts, write a PNG and return the matplotlib Figure. Every colour scale spans the
-values drawn (after 30 steps a router's type weights may all lie within 0.50-0.51, invisible on 0-1), and the
-colour bar says the span.
+Functions take the loaded dicts, write a PNG and return the matplotlib Figure. A colour scale starts at 0 unless
+the values all lie within 5% of the largest (after 30 steps a router's type weights may lie within 0.50-0.51, one
+colour from 0), and the colour bar says its span and why. Cell text is black or white by the cell's luminance.
+The per-token figures draw the first --plot_examples examples of each data set: Sparse MoA's Gamma, and for every
+router the strongest expert type per token.
 """
-import json
+import collections
 import os
-import pickle
 
 import matplotlib
 
@@ -53,102 +18,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from Utils.misc import atomic_write  # noqa: E402
+from Utils.loss_curves import plot_loss_curves, save  # noqa: E402
+from Utils.weight_pickles import TYPE_ORDER  # noqa: E402
 
-TYPE_ORDER = ("Q", "K", "V", "PROMPT", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN", "PADAPTER")
-
-
-def weight_pickles(test_sets, tok, results, model):
-    """The --save_weights dicts (the structure above) from Infer.py's results: type_weight and
-    token_weight, and expert_weight or None when no family mixes several experts."""
-    base = {"method": model.args.method, "variant": model.args.variant,
-            "layer_types": [list(layer.router_columns) for layer in model.llama.layers]}
-    type_data = {"kind": "type_weight", **base, "examples": []}
-    token_data = {"kind": "token_weight", **base, "examples": []}
-    families = [sorted(layer["expert_weight"], key=family_order) for layer in results[0]["records"]] if results else []
-    expert_data = {"kind": "expert_weight", **base, "layer_types": families, "examples": []}
-    for name, _, _, first, count in test_sets:
-        for i in range(first, first + count):
-            r = results[i]
-            common = {"dataset": name, "index": i - first, "token_ids": r["token_ids"],
-                      "tokens": [tok.decode([t]) if t < tok.n_words else f"<id {t}>" for t in r["token_ids"]],
-                      "n_prompt": r["n_prompt"],
-                      "generation": r["generation"]}
-            type_data["examples"].append({**common, "weights": [layer["type_weight"] for layer in r["records"]]})
-            token_data["examples"].append({**common, "weights": [layer["token_weight"] for layer in r["records"]]})
-            expert_data["examples"].append({**common, "weights": [layer["expert_weight"] for layer in r["records"]]})
-    return type_data, token_data, (expert_data if any(families) else None)
-
-
-def family_order(name: str) -> int:
-    return TYPE_ORDER.index(name) if name in TYPE_ORDER else len(TYPE_ORDER)
-
-
-class WeightsUnpickler(pickle.Unpickler):
-    """Plain unpickling would call whatever a crafted file names: these pickles are read through an
-    allow-list, numpy arrays (and their dtypes and scalars) besides the containers pickle builds itself."""
-    ALLOWED = {(f"numpy.{core}.{module}", name) for core in ("core", "_core")  # numpy 1 and 2
-               for module, name in [("multiarray", "_reconstruct"), ("multiarray", "scalar"),
-                                    ("numeric", "_frombuffer")]} | {("numpy", "ndarray"), ("numpy", "dtype")}
-
-    def find_class(self, module, name):
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"it names {module}.{name}, which a --save_weights pickle never holds")
-        return super().find_class(module, name)
-
-
-def load_pickle(path, kind: str = None):
-    """A --save_weights pickle; with `kind` (type_weight, token_weight) its structure is checked against
-    the one above, so a damaged file, or one of another kind under this name, is a ValueError naming it."""
-    with open(path, "rb") as f:
-        try:
-            data = WeightsUnpickler(f).load()
-        except Exception as e:  # whatever a damaged or crafted file makes the unpickler raise
-            raise ValueError(f"{path}: not a --save_weights pickle ({type(e).__name__}: {e})") from None
-    if kind is not None:
-        check_weights(data, path, kind)
-    return data
-
-
-class NonFiniteWeights(ValueError):
-    """A --save_weights pickle whose router weights hold NaN or inf (exit 3, as other non-finite numbers)."""
-
-
-def check_weights(data, path, kind: str):
-    """Refuse a type_weight or token_weight dict that is not the structure above, naming the file and where: every
-    weight array real numbers of its shape, finite (else NonFiniteWeights), and what keys an example (dataset,
-    index, token_ids) of its kind."""
-    def bad(where, what):
-        raise ValueError(f"{path}: {where} {what}, not the {kind} structure Infer.py --save_weights writes")
-    if not isinstance(data, dict) or data.get("kind") != kind:
-        bad("is", f"kind {data.get('kind') if isinstance(data, dict) else type(data).__name__!r}")
-    if not (isinstance(data.get("method", "moa"), str) and isinstance(data.get("variant", ""), str)
-            and (data.get("method", "moa") != "moa" or "variant" in data)):
-        bad("its method and variant", "are not names (MoA's with its variant)")
-    layers = data.get("layer_types")
-    if not (isinstance(layers, list) and all(isinstance(n, list) and all(isinstance(t, str) for t in n) for n in layers)):
-        bad("its layer_types", "are not per layer a list of type names")
-    if not isinstance(data.get("examples"), list):
-        bad("its examples", "are not a list")
-    for i, ex in enumerate(data["examples"]):
-        ids = ex.get("token_ids") if isinstance(ex, dict) else None
-        if not (isinstance(ids, list) and all(type(t) is int for t in ids) and type(ex.get("n_prompt")) is int
-                and 0 <= ex["n_prompt"] <= len(ids) and isinstance(ex.get("weights"), list)
-                and len(ex["weights"]) == len(layers) and isinstance(ex.get("dataset"), str)
-                and type(ex.get("index")) is int):
-            bad(f"example {i}", f"has no dataset name, index, integer token_ids, n_prompt within them and weights "
-                                f"for each of {len(layers)} layers")
-        for layer, (names, w) in enumerate(zip(layers, ex["weights"])):
-            columns = len(names) if kind == "type_weight" else 1
-            if w is None:
-                continue
-            if not (isinstance(w, np.ndarray) and w.shape == (len(ids), columns)):
-                bad(f"example {i} layer {layer}", f"weights {getattr(w, 'shape', type(w).__name__)}, expected "
-                                                  f"[{len(ids)} tokens, {columns}]")
-            if w.dtype.kind not in "fiu":  # complex, bool, strings, objects: no router weighs with them
-                bad(f"example {i} layer {layer}", f"weights of dtype {w.dtype}, not real numbers")
-            if not np.isfinite(w).all():
-                raise NonFiniteWeights(f"{path}: example {i} layer {layer}: the weights hold NaN or inf")
 
 
 def type_columns(data) -> list:
@@ -177,43 +49,57 @@ def layer_by_type(data, statistic) -> np.ndarray:
     return table
 
 
-def colour_range(*tables) -> tuple:
-    """(low, high) of the finite values of `tables`, the span a colour scale fits; (0, 1) when there are none."""
+NARROW = 0.05  # values within 5% of the largest would be one colour on a scale from 0
+
+
+Scale = collections.namedtuple("Scale", "low high why", defaults=(None,))  # why: why it does not start at 0
+
+
+def colour_range(*tables) -> Scale:
+    """The colour scale of the finite values of `tables`: from 0 (or the lowest value, when negative) to the
+    largest; fitted to the values' span, saying why, when they all lie within NARROW of the largest (a router
+    after a few dozen steps weighs every type 0.500-0.510), which a scale from 0 would draw as one colour."""
     values = np.concatenate([np.asarray(t, np.float64).ravel() for t in tables])
     values = values[np.isfinite(values)]
     if not values.size:
-        return 0.0, 1.0
+        return Scale(0.0, 1.0)
     low, high = float(values.min()), float(values.max())
-    return (low, high) if high > low else (low - 0.5e-3, high + 0.5e-3)  # one value: a scale around it
+    if high == low:  # one value: a scale around it
+        return Scale(low - 0.5e-3, high + 0.5e-3, "one value")
+    if low > 0 and high - low < NARROW * high:
+        return Scale(low, high, f"fitted: all values within {high - low:.2g} of each other")
+    return Scale(min(low, 0.0), high)
 
 
-def scale_label(name: str, low: float, high: float) -> str:
-    return f"{name}\n(colour scale {low:.4g} to {high:.4g})"
+def scale_label(name: str, scale: Scale) -> str:
+    low, high, why = scale
+    return f"{name}\n(colour scale {low:.4g} to {high:.4g}" + (f";\n{why})" if why else ")")
 
 
-def heatmap(ax, table, x_labels, y_labels, cmap="viridis", annotate=True, vmin=None, vmax=None):
-    """imshow of `table` (NaN blank), colours from vmin to vmax (the values' span when not given), the values
-    written in the cells of a small table with as many decimals as their span needs."""
-    if vmin is None or vmax is None:
-        low, high = colour_range(table)
-        vmin, vmax = low if vmin is None else vmin, high if vmax is None else vmax
-    image = ax.imshow(np.ma.masked_invalid(table), aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax,
+def text_colour(rgba) -> str:
+    """Black on a light cell, white on a dark one: the cell's relative luminance against 0.179, where the two
+    contrast alike."""
+    r, g, b = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3]]
+    return "k" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.179 else "w"
+
+
+def heatmap(ax, table, x_labels, y_labels, cmap="viridis", annotate=True, scale=None):
+    """imshow of `table` (NaN blank), colours on `scale` (colour_range of the table when not given), the values
+    written in the cells of a small table, as many decimals as the scale's span needs, black or white by the cell."""
+    low, high, _ = scale or colour_range(table)
+    image = ax.imshow(np.ma.masked_invalid(table), aspect="auto", cmap=cmap, vmin=low, vmax=high,
                       interpolation="nearest")
     ax.set_xticks(range(len(x_labels)))
     ax.set_xticklabels(x_labels, rotation=45, ha="right")
     ax.set_yticks(range(len(y_labels)))
     ax.set_yticklabels(y_labels)
     if annotate and table.size <= 400:
-        digits = int(np.clip(1 - np.floor(np.log10(vmax - vmin)), 2, 4))
+        digits = int(np.clip(1 - np.floor(np.log10(high - low)), 2, 4))
         for (i, j), value in np.ndenumerate(table):
             if np.isfinite(value):
-                ax.text(j, i, f"{value:.{digits}f}", ha="center", va="center", fontsize=7, color="w")
+                ax.text(j, i, f"{value:.{digits}f}", ha="center", va="center", fontsize=7,
+                        color=text_colour(image.cmap(image.norm(value))))
     return image
-
-
-def save(fig, path):
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png"))
-    return fig
 
 
 def plot_type_weight(type_data, path):
@@ -223,8 +109,9 @@ def plot_type_weight(type_data, path):
         return None
     columns = type_columns(type_data)
     fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(columns), 1.5 + 0.4 * table.shape[0]))
-    image = heatmap(ax, table, columns, [f"layer {i}" for i in range(table.shape[0])])
-    fig.colorbar(image, ax=ax, label=scale_label("mean type weight", *image.get_clim()))
+    scale = colour_range(table)
+    image = heatmap(ax, table, columns, [f"layer {i}" for i in range(table.shape[0])], scale=scale)
+    fig.colorbar(image, ax=ax, label=scale_label("mean type weight", scale))
     ax.set_xlabel("expert type")
     ax.set_ylabel("layer")
     ax.set_title(f"{method_title(type_data)}: type weights (mean over {len(type_data['examples'])} examples)")
@@ -247,9 +134,10 @@ def plot_expert_weight(expert_data, path):
         stacked = np.concatenate([ex["weights"][layer][family] for ex in expert_data["examples"]], 0)
         table[r, :stacked.shape[1]] = stacked.mean(0)
     fig, ax = plt.subplots(figsize=(1.5 + 0.6 * n_experts, 1.5 + 0.3 * len(rows)))
+    scale = colour_range(table)
     image = heatmap(ax, table, [f"expert {e}" for e in range(n_experts)],
-                    [f"layer {layer} {family}" for layer, family in rows])
-    fig.colorbar(image, ax=ax, label=scale_label("mean expert weight", *image.get_clim()))
+                    [f"layer {layer} {family}" for layer, family in rows], scale=scale)
+    fig.colorbar(image, ax=ax, label=scale_label("mean expert weight", scale))
     ax.set_title(f"{method_title(expert_data)}: expert weights (mean over {len(expert_data['examples'])} examples)")
     return save(fig, path)
 
@@ -271,45 +159,90 @@ def token_window(n_prompt: int, n_tokens: int, max_tokens: int) -> tuple:
     return n_prompt - prompt_rows, n_prompt - prompt_rows + max_tokens
 
 
-def plot_token_weight(token_data, path, examples=(0,), max_tokens=160):
-    """Tokens x layers of Sparse MoA's threshold Gamma for a few examples: the prompt's end and the answer
-    (token_window), a line between them."""
-    examples = [i for i in examples if i < len(token_data["examples"])]
-    n_layers = len(token_data["layer_types"])
-    chosen = [token_data["examples"][i] for i in examples
-              if any(w is not None for w in token_data["examples"][i]["weights"])]
+def chosen_examples(data, per_dataset: int) -> list:
+    """Positions of the first `per_dataset` examples of each data set, in input order."""
+    taken, chosen = {}, []
+    for i, ex in enumerate(data["examples"]):
+        if taken.get(ex["dataset"], 0) < per_dataset:
+            taken[ex["dataset"]] = taken.get(ex["dataset"], 0) + 1
+            chosen.append(i)
+    return chosen
+
+
+def token_panels(data, examples, max_tokens, cell, cmap, scale, bar_label, ticks=None):
+    """Tokens x layers, one panel per example of `examples` that has values, a row of panels per data set:
+    cell(layer, its weights of the tokens drawn) is a layer's column (NaN where it has none), the prompt's end and
+    the answer drawn (token_window), a line between them; one colour scale for the panels. The figure, or None when
+    no example has values."""
+    n_layers = len(data["layer_types"])
+    chosen = [data["examples"][i] for i in examples if i < len(data["examples"])
+              and any(w is not None for w in data["examples"][i]["weights"])]
     if not chosen:
-        return None  # Soft MoA or no experts: there is no Gamma
+        return None
     windows = [token_window(ex["n_prompt"], len(ex["tokens"]), max_tokens) for ex in chosen]
-    tables = []
-    for ex, (start, stop) in zip(chosen, windows):
-        tables.append(np.stack([np.full(stop - start, np.nan) if w is None else w[start:stop, 0]
-                                for w in ex["weights"]], axis=1))
-    low, high = colour_range(*tables)  # one scale for the examples side by side
-    width, height = (2.5 + 0.5 * n_layers) * len(chosen) + 1.0, 1.5 + 0.16 * max(len(t) for t in tables)
-    fig, axes = plt.subplots(1, len(chosen), squeeze=False, figsize=(width, height))
-    fig.subplots_adjust(wspace=0.9)
-    for ax, ex, (start, stop), table in zip(axes[0], chosen, windows, tables):
-        labels = [token_label(t) for t in ex["tokens"][start:stop]]
-        image = heatmap(ax, table, [f"L{i}" for i in range(n_layers)], labels, cmap="magma", annotate=False,
-                        vmin=low, vmax=high)
+    tables = [np.stack([np.full(stop - start, np.nan) if w is None else cell(layer, w[start:stop])
+                        for layer, w in enumerate(ex["weights"])], axis=1) for ex, (start, stop) in zip(chosen, windows)]
+    scale = scale or colour_range(*tables)
+    datasets = list(dict.fromkeys(ex["dataset"] for ex in chosen))
+    places = [(datasets.index(ex["dataset"]), sum(e["dataset"] == ex["dataset"] for e in chosen[:k]))
+              for k, ex in enumerate(chosen)]
+    n_columns = max(column for _, column in places) + 1
+    height = (1.8 + 0.16 * max(len(t) for t in tables)) * len(datasets)
+    fig, axes = plt.subplots(len(datasets), n_columns, squeeze=False, layout="constrained",
+                             figsize=((2.4 + 0.45 * n_layers) * n_columns + 1.5, height))
+    for ax in axes.ravel():
+        ax.axis("off")  # but the panels drawn
+    for (row, column), ex, (start, stop), table in zip(places, chosen, windows, tables):
+        ax = axes[row, column]
+        ax.axis("on")
+        image = heatmap(ax, table, [f"L{i}" for i in range(n_layers)],
+                        [token_label(t) for t in ex["tokens"][start:stop]], cmap=cmap, annotate=False, scale=scale)
         for tick in ax.get_yticklabels():
             tick.set_fontsize(6)
         if start < ex["n_prompt"] < stop:  # a line between the prompt and the answer
             ax.axhline(ex["n_prompt"] - start - 0.5, color="c", linewidth=1.0)
         ax.set_xlabel("layer")
-        shown = "" if (start, stop) == (0, len(ex["tokens"])) else f", tokens {start}-{stop - 1} of {len(ex['tokens'])}"
-        ax.set_title(f"{ex['dataset']} #{ex['index']} ({ex['n_prompt']} prompt tokens{shown})", fontsize=9)
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=min(1.0, 6.0 / height),
-                 label=scale_label("Gamma (token threshold)", low, high))
-    return save(fig, path)
+        shown = "" if (start, stop) == (0, len(ex["tokens"])) else f"\ntokens {start}-{stop - 1} of {len(ex['tokens'])}"
+        ax.set_title(f"{ex['dataset']} #{ex['index']}\n{ex['n_prompt']} prompt tokens{shown}", fontsize=8)
+    bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=min(1.0, 6.0 / height), label=bar_label(scale))
+    if ticks:
+        bar.set_ticks(range(len(ticks)), labels=ticks)
+    return fig
+
+
+def plot_token_weight(token_data, path, examples=(0,), max_tokens=160):
+    """Tokens x layers of Sparse MoA's threshold Gamma for the examples at positions `examples`."""
+    fig = token_panels(token_data, examples, max_tokens, lambda _, w: w[:, 0], "magma", None,
+                       lambda scale: scale_label("Gamma (token threshold)", scale))
+    return None if fig is None else save(fig, path)  # Soft MoA or no experts: there is no Gamma
+
+
+def plot_token_types(type_data, path, examples=(0,), max_tokens=160):
+    """Tokens x layers: the expert type each token weighs most (every router's, Soft MoA's too)."""
+    columns = type_columns(type_data)
+
+    def strongest(layer, w):
+        names = type_data["layer_types"][layer]
+        return np.array([columns.index(names[j]) for j in np.argmax(w, 1)], np.float64)
+    cmap = matplotlib.colors.ListedColormap(plt.get_cmap("tab10").colors[:len(columns)])
+    fig = token_panels(type_data, examples, max_tokens, strongest, cmap, Scale(-0.5, len(columns) - 0.5),
+                       lambda _: "the expert type of the largest weight", ticks=columns)
+    if fig is not None:
+        fig.suptitle(f"{method_title(type_data)}: the strongest expert type per token")
+    return None if fig is None or not columns else save(fig, path)
+
+
+def activation_table(type_data) -> tuple:
+    """(layers x types share of tokens whose type is active, the rule): Sparse MoA's w > 0 (selected), another
+    router's w >= 0.5 (it never weighs a type 0)."""
+    if method_title(type_data) == "sparse MoA":
+        return layer_by_type(type_data, lambda w: (w > 0).mean(0)), "w > 0"
+    return layer_by_type(type_data, lambda w: (w >= 0.5).mean(0)), "w >= 0.5"
 
 
 def plot_router_stats(type_data, path):
     """Per layer: how often each expert type is active, and the spread of weights across types."""
-    sparse = method_title(type_data) == "sparse MoA"
-    cut = 0.0 if sparse else 0.5
-    active = layer_by_type(type_data, lambda w: (w > cut).mean(0) if sparse else (w >= cut).mean(0))
+    active, rule = activation_table(type_data)
     if not np.isfinite(active).any():
         return None
     columns = type_columns(type_data)
@@ -321,9 +254,10 @@ def plot_router_stats(type_data, path):
             spread[layer] = weights.std(1).mean()
     fig, (left, right) = plt.subplots(1, 2, figsize=(3.0 + 1.2 * len(columns), 1.8 + 0.4 * n_layers),
                                       gridspec_kw={"width_ratios": [2, 1]})
-    image = heatmap(left, active, columns, [f"layer {i}" for i in range(n_layers)], cmap="Blues")
-    fig.colorbar(image, ax=left, label=scale_label("share of tokens", *image.get_clim()))
-    left.set_title("activation rate (w > 0)" if sparse else "share of tokens with w >= 0.5")
+    scale = Scale(0.0, 1.0)  # a share: its whole range
+    image = heatmap(left, active, columns, [f"layer {i}" for i in range(n_layers)], cmap="Blues", scale=scale)
+    fig.colorbar(image, ax=left, label=scale_label("share of tokens", scale))
+    left.set_title(f"activation rate (share of tokens with {rule})")
     left.set_xlabel("expert type")
     right.plot(spread, np.arange(n_layers), marker="o")
     right.set_yticks(range(n_layers))
@@ -335,56 +269,17 @@ def plot_router_stats(type_data, path):
     return save(fig, path)
 
 
-TRAIN_KEYS = ("c_train_loss", "train_loss", "loss")
-X_KEYS = ("step", "iteration", "epoch")
-
-
-def read_log(log_path):
-    """JSON lines of a run's log.txt; lines that are not JSON objects are skipped."""
-    rows = []
-    with open(log_path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
-
-
-def plot_loss_curves(log_path, path):
-    """Train and validation loss from a run's log.txt (x: step, else epoch, else line number)."""
-    rows = read_log(log_path)
-    x_key = next((k for k in X_KEYS if any(k in r for r in rows)), None)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    plotted = False
-    train_key = next((k for k in TRAIN_KEYS if any(k in r for r in rows)), None)
-    for label, key in (("train", train_key), ("val", "val_loss")):
-        points = [(r.get(x_key, i) if x_key else i, r.get(key)) for i, r in enumerate(rows)]
-        points = [(x, y) for x, y in points if isinstance(y, (int, float)) and np.isfinite(y)]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o" if label == "val" else None, markersize=3, label=f"{label} loss")
-            plotted = True
-    if not plotted:
-        plt.close(fig)
-        return None
-    ax.set_xlabel(x_key or "log line")
-    ax.set_ylabel("loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    ax.set_title(os.path.basename(os.path.dirname(os.path.abspath(log_path))) or "loss")
-    return save(fig, path)
-
-
-def plot_all(out_dir, type_data=None, token_data=None, log_path=None, examples=(0, 1, 2), expert_data=None,
+def plot_all(out_dir, type_data=None, token_data=None, log_path=None, per_dataset=3, expert_data=None,
              max_tokens=160):
-    """Every plot that has data; returns {name: (png path, (low, high) of its colour scale, or None)}."""
+    """Every plot that has data, the per-token ones of the first `per_dataset` examples of each data set; returns
+    {name: (png path, (low, high) of its colour scale, or None)}."""
     jobs = [("expert_weight", plot_expert_weight, (expert_data,))] if expert_data is not None else []
     if type_data is not None:
-        jobs += [("type_weight", plot_type_weight, (type_data,)), ("router_stats", plot_router_stats, (type_data,))]
+        examples = chosen_examples(type_data, per_dataset)
+        jobs += [("type_weight", plot_type_weight, (type_data,)), ("router_stats", plot_router_stats, (type_data,)),
+                 ("token_types", lambda d, p: plot_token_types(d, p, examples, max_tokens), (type_data,))]
     if token_data is not None:
+        examples = chosen_examples(token_data, per_dataset)
         jobs.append(("token_weight", lambda d, p: plot_token_weight(d, p, examples, max_tokens), (token_data,)))
     if log_path and os.path.isfile(log_path):
         jobs.append(("loss_curves", plot_loss_curves, (log_path,)))

@@ -40,5 +40,5 @@ def test_demo_moa_beats_the_base_alone(tmp_path):
     assert base["average"] <= 0.15, (base["average"], moa["average"])
     assert moa["average"] >= base["average"] + 0.30, (base["average"], moa["average"])
     assert "accuracy on the held-out synthetic test set" in proc.stdout
-    for name in ("type_weight.pkl", "token_weight.pkl", "type_weight.png", "router_stats.png"):
+    for name in ("type_weight.pkl", "token_weight.pkl", "type_weight.png", "router_stats.png", "router_report.html"):
         assert (run / "eval" / name).is_file(), name

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import DATA, MOA, MPIRUN, assert_refused, mpirun, randomize_adapters
+from conftest import CHROMIUM, DATA, MOA, MPIRUN, assert_refused, mpirun, page_dom, randomize_adapters
 import jittor as jt
 from matplotlib import image as mpimg
 
@@ -26,6 +26,7 @@ from Models.formats.base_model import build_model
 from Models.formats.pth import save_pth
 from Models.generate import generate, prefill_length
 from Utils import plots
+from Utils.weight_pickles import load_pickle
 
 TEXTS = ["Tom had 3 apples.", "Mary had 12 marbles and lost 5 of them. How many are left?", "Hi",
          "Sam picked 4 books and Leo picked 7 books. They shared them equally."]
@@ -326,11 +327,11 @@ def test_weight_pickles_structure(weights_run, tok):
 @pytest.mark.slow
 def test_pngs_exist_not_blank_with_expert_names(weights_run, tmp_path):
     _, out = weights_run
-    for name in ("type_weight", "token_weight", "router_stats", "loss_curves"):
+    for name in ("type_weight", "token_weight", "token_types", "router_stats", "loss_curves"):
         pixels = mpimg.imread(os.path.join(out, f"{name}.png"))
         assert pixels.ndim == 3 and pixels.var() > 0, name
-    types = plots.load_pickle(os.path.join(out, "type_weight.pkl"))
-    gammas = plots.load_pickle(os.path.join(out, "token_weight.pkl"))
+    types = load_pickle(os.path.join(out, "type_weight.pkl"))
+    gammas = load_pickle(os.path.join(out, "token_weight.pkl"))
     names = types["layer_types"][0]
     fig = plots.plot_type_weight(types, str(tmp_path / "t.png"))
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == names
@@ -342,7 +343,29 @@ def test_pngs_exist_not_blank_with_expert_names(weights_run, tmp_path):
     assert labels[-len(gammas["examples"][0]["tokens"][-3:]):] == [plots.token_label(t) for t in
                                                                    gammas["examples"][0]["tokens"][-3:]]
     fig = plots.plot_loss_curves(os.path.join(os.path.dirname(out), "log.txt"), str(tmp_path / "l.png"))
-    assert {line.get_label() for line in fig.axes[0].get_lines()} == {"train loss", "val loss"}
+    assert {line.get_label() for line in fig.axes[0].get_lines()} == {"train loss (8 points)", "val loss (3 points)"}
+
+
+@pytest.mark.slow
+def test_router_report_of_the_run(weights_run):
+    """Infer.py --save_weights writes router_report.html, listed in the folder's manifest with its other outputs; its
+    tokens are the pickles', its correctness the predictions'; opened in Chromium it draws without an error."""
+    _, out = weights_run
+    with open(os.path.join(out, ".manifest.json")) as f:
+        assert {"router_report.html", "token_types.png", "type_weight.pkl"} <= set(json.load(f)["written"])
+    with open(os.path.join(out, "router_report.html")) as f:
+        html = f.read()
+    data = json.loads(html.split('id="report-data">')[1].split("</script>")[0])
+    types = load_pickle(os.path.join(out, "type_weight.pkl"))
+    with open(os.path.join(out, "synthetic_predictions.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    run = data["runs"][0]
+    assert [ex["tokens"] for ex in run["examples"]] == [ex["tokens"] for ex in types["examples"][:3]]  # --plot_examples
+    assert [ex["correct"] for ex in run["examples"]] == [r["correct"] for r in rows[:3]]
+    assert run["method"] == "sparse MoA" and len(run["mean"]) == 2 and data["scales"]["gamma"][1] <= 0.5
+    if CHROMIUM:
+        rendered, errors, _ = page_dom(os.path.join(out, "router_report.html"), "#layer=1")
+        assert (rendered, errors) == ("layer 1 by gamma", "")
 
 
 # ---- bad input: one clear message, exit code 2 ----------------------------------------

@@ -9,18 +9,20 @@ import numpy as np
 import pytest
 
 from scripts import compare_routers
-from Utils import plots, router_comparison
+from Utils import loss_curves, plots, router_comparison
+from Utils.weight_pickles import load_pickle
 
 TYPES = [["Q", "V", "FFN_DOWN"], ["Q", "V", "FFN_DOWN", "PADAPTER"]]
 
 
 def fake_run(folder, seed, weights_of, n_examples=3, n_prompt=5, n_tokens=8, variant="sparse", types=TYPES,
-             prompt_shift=0):
-    """A run folder as Math.py + Infer.py --save_weights leave it: args.json, log.txt, eval/*.pkl."""
+             prompt_shift=0, settings=None):
+    """A run folder as Math.py + Infer.py --save_weights leave it: args.json (seed and `settings`), log.txt,
+    eval/*.pkl."""
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(folder, "eval"))
     with open(os.path.join(folder, "args.json"), "w") as f:
-        json.dump({"seed": seed}, f)
+        json.dump({"seed": seed, "output_dir": folder, **(settings or {})}, f)
     with open(os.path.join(folder, "log.txt"), "w") as f:
         for step in range(1, 6):
             f.write(json.dumps({"event": "train", "step": step, "train_loss": 2.0 / step + seed * 1e-3}) + "\n")
@@ -119,7 +121,7 @@ def test_colour_scales_fit_the_values(tmp_path):
     """Type weights that all lie within 0.500-0.510 (a router after a few dozen steps) get a scale of that span,
     said on the colour bar, not 0-1; Gamma likewise."""
     weights = lambda i, layer, n, k: (0.5 + 0.01 * pattern(i, layer, n, k)).astype(np.float32)  # noqa: E731
-    types = plots.load_pickle(os.path.join(fake_run(str(tmp_path / "a"), 0, weights), "type_weight.pkl"))
+    types = load_pickle(os.path.join(fake_run(str(tmp_path / "a"), 0, weights), "type_weight.pkl"))
     fig = plots.plot_type_weight(types, str(tmp_path / "t.png"))
     low, high = fig.axes[0].get_images()[0].get_clim()
     table = plots.layer_by_type(types, lambda w: w.mean(0))
@@ -143,4 +145,86 @@ def test_a_long_examples_prompt_and_answer_are_both_drawn(tmp_path):
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == [f"t{k}" for k in range(118, 214)]
     assert [line.get_ydata()[0] for line in ax.get_lines()] == [150 - 118 - 0.5]
-    assert ax.get_images()[0].get_clim() == (float(gamma[118, 0]), float(2 * gamma[213, 0]))
+    assert ax.get_images()[0].get_clim() == (0.0, float(2 * gamma[213, 0]))  # from 0: the values span 0.12-0.26
+
+
+def test_the_headline_is_within_layers_beside_rank_and_overall(tmp_path, capsys):
+    """Two runs whose layers differ in level alike (layer 0 near 0.52 for every type, layer 1 near 0.2) but that
+    rank the types of each layer oppositely: overall (over the raw cells) they correlate above 0.95, within layers
+    -1, by rank -1; the headline, printed first and drawn, is the within-layer one, and per layer is recorded."""
+    ramp = np.linspace(-0.01, 0.01, 4)
+    level = {0: 0.52, 1: 0.2}
+    types = [["Q", "V", "FFN_DOWN", "PADAPTER"]] * 2
+    a = fake_run(str(tmp_path / "a"), 0, lambda i, layer, n, k: np.tile(level[layer] + ramp, (n, 1)).astype(np.float32),
+                 types=types)
+    b = fake_run(str(tmp_path / "b"), 1, lambda i, layer, n, k: np.tile(level[layer] - ramp, (n, 1)).astype(np.float32),
+                 types=types)
+    compare_routers.main([a, b, "--output_dir", str(tmp_path / "out")])
+    saved = json.load(open(tmp_path / "out" / "similarity.json"))
+    assert saved["mean"][0][1] > 0.95
+    assert saved["mean_centred"][0][1] == pytest.approx(-1.0) and saved["mean_rank"][0][1] == pytest.approx(-1.0)
+    assert saved["per_layer"]["0-1"] == {"pearson": [pytest.approx(-1.0)] * 2, "spearman": [pytest.approx(-1.0)] * 2}
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("[compare_routers] correlation of mean type weights within layers (centred: each layer's mean "
+                        "taken away): seed 0 ~ seed 1: -1.000")
+    assert "over all cells (overall: the offsets between layers included)" in lines[2]
+
+
+def test_labels_name_every_setting_that_differs_and_panels_share_one_scale(tmp_path):
+    """Runs alike in seed but not in precision and epochs are labelled by both (not by folder); the three runs'
+    type-weight panels and Gamma panels each share one colour scale from 0."""
+    folders = [fake_run(str(tmp_path / name), 0, lambda i, layer, n, k, s=scale: (s * pattern(i, layer, n, k)),
+                        settings={"precision": precision, "epochs": epochs, "lr": 1e-3})
+               for name, scale, precision, epochs in (("a", 1.0, "bf16", 3), ("b", 0.5, "fp32", 3),
+                                                      ("c", 0.25, "fp32", 5))]
+    runs = [router_comparison.read_run(f) for f in folders]
+    router_comparison.label_runs(runs)
+    assert [r["label"] for r in runs] == ["epochs 3, precision bf16", "epochs 3, precision fp32",
+                                          "epochs 5, precision fp32"]
+    fig = router_comparison.comparison_figure(runs, router_comparison.similarity(runs))
+    scales = [ax.get_images()[0].get_clim() for ax in fig.axes if ax.get_images()]
+    tables = [router_comparison.mean_table(r["type"]) for r in runs]
+    assert scales[:3] == [(0.0, float(np.nanmax(tables[0])))] * 3 and scales[3:6] == [(0.0, pytest.approx(0.2))] * 3
+
+
+def test_cell_text_is_black_on_light_cells_and_scales_start_at_0_or_say_why(tmp_path):
+    """router_stats' Blues: the lowest share (a light cell) is written in black, the highest in white; weights
+    within 0.92-1.0 get a scale from 0, weights within 0.500-0.510 one fitted to them, its colour bar saying why."""
+    shares = lambda i, layer, n, k: (np.arange(n)[:, None] < 2 * np.arange(1, k + 1)).astype(np.float32)  # noqa: E731
+    types = load_pickle(os.path.join(fake_run(str(tmp_path / "a"), 0, shares), "type_weight.pkl"))
+    fig = plots.plot_router_stats(types, str(tmp_path / "r.png"))
+    cells = {t.get_text(): t.get_color() for t in fig.axes[0].texts}
+    active, _ = plots.activation_table(types)
+    assert cells[f"{np.nanmin(active):.2f}"] == "k" and cells[f"{np.nanmax(active):.2f}"] == "w"
+    for low, expected in ((0.92, 0.0), (0.5, None)):
+        weights = lambda i, layer, n, k, b=low: np.tile(b + (0.08 if b > 0.9 else 0.01) * np.linspace(0, 1, k),  # noqa
+                                                         (n, 1)).astype(np.float32)
+        data = load_pickle(os.path.join(fake_run(str(tmp_path / f"w{low}"), 0, weights), "type_weight.pkl"))
+        fig = plots.plot_type_weight(data, str(tmp_path / "t.png"))
+        clim, label = fig.axes[0].get_images()[0].get_clim(), fig.axes[1].get_ylabel()
+        if expected is not None:
+            assert clim[0] == expected and "fitted" not in label
+        else:
+            assert clim == pytest.approx((0.5, 0.51)) and "fitted: all values within 0.01 of each other" in label
+
+
+def test_token_figures_draw_each_data_set_and_soft_moa(tmp_path):
+    """Two examples of each of two data sets in the per-token figures; Soft MoA, without Gamma, gets the strongest
+    type per token; the loss curve has every step of step_losses, not only the logged lines."""
+    soft_types = [names[:2] + ["PROMPT"] + names[2:] for names in TYPES]
+    data = load_pickle(os.path.join(fake_run(str(tmp_path / "s"), 0, with_prompt_column, n_examples=4,
+                                                   variant="soft", types=soft_types), "type_weight.pkl"))
+    for k, ex in enumerate(data["examples"]):
+        ex["dataset"], ex["index"] = ("AddSub", "AQuA")[k // 2], k % 2
+    pngs = plots.plot_all(str(tmp_path), type_data=data, per_dataset=2)
+    assert "token_types" in pngs and "token_weight" not in pngs
+    fig = plots.plot_token_types(data, str(tmp_path / "t.png"), plots.chosen_examples(data, 1))
+    assert [ax.get_title().split("\n")[0] for ax in fig.axes if ax.get_images()] == ["AddSub #0", "AQuA #0"]
+    assert [t.get_text() for t in fig.axes[-1].get_yticklabels()] == plots.type_columns(data)
+    log = tmp_path / "log.txt"
+    log.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"event": "train", "step": 1, "train_loss": 3.0, "step_losses": [3.0]},
+        {"event": "train", "step": 100, "train_loss": 1.0, "step_losses": [3.0 - 0.02 * s for s in range(2, 101)]},
+        {"event": "step_losses", "step": 130, "step_losses": [1.0] * 30})))
+    fig = loss_curves.plot_loss_curves(str(log), str(tmp_path / "l.png"))
+    assert len(fig.axes[0].get_lines()[0].get_xdata()) == 130

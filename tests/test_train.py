@@ -16,6 +16,7 @@ from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
 from Models.formats.pth import load_pth
 from Models.kernels.adamw import AdamW, adamw_update, build_optimizer
+from Utils.loss_curves import train_points
 
 
 def adapter(path):
@@ -201,8 +202,12 @@ def test_logs_tensorboard_and_run_files(tiny_base, synthetic_data, tmp_path, cap
     assert "Epoch: [0]  [0/3]  eta: -" in out and "[2/3]" in out and "/12]" not in out
     with open(tmp_path / "log.txt") as f:
         records = [json.loads(line) for line in f]
-    assert {r["event"] for r in records} == {"train", "val", "end"}  # end: the run's totals
+    assert {r["event"] for r in records} == {"train", "val", "step_losses", "end"}  # end: the run's totals
     assert [r["step"] for r in records if r["event"] == "train"] == [1, 2]
+    # every step's loss, step 3's on a line of its own before the last checkpoint: the loss curve draws all three
+    assert [(r["step"], len(r["step_losses"])) for r in records if "step_losses" in r] == [(1, 1), (2, 1), (3, 1)]
+    assert [x for x, _ in train_points(records)] == [1, 2, 3]
+    assert records[0]["step_losses"] == [round(records[0]["train_loss"], 6)]
     end = records[-1]
     assert end["event"] == "end" and end["step"] == 3 and end["train_tokens_per_s"] > 0 and end["timed_steps"] <= 2
     assert end["trainable_params"] == sum(v.size for v in load_pth(tmp_path / "adapter" / "adapter.pth").values())

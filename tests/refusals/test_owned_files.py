@@ -67,7 +67,7 @@ def test_an_evaluation_keeps_the_users_temp_named_folder_beside_it(tiny_base, ad
 
 
 def weights_folder(folder, n_layers=2, n_examples=2, n_tokens=6):
-    """type_weight.pkl and token_weight.pkl as Infer.py --save_weights writes them (Utils/plots.py) for a Sparse
+    """type_weight.pkl and token_weight.pkl as Infer.py --save_weights writes them (Utils/weight_pickles.py) for a Sparse
     MoA of `n_layers` layers, each with the types Q and V, random weights; returns the folder."""
     rng = np.random.default_rng(n_layers)
     types = [["Q", "V"]] * n_layers
@@ -96,7 +96,7 @@ def test_compare_routers_writes_only_what_it_owns_and_refuses_bad_inputs(tmp_pat
     for _ in range(2):  # its own files, which the manifest lists, it replaces
         assert exit_code(compare()) is None
         assert json.loads((out / ".manifest.json").read_text())["written"] == ["router_comparison.png",
-                                                                              "similarity.json"]
+                                                                              "router_report.html", "similarity.json"]
     capsys.readouterr()
     written = snapshot(out)
 
@@ -123,6 +123,19 @@ def test_compare_routers_writes_only_what_it_owns_and_refuses_bad_inputs(tmp_pat
                                                                   "names posix.system"]),
              (compare(folders=[str(crafted["calls"]), runs[1]]), [str(crafted["calls"] / "type_weight.pkl"),
                                                                     "names builtins.getattr"])]
+    damaged = {}  # what labels a run and marks its answers, damaged: the file named, and the line
+    for name, path, text in [("args", "args.json", "[1, 2]"), ("params", "adapter/adapter_params.json", "{"),
+                             ("predictions", "eval/synthetic_predictions.jsonl", '{"index": 0}\n[3]\n')]:
+        damaged[name] = tmp_path / name
+        shutil.copytree(runs[0], damaged[name] / "eval")
+        os.makedirs((damaged[name] / path).parent, exist_ok=True)
+        (damaged[name] / path).write_text(text)
+    cases += [(compare(folders=[str(damaged["args"] / "eval"), runs[1]]),
+               [str(damaged["args"] / "args.json"), "expected a JSON object"]),
+              (compare(folders=[str(damaged["params"] / "eval"), runs[1]]),
+               [str(damaged["params"] / "adapter" / "adapter_params.json"), "not valid JSON"]),
+              (compare(folders=[str(damaged["predictions"] / "eval"), runs[1]]),
+               [str(damaged["predictions"] / "eval" / "synthetic_predictions.jsonl"), "line 2 is not a JSON object"])]
     for call, needles in cases:
         assert_refused(capsys, call, *needles)
         assert snapshot(out) == written
