@@ -308,6 +308,26 @@ def test_peft_folders_refused_by_infer_are_named_by_their_files(tiny_qwen3, adds
     assert not (tmp_path / "eval").exists()
 
 
+def test_infer_without_llama_path_takes_the_base_a_peft_folder_names_or_refuses(tiny_qwen3, addsub, tmp_path,
+                                                                               capsys, monkeypatch):
+    """No --llama_path and no run's args.json: a peft folder's base_model_name_or_path when it is a local folder,
+    else a refusal saying to pass --llama_path; never the demo base, whose shapes the adapter does not fit."""
+    import Infer
+    monkeypatch.setattr(Infer, "ensure_default_base", lambda: pytest.fail("the demo base was taken"))
+    local = peft_folder(tmp_path, {"base_model_name_or_path": tiny_qwen3}, name="local")
+    assert Infer.resolve_run(Infer.get_args_parser().parse_args(["--adapter_path", local]))[3] == tiny_qwen3
+    hub = peft_folder(tmp_path, {"base_model_name_or_path": "Qwen/Qwen3-0.6B"}, name="hub")
+    argv = ["--data_path", addsub, "--output_dir", str(tmp_path / "eval")]
+    assert_refused(capsys, lambda: Infer.main(["--adapter_path", hub, *argv]),
+                   f"{hub}/adapter_config.json: base_model_name_or_path 'Qwen/Qwen3-0.6B' is not a local folder",
+                   "pass --llama_path")
+    save_adapter(adapted(tiny_qwen3, method="moe", expert_num=1, lora_layers="0-1"), str(tmp_path / "ours"))
+    assert_refused(capsys, lambda: Infer.main(["--adapter_path", str(tmp_path / "ours"), *argv]),
+                   f"--adapter_path {tmp_path / 'ours'}: no run's args.json beside it names its base",
+                   "pass --llama_path")
+    assert not (tmp_path / "eval").exists()
+
+
 def test_peft_layers_differing_in_projections_are_refused(tmp_path):
     folder = peft_folder(tmp_path, {"layers_to_transform": None})
     arrays = read_arrays(os.path.join(folder, peft.PEFT_WEIGHTS))
