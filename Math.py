@@ -43,7 +43,7 @@ from Data.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
 from Models.kernels.adamw import build_optimizer
 from Utils.misc import EarlyStopper, all_reduce_sum, print_main, read_json_object
-from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
+from Utils.jittor_env import StopFlag, Stopped, launcher, stop_exit_status, stop_origin
 from Utils.settings import (EVERY_LAYER_SPANS, RECIPES, ArgumentParser, GenerationArgs, TrainArgs, add_arguments,
                             check_record,
                             check_values, given, recipe_values, recipes_help, resume_fixed, setting_fields,
@@ -82,7 +82,7 @@ def get_args_parser():
       "(without it such a folder is refused)")
     a("--init_adapter", default=None, help="start from this adapter (our dir/adapter.pth or the authors' "
       "adapter.pth) with a fresh optimizer")
-    a("--device", default="cuda", choices=["cuda", "cpu"], help="cuda when available, or force cpu")
+    a("--device", default="cuda", choices=["cuda", "cpu"], help="cuda when available, or force cpu (args.json records the one used)")
     a("--print_settings", action="store_true", help="print every resolved setting at the start (args.json in "
       "--output_dir records them either way; without it one line says where they came from)")
     shown = recipe_values(DEFAULT_RECIPE)
@@ -381,8 +381,8 @@ def train_and_save(args, stop, run_id, claim, model, optimizer, stopper, dataset
                    "trainable_params": model.parameter_counts()["total"]})
     if end.stop_reason == "signal":
         all_reduce_sum([0.0])
-        print_main(f"stopped by {stop.name} at step {end.global_step}; checkpoint-latest.pth is saved, continue "
-                   f"with: python Math.py --resume auto --output_dir {args.output_dir}")
+        print_main(f"stopped by {stop.name}{stop_origin(stop.name)} at step {end.global_step}; checkpoint-latest.pth "
+                   f"is saved, continue with: {launcher()}python Math.py --resume auto --output_dir {args.output_dir}")
         return stop_exit_status(stop.name)
     if claim is not None:
         claim.record("adapter")
