@@ -4,7 +4,7 @@ data set, training tokens/s.
 
     python Compare.py                                  # every method on the tiny demo, in minutes
     python Compare.py --methods sparse soft lora molora --max_steps 400
-    python Compare.py --recipe math --llama_path <8B dir> --data_path ../shared/data/math/math_14k.json \\
+    python Compare.py --recipe math --llama_path <8B dir> --data_path $MOA/datasets/math_14k/train.json \\
         --test_data ../shared/data/math --max_steps 0 --ranks 8
 
 Each method is one Math.py run (the recipe, then the method's settings from
