@@ -213,6 +213,40 @@ def test_the_exported_folder_runs_no_code_of_its_base(tmp_path):
     assert not (tmp_path / "own" / "CODE_RAN").exists()
 
 
+TOKENIZE = """
+import json, sys
+import transformers
+from transformers import AutoConfig, AutoTokenizer
+transformers.logging.set_verbosity_error()
+text = "12 + 30 = 42. The answer is 42."
+exported, base = AutoTokenizer.from_pretrained(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[2])
+trusted = AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)
+print(json.dumps({"ids": exported(text).input_ids, "base_ids": base(text).input_ids,
+                  "config": type(trusted).__name__, "precision": trusted.moa.get("trained_precision")}))
+"""
+
+
+def test_the_exported_tokenizer_loads_without_trust_remote_code(tiny_hf_llama, tmp_path):
+    """AutoTokenizer on the exported folder, as on its base, with no trust_remote_code: no prompt (stdin closed,
+    as a script's), the base's token ids; the folder's config is still MoAConfig where its code is trusted."""
+    python = reference_python()
+    sys.path.insert(0, str(REPO / "scripts"))
+    import export_hf
+    from Models.formats.adapters import save_adapter
+    from Models.formats.base_model import base_args, build_model
+    model = build_model(tiny_hf_llama, base_args(tiny_hf_llama, max_seq_len=32, lora_rank=4, lora_layers="0-2",
+                                                 p_adapter_layers="0-2", swi_x=2))
+    save_adapter(model, str(tmp_path / "adapter"))
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "export"), "--base", tiny_hf_llama]) is None
+    done = subprocess.run([python, "-c", TOKENIZE, str(tmp_path / "export"), tiny_hf_llama], capture_output=True,
+                          text=True, timeout=600, stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trust_remote_code" not in done.stdout + done.stderr and "custom code" not in done.stdout + done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["ids"] == found["base_ids"] and len(found["ids"]) > 5
+    assert (found["config"], found["precision"]) == ("MoAConfig", "fp32")
+
+
 # where peft puts LoRA: every combination of these, on every module of a 3-layer Qwen3-shaped base
 SELECTIONS = {
     "target_modules": [["q_proj", "v_proj"], ["q_proj", "down_proj", "lm_head"], ["model.layers.1.self_attn.q_proj",
