@@ -17,8 +17,8 @@ exists with the same command is not run again, and an interrupted training conti
 its checkpoint, so rerunning the command after a stop picks up where it was. Each run's
 output goes to <output_dir>/<method>/compare.log; a method whose run fails is a row marked failed with the
 last error line of its run, the other methods still run, and the exit code is 5. The table's footer states the
-steps each method trained, from its run's log.txt (a recipe's epochs may end before --max_steps). The table is printed and written to
-<output_dir>/compare.md and compare.json. The output folder is Compare.py's own: its manifest lists what
+steps each method trained, from its run's log.txt (a recipe's epochs may end before --max_steps). The table is
+printed and written to <output_dir>/compare.md and compare.json. The output folder is Compare.py's own: its manifest lists what
 it wrote, and a file there that no run of the tools wrote is never replaced (Utils/output_dirs.py).
 """
 import argparse
@@ -255,8 +255,9 @@ def footer(args, rows: list) -> str:
 
 def main(argv=None):
     """Exit codes: 0 done, 2 bad arguments, 5 the table written with some method's row marked failed (an
-    `error:` line for each, naming its log; the other methods ran), 4 the table could not be written, 130 / 143 / 138 stopped by SIGINT / SIGTERM / SIGUSR1 (passed on to
-    the run in progress, which stops as the tools do; rerunning the command continues)."""
+    `error:` line for each, naming its log; the other methods ran), 4 the table could not be written, 130 / 143 /
+    138 stopped by SIGINT / SIGTERM / SIGUSR1 (passed on to the run in progress, which stops as the tools do;
+    rerunning the command continues)."""
     args = get_args_parser().parse_args(argv)
     if args.max_steps < 0 or args.max_examples < 0 or args.ranks < 1:
         get_args_parser().error("--max_steps and --max_examples must be >= 0 and --ranks >= 1")

@@ -49,11 +49,11 @@ def remote_tensors(arrays: dict, args: ModelArgs) -> dict:
 
 
 def remote_settings(args: ModelArgs) -> dict:
-    """MoAConfig.moa: the adapter's settings, its layers as lists, its targets in the router's families, the
+    """MoAConfig.moa: the adapter's settings and the precision it trained in, its layers as lists, its targets in the router's families, the
     clamp of MoA's fp16 guard (every method but Sparse MoA), the base's shape it checks."""
     settings = {name: getattr(args, name) for name in MOA_SETTINGS}
-    settings.update(trained_precision=args.precision, lora_targets=list(args.targets), lora_layers=sorted(args.lora_layer_set),
-                    prompt_layers=sorted(args.prompt_layer_set), p_adapter_layers=sorted(args.p_adapter_layer_set),
+    settings.update(trained_precision=args.precision, lora_targets=list(args.targets),
+                    lora_layers=sorted(args.lora_layer_set), prompt_layers=sorted(args.prompt_layer_set), p_adapter_layers=sorted(args.p_adapter_layer_set),
                     clamp=not (args.method == "moa" and args.variant == "sparse"),
                     base_config={"model_type": args.architecture,
                                  **{hf: getattr(args, ours) for ours, hf in BASE_CHECKS.items()}})
