@@ -126,10 +126,8 @@ def resolve_run(args):
     run_args_path = os.path.join(run_dir, "args.json") if run_dir else None
     run_args = read_json_object(run_args_path, "run settings") if run_args_path and os.path.isfile(run_args_path) \
         else {}
-    if not isinstance(run_args.get("llama_path", ""), (str, type(None))):
-        raise ValueError(f"{run_args_path}: field 'llama_path' must be a string, got {run_args['llama_path']!r}")
-    llama_path = args.llama_path or run_args.get("llama_path") or (
-        recorded_base(located, run_args_path) if located else ensure_default_base())
+    llama_path = args.llama_path or (recorded_base(located, run_args, run_args_path) if located else
+                                     ensure_default_base())
     return adapter, run_dir, run_args, llama_path
 
 

@@ -180,10 +180,14 @@ def check_adapter_exists(path: str):
         raise FileNotFoundError(f"{path}: no such adapter file or directory")
 
 
-def recorded_base(path: str, run_args_path: str = None) -> str:
-    """The base an adapter was trained on, where no --llama_path is given and its run's args.json names none: a
-    peft folder's base_model_name_or_path when it is a local folder; else a refusal saying to pass --llama_path
-    (the demo base would not fit an adapter of another base's shapes)."""
+def recorded_base(path: str, run_args: dict, run_args_path: str = None) -> str:
+    """The base an adapter was trained on, where no --llama_path is given: the llama_path of its run's args.json
+    (`run_args`, read from `run_args_path`), else a peft folder's base_model_name_or_path when it is a local
+    folder; else a refusal saying to pass --llama_path (the demo base would not fit another base's adapter)."""
+    if not isinstance(run_args.get("llama_path", ""), (str, type(None))):
+        raise ValueError(f"{run_args_path}: field 'llama_path' must be a string, got {run_args['llama_path']!r}")
+    if run_args.get("llama_path"):
+        return run_args["llama_path"]
     peft = peft_format()
     if peft.is_peft_adapter(path):
         config = os.path.join(path, peft.PEFT_CONFIG)
