@@ -4,7 +4,7 @@ data set, training tokens/s.
 
     python Compare.py                                  # every method on the tiny demo, in minutes
     python Compare.py --methods sparse soft lora molora --max_steps 400
-    python Compare.py --recipe math --llama_path <8B dir> --data_path ../shared/data/math/math_14k.json \\
+    python Compare.py --recipe math --llama_path <8B dir> --data_path $MOA/datasets/math_14k/train.json \\
         --test_data ../shared/data/math --max_steps 0 --ranks 8
 
 Each method is one Math.py run (the recipe, then the method's settings from
@@ -15,8 +15,10 @@ as --p_adapter_size in LoRA's, is left out of that method's run, saying so) in
 base model alone is scored once as a reference row. A method whose evaluation already
 exists with the same command is not run again, and an interrupted training continues from
 its checkpoint, so rerunning the command after a stop picks up where it was. Each run's
-output goes to <output_dir>/<method>/compare.log. The table is printed and written to
-<output_dir>/compare.md and compare.json. The output folder is Compare.py's own: its manifest lists what
+output goes to <output_dir>/<method>/compare.log; a method whose run fails is a row marked failed with the
+last error line of its run, the other methods still run, and the exit code is 5. The table's footer states the
+steps each method trained, from its run's log.txt (a recipe's epochs may end before --max_steps). The table is
+printed and written to <output_dir>/compare.md and compare.json. The output folder is Compare.py's own: its manifest lists what
 it wrote, and a file there that no run of the tools wrote is never replaced (Utils/output_dirs.py).
 """
 import argparse
@@ -42,6 +44,7 @@ from Utils.misc import atomic_write, read_json_object, write_json
 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 REPO = os.path.dirname(os.path.abspath(__file__))
 BASE_ROW = "base"
+FAILED_EXIT = 5  # the table is written, and some method's row is marked failed
 
 
 def get_args_parser():
@@ -128,8 +131,9 @@ def preset_flags(settings: dict) -> list:
     return flags
 
 
-def commands(args, method: str) -> dict:
-    """The Math.py and Infer.py command lines of one method (the base row: Infer.py alone)."""
+def commands(args, method: str, trained: str = None) -> dict:
+    """The Math.py and Infer.py command lines of one method (the base row: Infer.py alone, reading the base and
+    the test split from the run of method `trained`, the first method's by default)."""
     run = os.path.join(args.output_dir, method)
     python = sys.executable
     common = ["--llama_path", args.llama_path] if args.llama_path else []
@@ -137,7 +141,7 @@ def commands(args, method: str) -> dict:
     infer += ["--max_examples", str(args.max_examples)] if args.max_examples else []
     infer += ["--data_path", *args.test_data] if args.test_data else []
     if method == BASE_ROW:  # any method's run knows the base and the test split
-        first = os.path.join(args.output_dir, args.methods[0])
+        first = os.path.join(args.output_dir, trained or args.methods[0])
         return {"infer": infer + ["--adapter_path", os.path.join(first, "adapter"), "--no_adapter"]}
     math = [python, "Math.py", "--recipe", args.recipe, *preset_flags(METHOD_PRESETS[method]), *common,
             "--max_steps", str(args.max_steps), "--output_dir", run]
@@ -148,22 +152,32 @@ def commands(args, method: str) -> dict:
     return {"math": math, "infer": infer + ["--adapter_path", os.path.join(run, "adapter")]}
 
 
+class MethodFailed(RuntimeError):
+    """A method's Math.py or Infer.py run exited with an error: its row is marked failed, the others still run."""
+    def __init__(self, what: str, returncode: int, log_path: str, said: str):
+        super().__init__(f"{what} failed (exit {returncode}; its output is in {log_path}): {said}")
+        self.said = said
+
+
 def run_logged(command: list, log_path: str, what: str, stops: StopForwarder):
     """Run one command with its output appended to log_path, passing stop signals on to it and waiting for
-    it (then Stopped); a failure names the method and the log."""
+    it (then Stopped); a failure (MethodFailed) names the method, the log and the last error line this run
+    wrote there (not an earlier run's)."""
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     with open(log_path, "a") as log:
         log.write(f"\n$ {' '.join(command)}\n")
         log.flush()
+        start = log.tell()
         returncode = stops.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     if stops.signal is not None:
         raise Stopped(f"{stops.name}; {what} stopped with exit {returncode} (its output is in {log_path}): "
                       "rerun the command to continue")
     if returncode:
-        with open(log_path) as f:
+        with open(log_path, errors="replace") as f:
+            f.seek(start)
             lines = [line.strip() for line in f if line.strip()]
         said = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
-        raise RuntimeError(f"{what} failed (exit {returncode}; its output is in {log_path}): {said}")
+        raise MethodFailed(what, returncode, log_path, said or "(no output)")
 
 
 def end_record(run: str) -> dict:
@@ -175,11 +189,11 @@ def end_record(run: str) -> dict:
     return {**ends[-1], "train_tokens_per_s": timed[-1]["train_tokens_per_s"]}
 
 
-def evaluate_method(args, method: str, stops: StopForwarder) -> dict:
+def evaluate_method(args, method: str, stops: StopForwarder, trained: str = None) -> dict:
     """Train (or continue) and evaluate one method unless the same command already did; its table row."""
     run = os.path.join(args.output_dir, method)
     os.makedirs(run, exist_ok=True)
-    cmds = commands(args, method)
+    cmds = commands(args, method, trained)
     done_path, scores_path = os.path.join(run, "compare.json"), os.path.join(run, "eval", "scores.json")
     if not args.overwrite and os.path.isfile(done_path) and os.path.isfile(scores_path):
         earlier = read_json_object(done_path, "compare record")
@@ -208,10 +222,16 @@ def evaluate_method(args, method: str, stops: StopForwarder) -> dict:
 
 
 def table(rows: list) -> str:
-    datasets = list(dict.fromkeys(name for row in rows for name in row["accuracy"]))
+    """The markdown table; a failed method's row says so, with its run's last error line."""
+    datasets = list(dict.fromkeys(name for row in rows for name in row.get("accuracy", {})))
     head = ["method", "trainable params", *datasets, "average", "train tokens/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in rows:
+        if "failed" in row:
+            said = row["failed"].replace("|", "\\|")
+            cells = [row["method"], "-", *["failed"] * len(datasets), f"failed: {said}", "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
         cells = [row["method"], f"{row['trainable_params']:,}" if "trainable_params" in row else "-"]
         cells += [f"{100 * row['accuracy'][d]:.1f}" if d in row["accuracy"] else "-" for d in datasets]
         cells += [f"{100 * row['average']:.1f}",
@@ -220,10 +240,24 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def footer(args, rows: list) -> str:
+    """What the table's rows ran: the steps each method trained as its run's log.txt records them (a recipe's
+    epochs may end before the --max_steps budget), not the budget asked for."""
+    trained = ", ".join(f"{row['method']} {row['steps']}" for row in rows if "steps" in row) or "none"
+    budget = f"--max_steps {args.max_steps}" if args.max_steps else "the recipe's epochs"
+    failed = [row["method"] for row in rows if "failed" in row]
+    return (f"recipe {args.recipe}, {args.ranks} rank(s); optimizer steps trained (from each run's log.txt): "
+            f"{trained} (budget: {budget}, or the recipe's epochs where they end first)"
+            + (f"; failed: {', '.join(failed)} (each one's log: <output_dir>/<method>/compare.log)" if failed else "")
+            + f"; {args.max_examples or 'all'} test examples per data set; accuracy in %; train tokens/s over the "
+            "steps that compiled nothing (a step meeting a new batch shape builds Jittor's kernels)")
+
+
 def main(argv=None):
-    """Exit codes: 0 done, 2 bad arguments or a method's run failed (one `error:` line naming its log),
-    4 the table could not be written, 130 / 143 / 138 stopped by SIGINT / SIGTERM / SIGUSR1 (passed on to
-    the run in progress, which stops as the tools do; rerunning the command continues)."""
+    """Exit codes: 0 done, 2 bad arguments, 5 the table written with some method's row marked failed (an
+    `error:` line for each, naming its log; the other methods ran), 4 the table could not be written, 130 / 143 /
+    138 stopped by SIGINT / SIGTERM / SIGUSR1 (passed on to the run in progress, which stops as the tools do;
+    rerunning the command continues)."""
     args = get_args_parser().parse_args(argv)
     if args.max_steps < 0 or args.max_examples < 0 or args.ranks < 1:
         get_args_parser().error("--max_steps and --max_examples must be >= 0 and --ranks >= 1")
@@ -277,9 +311,17 @@ def compare_methods(args, stops: StopForwarder) -> int:
         check_math_flags(args)
         check_test_data(args)
         claim_output_dir(args)
-        for method in args.methods:
-            rows.append(evaluate_method(args, method, stops))
-        rows.append(evaluate_method(args, BASE_ROW, stops))
+        for method in [*args.methods, BASE_ROW]:
+            trained = next((row["method"] for row in rows if "failed" not in row), None)
+            if method == BASE_ROW and trained is None:
+                rows.append({"method": BASE_ROW, "failed": "no method trained: the base row reads the base and "
+                             "test split of a finished run"})
+                continue
+            try:
+                rows.append(evaluate_method(args, method, stops, trained))
+            except MethodFailed as e:  # the other methods still run; the exit code says one failed
+                print(f"error: {e}", file=sys.stderr)
+                rows.append({"method": method, "failed": e.said})
     except Stopped as e:
         print(f"error: stopped by {e}", file=sys.stderr)
         return stop_exit_status(stops.name)
@@ -289,10 +331,7 @@ def compare_methods(args, stops: StopForwarder) -> int:
     except OSError as e:
         print(f"error: cannot write {e.filename or args.output_dir}: {e.strerror or e}", file=sys.stderr)
         return 4
-    text = table(rows)
-    note = (f"recipe {args.recipe}, {args.max_steps or 'all'} steps per method on {args.ranks} rank(s), "
-            f"{args.max_examples or 'all'} test examples per data set; accuracy in %; train tokens/s over the steps "
-            "that compiled nothing (a step meeting a new batch shape builds Jittor's kernels)")
+    text, note = table(rows), footer(args, rows)
     try:
         atomic_write(os.path.join(args.output_dir, "compare.md"),
                      lambda tmp: Path(tmp).write_text(text + "\n\n" + note + "\n"))
@@ -301,7 +340,7 @@ def compare_methods(args, stops: StopForwarder) -> int:
         print(f"error: cannot write {e.filename or args.output_dir}: {e.strerror or e}", file=sys.stderr)
         return 4
     print("\n" + text + "\n\n" + note)
-    return 0
+    return FAILED_EXIT if any("failed" in row for row in rows) else 0
 
 
 if __name__ == "__main__":

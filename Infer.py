@@ -44,7 +44,8 @@ from Data.test_sets import (STOPPED_SAMPLES, TestSet, check_prompt_lengths, data
                             example_name, load_test_sets, score_and_write, stopped_dir)
 from Models.ModelArgs import ModelArgs, check_flags_do_something
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, check_adapter_exists,
-                                     load_adapter, read_adapter_config, settings_file, settings_from_flags)
+                                     load_adapter, read_adapter_config, recorded_base, settings_file,
+                                     settings_from_flags)
 from Models.formats.base_model import adapter_settings, base_args, base_settings, build_model, open_tokenizer
 from Models.generate import NonFiniteLogits, auto_batch_size, generate
 from Models.memory import check_memory
@@ -128,9 +129,8 @@ def resolve_run(args):
     run_args_path = os.path.join(run_dir, "args.json") if run_dir else None
     run_args = read_json_object(run_args_path, "run settings") if run_args_path and os.path.isfile(run_args_path) \
         else {}
-    if not isinstance(run_args.get("llama_path", ""), (str, type(None))):
-        raise ValueError(f"{run_args_path}: field 'llama_path' must be a string, got {run_args['llama_path']!r}")
-    llama_path = args.llama_path or run_args.get("llama_path") or ensure_default_base()
+    llama_path = args.llama_path or (recorded_base(located, run_args, run_args_path) if located else
+                                     ensure_default_base())
     return adapter, run_dir, run_args, llama_path
 
 

@@ -35,7 +35,7 @@ from Data.dataset import FinetuneDataset, load_examples, split_validation
 from Data.synthetic import make_splits
 from engine_finetune import NonFiniteLoss, Progress, RunContext, cut_log, log_line, train
 from Models.formats.adapters import NonFiniteAdapter, load_adapter, save_adapter
-from Models.formats.training import restore_checkpoint, resume_signature
+from Models.formats.training import check_extension, restore_checkpoint, resume_signature
 from Models.formats.base_model import base_args, base_settings, build_model, open_tokenizer, settings_file
 from Models.memory import check_memory
 from Models.ModelArgs import INSTANCE_METHODS, ModelArgs, check_flags_do_something
@@ -43,7 +43,7 @@ from Data.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
 from Models.kernels.adamw import build_optimizer
 from Utils.misc import EarlyStopper, all_reduce_sum, print_main, read_json_object
-from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
+from Utils.jittor_env import StopFlag, Stopped, launcher, stop_exit_status, stop_origin
 from Utils.settings import (EVERY_LAYER_SPANS, RECIPES, ArgumentParser, GenerationArgs, TrainArgs, add_arguments,
                             check_record,
                             check_values, given, recipe_values, recipes_help, resume_fixed, setting_fields,
@@ -82,7 +82,8 @@ def get_args_parser():
       "(without it such a folder is refused)")
     a("--init_adapter", default=None, help="start from this adapter (our dir/adapter.pth or the authors' "
       "adapter.pth) with a fresh optimizer")
-    a("--device", default="cuda", choices=["cuda", "cpu"], help="cuda when available, or force cpu")
+    a("--device", default="cuda", choices=["cuda", "cpu"],
+      help="cuda when available, or force cpu (args.json records the one used)")
     a("--print_settings", action="store_true", help="print every resolved setting at the start (args.json in "
       "--output_dir records them either way; without it one line says where they came from)")
     shown = recipe_values(DEFAULT_RECIPE)
@@ -248,10 +249,7 @@ def prepare(args, recorded):
                                   resume_fixed({**settings, **model_args.to_dict()}, ModelArgs, TrainArgs),
                                   {name: where for name, (_, where) in sources.items()})
         progress = Progress(int(ckpt["epoch"]), int(ckpt["data_iter_step"]), int(ckpt["global_step"]))
-        if cfg.max_steps and cfg.max_steps < progress.global_step:  # its records would say fewer steps than ran
-            fail(f"--max_steps {cfg.max_steps} is below the step {resume_path} reached ({progress.global_step}): "
-                 f"a resumed run continues; give --max_steps {progress.global_step} or more (0: the recipe's "
-                 "epochs), or start afresh with --overwrite")
+        check_extension(ckpt, cfg, resume_path)
         print_main(f"resumed from {resume_path}: epoch {progress.epoch}, batch {progress.next_batch}, "
                    f"step {progress.global_step}")
     elif args.init_adapter:
@@ -381,8 +379,8 @@ def train_and_save(args, stop, run_id, claim, model, optimizer, stopper, dataset
                    "trainable_params": model.parameter_counts()["total"]})
     if end.stop_reason == "signal":
         all_reduce_sum([0.0])
-        print_main(f"stopped by {stop.name} at step {end.global_step}; checkpoint-latest.pth is saved, continue "
-                   f"with: python Math.py --resume auto --output_dir {args.output_dir}")
+        print_main(f"stopped by {stop.name}{stop_origin(stop.name)} at step {end.global_step}; checkpoint-latest.pth "
+                   f"is saved, continue with: {launcher()}python Math.py --resume auto --output_dir {args.output_dir}")
         return stop_exit_status(stop.name)
     if claim is not None:
         claim.record("adapter")

@@ -78,6 +78,21 @@ def stop_exit_status(name: str) -> int:
     return 128 + signal.Signals[name]
 
 
+def launcher() -> str:
+    """How this process was launched, as a command line starts: `mpirun -np N ` under OpenMPI (its environment
+    names the ranks), else nothing; a resume hint repeats it."""
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE")
+    return f"mpirun -np {size} " if size else ""
+
+
+def stop_origin(name: str) -> str:
+    """What a rank can say of where a stop signal came from: under mpirun a SIGTERM is also a Ctrl-C (SIGINT) to
+    mpirun, which OpenMPI cannot forward as it is (its ess_base_forward_signals refuses SIGINT); it sends its ranks
+    SIGTERM, SIGKILL a second later, and exits 1."""
+    return (" (under mpirun: a Ctrl-C or SIGTERM to mpirun, which kills the ranks a second later and exits 1; "
+            "send mpirun SIGUSR1 to stop at a step boundary)") if launcher() and name == "SIGTERM" else ""
+
+
 def block_stop_signals():
     """Make the stop signals pending flags that only the process's own poll reads
     (StopFlag below), in a training or inference process.

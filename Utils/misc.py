@@ -42,6 +42,7 @@ def init_distributed_mode(args):
     args.distributed = bool(jt.in_mpi and jt.world_size > 1)
     if jt.has_cuda and getattr(args, "device", "cuda") != "cpu":
         jt.flags.use_cuda = 1
+    args.device = "cuda" if jt.flags.use_cuda else "cpu"  # the one used, as args.json records it
     setup_for_distributed(args.rank == 0)
     if args.distributed:
         print(f"| distributed: rank {args.rank} of {args.world_size}, local rank {args.gpu}")

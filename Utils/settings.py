@@ -214,7 +214,8 @@ class TrainArgs:
     lr_schedule: str = setting("cosine", "after the warm-up: cosine = half a cosine down to --min_lr at the end, "
                                          "constant = --lr to the end (the authors' code runs)",
                                choices=("cosine", "constant"))
-    epochs: int = setting(2, "training epochs", at_least=1)
+    epochs: int = setting(2, "training epochs; a resumed run may raise it (the lr schedule then spans the new "
+                             "total: README)", at_least=1, resumable=True)
     batch_size: int = setting(32, "GLOBAL batch of one micro-step, split over the MPI ranks (the authors' was "
                                   "per GPU)", at_least=1)
     accum_iter: int = setting(1, "micro-steps accumulated per optimizer step", at_least=1)

@@ -14,6 +14,9 @@ that something else already holds there are refused, and so is a folder another 
 evaluation's). The files are written into a staging folder beside it and moved in once all are written; an
 earlier export's files this one does not write are removed then. A base whose config.json or tokenizer_config.json
 has `auto_map` (code of its own) is refused: the exported folder loads the base with transformers' own classes.
+The transformers folder's generation_config.json carries the run's decoding (args.json: temperature, top_p,
+max_gen_len); an adapter trained on an int8 base exports with a warning line (the folder runs it on the
+full-precision base), recorded in config.json as moa.trained_precision.
 Exit codes: 0 done, 2 bad input or arguments, 4 a file could not be written, 130 / 143 / 138 stopped by SIGINT /
 SIGTERM / SIGUSR1 before the files were moved in (the folder is left as it was); one `error:` line.
 """
@@ -38,21 +41,55 @@ from Models.formats.hf import CONFIG  # noqa: E402
 from Utils import output_dirs  # noqa: E402
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status  # noqa: E402
 from Utils.misc import read_json_object, write_json  # noqa: E402
-from Utils.settings import ArgumentParser  # noqa: E402
+from Utils.settings import ArgumentParser, GenerationArgs  # noqa: E402
 
 TOOL = "scripts/export_hf.py"
 
 
-def run_base(adapter: str):
-    """The llama_path of the run's args.json beside the adapter folder, or None."""
+def run_record(adapter: str) -> tuple:
+    """(path, settings) of the run's args.json beside the adapter folder, or (None, {})."""
     folder = adapter if os.path.isdir(adapter) else os.path.dirname(os.path.abspath(adapter))
     path = os.path.join(os.path.dirname(os.path.abspath(folder)), "args.json")
-    if not os.path.isfile(path):
+    return (path, read_json_object(path, "run settings")) if os.path.isfile(path) else (None, {})
+
+
+def run_base(adapter: str):
+    """The llama_path of the run's args.json beside the adapter folder, or None."""
+    path, run = run_record(adapter)
+    if path is None:
         return None
-    base = read_json_object(path, "run settings").get("llama_path")
-    if not isinstance(base, str):
-        raise ValueError(f"{path}: field 'llama_path' must be the base's path, got {base!r}: pass --base")
-    return base
+    if not isinstance(run.get("llama_path"), str):
+        raise ValueError(f"{path}: field 'llama_path' must be the base's path, got {run.get('llama_path')!r}: pass "
+                         "--base")
+    return run["llama_path"]
+
+
+def generation_config(base: str, adapter: str) -> dict:
+    """generation_config.json: the base's (its token ids) with the run's decoding from its args.json, as Infer.py
+    decodes: greedy at temperature 0, else sampling at its temperature and top_p (no top_k), max_gen_len new
+    tokens; the base's own sampling where no run's args.json is beside the adapter."""
+    path = os.path.join(base, hf_remote.GENERATION_CONFIG)
+    config = read_json_object(path, "generation settings") if os.path.isfile(path) else {}
+    record, run = run_record(adapter)
+    if record is None:
+        print(f"[export_hf] no run's args.json beside {adapter}: generation_config.json keeps the base's sampling")
+        return config
+    try:
+        decoding = GenerationArgs(**{k: run[k] for k in ("max_gen_len", "temperature", "top_p") if k in run})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{record}: {e}") from None
+    config = {k: v for k, v in config.items() if k not in ("do_sample", "temperature", "top_p", "top_k", "max_length")}
+    sampling = dict(temperature=decoding.temperature, top_p=decoding.top_p) if decoding.temperature > 0 else {}
+    return {**config, "do_sample": bool(sampling), **sampling, "max_new_tokens": decoding.max_gen_len}
+
+
+def precision_warning(args: ModelArgs) -> str:
+    """The line an adapter trained on an int8 base exports with: the folder runs it on the base's own weights."""
+    if args.precision != "int8":
+        return ""
+    return ("warning: the adapter was trained on an int8 base (its matrices quantized per row); transformers runs it "
+            "on the base's full-precision weights, whose logits differ from those it trained with (recorded in "
+            "the folder's config)")
 
 
 def adapter_settings(adapter: str) -> ModelArgs:
@@ -106,6 +143,7 @@ def export_files(adapter: str, base: str, base_ref: str) -> dict:
     files.update({name: (copy, os.path.join(hf_remote.MODELING_DIR, name)) for name in hf_remote.MODELING_FILES})
     files.update({name: (copy, os.path.join(base, name)) for name in hf_remote.TOKENIZER_FILES
                   if os.path.isfile(os.path.join(base, name))})
+    files[hf_remote.GENERATION_CONFIG] = (write_json, generation_config(base, adapter))
     return files
 
 
@@ -175,6 +213,9 @@ def main(argv=None):
         p.exit(2, f"error: {e}\n")
     except OSError as e:  # the inputs were read; a write failed (disk full, read-only)
         p.exit(4, f"error: cannot write {e.filename or args.out}: {e.strerror or e}\n")
+    warning = precision_warning(adapter_settings(args.adapter))
+    if warning:
+        print(warning, file=sys.stderr)
     form = "peft LoRA adapter" if peft.PEFT_CONFIG in files else "transformers folder (trust_remote_code)"
     print(f"[export_hf] wrote {args.out}: {form}, base {args.base_ref or os.path.abspath(base)}")
 

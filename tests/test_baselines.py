@@ -145,3 +145,52 @@ def test_compare_command_table_and_rerun(tiny_base, data, tmp_path, capsys):
     assert Compare.main([*argv[:argv.index("--max_examples") + 1], "2", *argv[argv.index("--max_examples") + 2:]]) == 0
     rows = {row["method"]: row for row in json.loads((tmp_path / "compare.json").read_text())["rows"]}
     assert all(rows[m]["steps"] == 3 and rows[m]["train_tokens_per_s"] > 0 for m in ("lora", "topk"))
+
+
+# Compare.py's runs as stand-ins: lora's training fails as Math.py does (an error line, exit 2) after an earlier
+# failure's line in the same log; topk trains 30 steps of a 40-step budget (its recipe's epochs ended) and scores
+STAND_IN_TRAIN = """
+import json, os, sys
+run, steps = sys.argv[1], int(sys.argv[2])
+if steps < 0:
+    print("loading the base", flush=True)
+    print("error: --data_path x.json: no such file", file=sys.stderr)
+    sys.exit(2)
+with open(os.path.join(run, "log.txt"), "a") as f:
+    f.write(json.dumps({"event": "end", "step": steps, "trainable_params": 1234, "train_tokens_per_s": 99.0}) + "\\n")
+"""
+STAND_IN_SCORE = """
+import json, os, sys
+os.makedirs(sys.argv[1], exist_ok=True)
+with open(os.path.join(sys.argv[1], "scores.json"), "w") as f:
+    json.dump({"datasets": {"AddSub": {"accuracy": float(sys.argv[2])}}, "average": float(sys.argv[2])}, f)
+"""
+
+
+def test_compare_marks_a_failed_method_and_runs_the_others(tmp_path, capsys, monkeypatch):
+    import sys
+    import Compare
+
+    def commands(args, method, trained=None):
+        run = str(tmp_path / method)
+        score = [sys.executable, "-c", STAND_IN_SCORE, os.path.join(run, "eval")]
+        if method == "base":
+            assert trained == "topk"  # the base row reads a run that trained
+            return {"infer": score + ["0.25"]}
+        return {"math": [sys.executable, "-c", STAND_IN_TRAIN, run, "-1" if method == "lora" else "30"],
+                "infer": score + ["0.5"]}
+    monkeypatch.setattr(Compare, "commands", commands)
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "compare.log").write_text("error: an earlier run's line\n")
+    argv = ["--methods", "lora", "topk", "--ranks", "1", "--max_steps", "40", "--output_dir", str(tmp_path)]
+    assert Compare.main(argv) == 5
+    rows = {row["method"]: row for row in json.loads((tmp_path / "compare.json").read_text())["rows"]}
+    assert rows["lora"] == {"method": "lora", "failed": "error: --data_path x.json: no such file"}
+    assert rows["topk"]["steps"] == 30 and rows["topk"]["average"] == 0.5 and rows["base"]["average"] == 0.25
+    table = (tmp_path / "compare.md").read_text()
+    assert "| lora | - | failed | failed: error: --data_path x.json: no such file | - |" in table
+    assert "| topk | 1,234 | 50.0 | 50.0 | 99 |" in table
+    assert "steps trained (from each run's log.txt): topk 30 (budget: --max_steps 40" in table
+    assert "failed: lora" in table and "40 steps per method" not in table
+    err = capsys.readouterr().err
+    assert "error: lora: Math.py failed (exit 2" in err and "an earlier run's line" not in err

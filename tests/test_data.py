@@ -89,6 +89,43 @@ def test_load_math_samples():
         assert examples and all(ex["instruction"] and ex["answer"] for ex in examples), path
 
 
+# Rows in the layout of the authors' training files (github.com/DCDmllm/MoA, datasets/<name>/train.json and
+# validation.json): a JSON list, indented as they publish it, of instruction, input, output and, but for
+# CodeAlpaca, an answer string (math: a float's text, "576.0"; commonsense: "answer3"). Written here, not copied.
+AUTHORS_LAYOUT = {
+    "math_14k": (4, [{"instruction": "Ann has 3 boxes of 12 pens. How many pens does she have?", "input": "",
+                      "output": "\nA: 3 boxes of 12 pens is 3 * 12 = 36 pens. The answer is 36.", "answer": "36.0"}]),
+    "commonsense_15k": (4, [{"instruction": "Please choose the correct answer to the question: Ice is\n\nAnswer1: "
+                                            "hot. Answer2: cold.\n\nAnswer format: answer1/answer2", "input": "",
+                             "output": "the correct answer is answer2", "answer": "answer2"}]),
+    "codealpaca20k": (6, [{"instruction": "Sum the given list in Python.", "input": "xs = [1, 2, 3]",
+                           "output": "total = sum(xs)"},
+                          {"instruction": "Write a function that returns 1.", "input": "",
+                           "output": "def one():\n    return 1"}]),
+}
+
+
+@pytest.mark.parametrize("name", AUTHORS_LAYOUT)
+def test_reads_the_authors_training_files_as_published(tmp_path, name):
+    """Each file trains as it is (need_answer=False: CodeAlpaca has none), its answer kept as the string it is;
+    the prompt takes the input where there is one, and the target is the output exactly, eos after it."""
+    indent, rows = AUTHORS_LAYOUT[name]
+    (tmp_path / name).mkdir()
+    path = tmp_path / name / "train.json"
+    path.write_text(json.dumps(rows, indent=indent, ensure_ascii=False))
+    examples = load_examples(path, need_answer=False)
+    assert examples == [{**row, "answer": row.get("answer", "")} for row in rows]
+    if name != "codealpaca20k":  # the math and commonsense files carry what scoring reads
+        assert load_examples(path) == examples
+    dataset = FinetuneDataset(examples, TOK, batch_size=len(rows), keep_numpy_array=True, max_seq_len=512)
+    tokens, mask = next(iter(dataset.batches(0, 0)))
+    for row, ids, targets in zip(rows, tokens, mask):
+        prompt = format_prompt(row)
+        assert ("### Input:\n" + row["input"] in prompt) == bool(row["input"])
+        learned = [int(t) for t, m in zip(ids, targets) if m]
+        assert TOK.decode(learned[:-1]) == row["output"] and learned[-1] == TOK.eos_id
+
+
 def test_split_validation():
     examples = [example(instruction=f"q{i}") for i in range(100)]
     train, val = split_validation(examples, 0.1, seed=3)

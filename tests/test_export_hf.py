@@ -108,7 +108,7 @@ def test_moa_exports_as_a_transformers_folder(tiny_qwen3, tmp_path):
                                   "vocab_size": model.args.vocab_size}
     for name in hf_remote.MODELING_FILES:
         assert (out / name).read_bytes() == (REPO / "Models" / "formats" / "hf_remote_code" / name).read_bytes()
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
         with open(os.path.join(tiny_qwen3, name), "rb") as f:
             assert (out / name).read_bytes() == f.read()
     tensors, ours = read_arrays(str(out / hf_remote.REMOTE_WEIGHTS)), read_adapter(str(tmp_path / "adapter"))
@@ -306,6 +306,52 @@ def test_peft_folders_refused_by_infer_are_named_by_their_files(tiny_qwen3, adds
     assert_refused(capsys, lambda: Infer.main(["--adapter_path", folder, *argv, "--lora_layers", "0-9"]),
                    "'0-9' reaches past the model's 2 layers", f"(the adapter's settings: {folder}/adapter_config.json")
     assert not (tmp_path / "eval").exists()
+
+
+def test_infer_without_llama_path_takes_the_base_a_peft_folder_names_or_refuses(tiny_qwen3, addsub, tmp_path,
+                                                                               capsys, monkeypatch):
+    """No --llama_path and no run's args.json: a peft folder's base_model_name_or_path when it is a local folder,
+    else a refusal saying to pass --llama_path; never the demo base, whose shapes the adapter does not fit."""
+    import Infer
+    monkeypatch.setattr(Infer, "ensure_default_base", lambda: pytest.fail("the demo base was taken"))
+    local = peft_folder(tmp_path, {"base_model_name_or_path": tiny_qwen3}, name="local")
+    assert Infer.resolve_run(Infer.get_args_parser().parse_args(["--adapter_path", local]))[3] == tiny_qwen3
+    hub = peft_folder(tmp_path, {"base_model_name_or_path": "Qwen/Qwen3-0.6B"}, name="hub")
+    argv = ["--data_path", addsub, "--output_dir", str(tmp_path / "eval")]
+    assert_refused(capsys, lambda: Infer.main(["--adapter_path", hub, *argv]),
+                   f"{hub}/adapter_config.json: base_model_name_or_path 'Qwen/Qwen3-0.6B' is not a local folder",
+                   "pass --llama_path")
+    save_adapter(adapted(tiny_qwen3, method="moe", expert_num=1, lora_layers="0-1"), str(tmp_path / "ours"))
+    assert_refused(capsys, lambda: Infer.main(["--adapter_path", str(tmp_path / "ours"), *argv]),
+                   f"--adapter_path {tmp_path / 'ours'}: no run's args.json beside it names its base",
+                   "pass --llama_path")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_export_carries_the_runs_decoding_and_its_base_precision(tiny_qwen3, tmp_path, capsys):
+    """generation_config.json: the base's token ids with the run's decoding (args.json), not the base's sampling;
+    config.json: the base's model_type (AutoTokenizer asks nothing: tests/test_export_hf_reference.py) and the
+    precision the adapter trained in; an int8 one exports with a warning line."""
+    save_adapter(adapted(tiny_qwen3, method="moa", variant="sparse", lora_layers="0-2", p_adapter_layers="0-2",
+                         swi_x=2), str(tmp_path / "adapter"))
+    base_generation = json.loads(open(os.path.join(tiny_qwen3, "generation_config.json")).read())
+    decoding = {"temperature": 0.1, "top_p": 0.75, "max_gen_len": 200}
+    (tmp_path / "args.json").write_text(json.dumps({"llama_path": tiny_qwen3, **decoding}))
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "out")]) is None
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert generation == {"eos_token_id": base_generation["eos_token_id"], "do_sample": True, "temperature": 0.1,
+                          "top_p": 0.75, "max_new_tokens": 200}
+    config = json.loads((tmp_path / "out" / CONFIG).read_text())
+    assert config["model_type"] == "qwen3" and config["moa"]["trained_precision"] == "fp32"
+    assert "warning" not in capsys.readouterr().err
+    params = tmp_path / "adapter" / "adapter_params.json"
+    params.write_text(json.dumps({**json.loads(params.read_text()), "precision": "int8"}))
+    (tmp_path / "args.json").write_text(json.dumps({"llama_path": tiny_qwen3, **decoding, "temperature": 0.0}))
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "out")]) is None
+    assert "warning: the adapter was trained on an int8 base" in capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / CONFIG).read_text())["moa"]["trained_precision"] == "int8"
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert generation == {"eos_token_id": base_generation["eos_token_id"], "do_sample": False, "max_new_tokens": 200}
 
 
 def test_peft_layers_differing_in_projections_are_refused(tmp_path):

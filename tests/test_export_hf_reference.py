@@ -5,6 +5,7 @@ venv has no torch), which runs tests/hf_reference.py once for every case:
 
     python3 -m venv ~/.venvs/moa-export && ~/.venvs/moa-export/bin/pip install torch "numpy<2" &&
     ~/.venvs/moa-export/bin/pip install transformers safetensors tokenizers peft
+    ~/.venvs/moa-export/bin/pip install lm-eval "datasets<5" "pyarrow<20"   # the lm-eval test; else it skips
     MOA_HF_PYTHON=~/.venvs/moa-export/bin/python bash test.sh tests/test_export_hf_reference.py
 
 Without it every test here skips, saying so. The bases are transformers' own tiny checkpoints of
@@ -211,6 +212,80 @@ def test_the_exported_folder_runs_no_code_of_its_base(tmp_path):
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert loaded.stdout.split()[0] == "Qwen3ForCausalLM" and float(loaded.stdout.split()[1]) > 0
     assert not (tmp_path / "own" / "CODE_RAN").exists()
+
+
+TOKENIZE = """
+import json, sys
+import transformers
+from transformers import AutoConfig, AutoTokenizer
+transformers.logging.set_verbosity_error()
+text = "12 + 30 = 42. The answer is 42."
+exported, base = AutoTokenizer.from_pretrained(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[2])
+trusted = AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)
+print(json.dumps({"ids": exported(text).input_ids, "base_ids": base(text).input_ids,
+                  "config": type(trusted).__name__, "precision": trusted.moa.get("trained_precision")}))
+"""
+
+
+def test_the_exported_tokenizer_loads_without_trust_remote_code(tiny_hf_llama, tmp_path):
+    """AutoTokenizer on the exported folder, as on its base, with no trust_remote_code: no prompt (stdin closed,
+    as a script's), the base's token ids; the folder's config is still MoAConfig where its code is trusted."""
+    python = reference_python()
+    sys.path.insert(0, str(REPO / "scripts"))
+    import export_hf
+    from Models.formats.adapters import save_adapter
+    from Models.formats.base_model import base_args, build_model
+    model = build_model(tiny_hf_llama, base_args(tiny_hf_llama, max_seq_len=32, lora_rank=4, lora_layers="0-2",
+                                                 p_adapter_layers="0-2", swi_x=2))
+    save_adapter(model, str(tmp_path / "adapter"))
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "export"), "--base", tiny_hf_llama]) is None
+    done = subprocess.run([python, "-c", TOKENIZE, str(tmp_path / "export"), tiny_hf_llama], capture_output=True,
+                          text=True, timeout=600, stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trust_remote_code" not in done.stdout + done.stderr and "custom code" not in done.stdout + done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["ids"] == found["base_ids"] and len(found["ids"]) > 5
+    assert (found["config"], found["precision"]) == ("MoAConfig", "fp32")
+
+
+def test_lm_eval_scores_an_exported_adapter_on_the_readmes_local_task(tiny_hf_llama, tmp_path):
+    """docs/lm_eval_math.yaml, its data file pointed at 4 synthetic problems, run by lm-eval offline through an
+    exported folder (where MOA_HF_PYTHON has lm_eval): every problem scored, each prompt the Alpaca prompt the
+    tools train and score with."""
+    python = reference_python()
+    if subprocess.run([python, "-c", "import lm_eval"], capture_output=True).returncode:
+        pytest.skip(f"MOA_HF_PYTHON={python} has no lm_eval (pip install lm-eval)")
+    sys.path.insert(0, str(REPO / "scripts"))
+    import export_hf
+    from Data.prompts import format_prompt
+    from Data.synthetic import make_splits
+    from Models.formats.adapters import save_adapter
+    from Models.formats.base_model import base_args, build_model
+    model = build_model(tiny_hf_llama, base_args(tiny_hf_llama, max_seq_len=32, lora_rank=4, lora_layers="0-2",
+                                                 p_adapter_layers="0-2", swi_x=2))
+    save_adapter(model, str(tmp_path / "adapter"))
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "export"), "--base", tiny_hf_llama]) is None
+    problems = make_splits(4, 0, 4, seed=7)[2]
+    (tmp_path / "test.json").write_text(json.dumps(problems))
+    (tmp_path / "tasks").mkdir()
+    task = (REPO / "docs" / "lm_eval_math.yaml").read_text()
+    assert "    test: test.json\n" in task
+    (tmp_path / "tasks" / "moa_math_local.yaml").write_text(task.replace("test: test.json",
+                                                                        f"test: {tmp_path}/test.json"))
+    command = [python, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={tmp_path / 'export'},"
+               "trust_remote_code=True,dtype=float32", "--include_path", str(tmp_path / "tasks"), "--tasks",
+               "moa_math_local", "--batch_size", "2", "--gen_kwargs", "max_gen_toks=8", "--output_path",
+               str(tmp_path / "results"), "--log_samples"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, cwd=tmp_path,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(next((tmp_path / "results").rglob("results_*.json")).read_text())
+    assert results["n-samples"]["moa_math_local"] == {"original": 4, "effective": 4}
+    assert 0 <= results["results"]["moa_math_local"]["exact_match,answer"] <= 1
+    samples = [json.loads(line) for line in next((tmp_path / "results").rglob("samples_*.jsonl")).read_text()
+               .splitlines() if line]
+    assert sorted(s["arguments"]["gen_args_0"]["arg_0"] for s in samples) == sorted(map(format_prompt, problems))
+    assert sorted(s["target"] for s in samples) == sorted(p["answer"] for p in problems)
 
 
 # where peft puts LoRA: every combination of these, on every module of a 3-layer Qwen3-shaped base

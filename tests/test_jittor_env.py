@@ -165,3 +165,14 @@ def test_nccl_is_left_off_where_it_cannot_be_had(monkeypatch, tmp_path):
     (tmp_path / "libnccl.so").unlink()
     monkeypatch.setenv("nccl_lib_path", str(tmp_path))  # the user's own NCCL
     assert jittor_env.nccl_obtainable()
+
+
+def test_resume_hints_name_the_launcher_and_what_mpirun_made_of_the_signal(monkeypatch):
+    """Under OpenMPI (its environment) the hint starts with mpirun and its rank count; a SIGTERM there may be a
+    Ctrl-C to mpirun, which OpenMPI turns into SIGTERM for its ranks."""
+    from Utils.jittor_env import launcher, stop_origin
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    assert launcher() == "" and stop_origin("SIGTERM") == ""
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+    assert launcher() == "mpirun -np 3 " and stop_origin("SIGUSR1") == ""
+    assert "a Ctrl-C or SIGTERM to mpirun" in stop_origin("SIGTERM") and "SIGUSR1" in stop_origin("SIGTERM")

@@ -16,6 +16,20 @@ def test_init_distributed_single_process():
     assert misc.get_rank() == 0 and misc.get_world_size() == 1 and misc.is_main_process()
 
 
+def test_init_distributed_records_the_device_used():
+    """Math.py's --device defaults to cuda; args.json records the device the run used: cpu without a GPU."""
+    import jittor as jt
+    args = SimpleNamespace(device="cuda")
+    try:
+        misc.init_distributed_mode(args)
+        assert args.device == ("cuda" if jt.has_cuda else "cpu")
+    finally:
+        jt.flags.use_cuda = 0
+    args = SimpleNamespace(device="cpu")
+    misc.init_distributed_mode(args)
+    assert args.device == "cpu" and not jt.flags.use_cuda
+
+
 def test_print_gating(capsys):
     misc.setup_for_distributed(False)
     misc.print_main("hidden")

@@ -132,6 +132,31 @@ def test_resume_equals_straight_run(tiny_base, synthetic_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_resume_extends_a_finished_run(tiny_base, synthetic_data, tmp_path, capsys):
+    """A finished 1-epoch run (3 steps of 16) resumed with --epochs 2 trains 3 steps more, its records continuing;
+    from step 4 on the lr follows the 6-step schedule (a cosine with no warm-up: its midpoint at step 4), the
+    steps trained keep theirs. Fewer epochs than the checkpoint's are refused; --max_steps caps the epochs, never
+    extends them."""
+    out, flags = tmp_path / "run", ["--batch_size", "16", "--eval_interval", "3"]
+    assert train(tiny_base, synthetic_data, out, "--epochs", 1, *flags) == 0
+    first = log_records(out, "train")
+    assert [r["step"] for r in first] == [1, 2, 3] and log_records(out, "end")[-1]["stop_reason"] is None
+    finished = load_pth(out / "adapter" / "adapter.pth")
+    assert train(tiny_base, synthetic_data, out, "--epochs", 2, "--resume", "auto", *flags) == 0
+    records = log_records(out, "train")
+    assert [r["step"] for r in records] == list(range(1, 7)) and records[:3] == first
+    assert [r["lr"] for r in records] == pytest.approx([lr_at(s, 3, 0, 1e-2, 0) for s in range(3)]
+                                                       + [lr_at(s, 6, 0, 1e-2, 0) for s in range(3, 6)])
+    assert records[3]["lr"] == pytest.approx(5e-3)
+    assert json.loads((out / "args.json").read_text())["epochs"] == 2
+    assert max_diff(finished, load_pth(out / "adapter" / "adapter.pth")) > 1e-4
+    assert train(tiny_base, synthetic_data, out, "--epochs", 1, "--resume", "auto", *flags) == 2
+    assert "--epochs 1 is below the 2 of" in capsys.readouterr().err
+    assert train(tiny_base, synthetic_data, out, "--epochs", 2, "--max_steps", 7, "--resume", "auto", *flags) == 0
+    assert [r["step"] for r in log_records(out, "train")] == list(range(1, 7))  # the 2 epochs end at step 6
+
+
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(tiny_base, synthetic_data, tmp_path):
     """Exact token-weighted reduction: 2 x 4 rows accumulated == one batch of 8 rows. The two sum in
     other orders (oneDNN's AVX-512 kernels block by shape) and AdamW divides by sqrt(v), so after 3

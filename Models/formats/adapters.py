@@ -180,6 +180,27 @@ def check_adapter_exists(path: str):
         raise FileNotFoundError(f"{path}: no such adapter file or directory")
 
 
+def recorded_base(path: str, run_args: dict, run_args_path: str = None) -> str:
+    """The base an adapter was trained on, where no --llama_path is given: the llama_path of its run's args.json
+    (`run_args`, read from `run_args_path`), else a peft folder's base_model_name_or_path when it is a local
+    folder; else a refusal saying to pass --llama_path (the demo base would not fit another base's adapter)."""
+    if not isinstance(run_args.get("llama_path", ""), (str, type(None))):
+        raise ValueError(f"{run_args_path}: field 'llama_path' must be a string, got {run_args['llama_path']!r}")
+    if run_args.get("llama_path"):
+        return run_args["llama_path"]
+    peft = peft_format()
+    if peft.is_peft_adapter(path):
+        config = os.path.join(path, peft.PEFT_CONFIG)
+        base = read_json_object(config, "peft adapter settings").get("base_model_name_or_path")
+        if isinstance(base, str) and base and os.path.isdir(base):
+            return base
+        raise ValueError(f"{config}: base_model_name_or_path {base!r} is not a local folder (a hub name is not "
+                         "fetched here): pass --llama_path, the base's folder")
+    where = f"{run_args_path} names no llama_path" if run_args_path and os.path.isfile(run_args_path) else \
+        "no run's args.json beside it names its base"
+    raise ValueError(f"--adapter_path {path}: {where}: pass --llama_path, the base it was trained on")
+
+
 def settings_from_flags(path: str) -> bool:
     """An adapter.pth with no adapter_params.json beside it (a bare file of the authors'): its MoA settings
     can only come from the flags given."""

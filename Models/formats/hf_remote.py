@@ -18,7 +18,8 @@ MODELING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_remo
 MODELING_FILES = ("configuration_moa.py", "experts_moa.py", "modeling_moa.py")
 REMOTE_WEIGHTS = "moa_adapter.safetensors"
 REMOTE_CONFIG = "config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+GENERATION_CONFIG = "generation_config.json"  # the base's token ids with the run's decoding
 PARENTS = {"attention": "self_attn", "feed_forward": "mlp"}
 # the HF config.json fields the exported adapter checks its base against when it loads
 BASE_CHECKS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
@@ -48,11 +49,11 @@ def remote_tensors(arrays: dict, args: ModelArgs) -> dict:
 
 
 def remote_settings(args: ModelArgs) -> dict:
-    """MoAConfig.moa: the adapter's settings, its layers as lists, its targets in the router's families, the
+    """MoAConfig.moa: the adapter's settings and the precision it trained in, its layers as lists, its targets in the router's families, the
     clamp of MoA's fp16 guard (every method but Sparse MoA), the base's shape it checks."""
     settings = {name: getattr(args, name) for name in MOA_SETTINGS}
-    settings.update(lora_targets=list(args.targets), lora_layers=sorted(args.lora_layer_set),
-                    prompt_layers=sorted(args.prompt_layer_set), p_adapter_layers=sorted(args.p_adapter_layer_set),
+    settings.update(trained_precision=args.precision, lora_targets=list(args.targets),
+                    lora_layers=sorted(args.lora_layer_set), prompt_layers=sorted(args.prompt_layer_set), p_adapter_layers=sorted(args.p_adapter_layer_set),
                     clamp=not (args.method == "moa" and args.variant == "sparse"),
                     base_config={"model_type": args.architecture,
                                  **{hf: getattr(args, ours) for ours, hf in BASE_CHECKS.items()}})
@@ -60,8 +61,12 @@ def remote_settings(args: ModelArgs) -> dict:
 
 
 def remote_config(args: ModelArgs, base: str) -> dict:
-    """config.json of the exported folder."""
-    return {"architectures": ["MoAForCausalLM"], "model_type": "moa_jittor",
+    """config.json of the exported folder. Its model_type is the base's, one transformers knows: AutoConfig
+    without trust_remote_code (AutoTokenizer loads it to choose the tokenizer) then takes transformers' own class
+    and asks nothing, where "moa_jittor" made it stop at an interactive trust_remote_code prompt; with
+    trust_remote_code, auto_map's MoAConfig reads it. `moa.trained_precision`: the base's precision in training
+    (int8: the exported folder runs the adapter on the full-precision base, whose logits differ)."""
+    return {"architectures": ["MoAForCausalLM"], "model_type": args.architecture,
             "auto_map": {"AutoConfig": "configuration_moa.MoAConfig",
                          "AutoModelForCausalLM": "modeling_moa.MoAForCausalLM"},
             "base_model_name_or_path": base, "moa": remote_settings(args)}

@@ -52,7 +52,7 @@ def content_hash(examples) -> str:
 def resume_signature(llama_path: str, data_path, val_data_path, train, max_seq_len: int, examples) -> dict:
     """What a resumed run must share with its checkpoint besides the model's settings; `examples` the
     (train, val or None) lists it trains and validates on, compared by content."""
-    keys = ("val_fraction", "batch_size", "accum_iter", "epochs", "warmup_epochs", "lr", "min_lr",
+    keys = ("val_fraction", "batch_size", "accum_iter", "warmup_epochs", "lr", "min_lr",
             "weight_decay", "clip_grad", "seed")
     return {**{k: getattr(train, k) for k in keys}, "max_seq_len": max_seq_len,
             "llama_path": os.path.abspath(llama_path),
@@ -60,6 +60,19 @@ def resume_signature(llama_path: str, data_path, val_data_path, train, max_seq_l
             "val_data": os.path.abspath(val_data_path) if val_data_path else None,
             "train_sha256": content_hash(examples[0]),
             "val_sha256": content_hash(examples[1]) if examples[1] is not None else None}
+
+
+def check_extension(ckpt: dict, train, path: str):
+    """A resumed run continues: refuse a --max_steps below the step the checkpoint reached, or --epochs below the
+    checkpoint's (its records would say fewer steps than ran). Larger ones extend the run, a finished one too."""
+    step, epochs = int(ckpt["global_step"]), (ckpt.get("args") or {}).get("epochs", train.epochs)
+    if train.max_steps and train.max_steps < step:
+        raise CheckpointError(f"--max_steps {train.max_steps} is below the step {path} reached ({step}): a resumed "
+                              f"run continues; give --max_steps {step} or more (0: the recipe's epochs), or start "
+                              "afresh with --overwrite")
+    if train.epochs < epochs:
+        raise CheckpointError(f"--epochs {train.epochs} is below the {epochs} of {path}: a resumed run continues; "
+                              f"give --epochs {epochs} or more to extend it, or start afresh with --overwrite")
 
 
 # a refusal names this many of the differences, then counts the rest: one line a reader takes in

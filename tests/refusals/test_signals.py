@@ -55,6 +55,8 @@ def test_a_stop_signal_checkpoints_the_last_step(tiny_base, synthetic_data, tmp_
     steps = [r["step"] for r in log_records(out, "train")]
     assert load_pth(out / "checkpoint-latest.pth")["global_step"] == steps[-1] >= logged
     assert no_temp_files(out)
+    if ranks > 1:  # the command the stop message gives repeats the launcher
+        assert f"continue with: mpirun -np {ranks} python Math.py --resume auto --output_dir {out}" in output
     if ranks == 1:  # the command the stop message gives, with a flag that may change
         assert f"continue with: python Math.py --resume auto --output_dir {out}" in output
         assert Math.main(["--resume", "auto", "--output_dir", str(out), "--max_steps", str(steps[-1] + 1)]) == 0
@@ -63,10 +65,12 @@ def test_a_stop_signal_checkpoints_the_last_step(tiny_base, synthetic_data, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop, code, ends", [pytest.param(signal.SIGUSR1, 138, True, marks=MPI),
-                                              pytest.param(signal.SIGTERM, 1, False, marks=MPI)])
+                                              pytest.param(signal.SIGTERM, 1, False, marks=MPI),
+                                              pytest.param(signal.SIGINT, 1, False, marks=MPI)])
 def test_mpirun_lets_a_long_step_end_on_sigusr1_only(stop, code, ends):
     """Each rank takes a 3-second step after the signal reaches mpirun, then polls: SIGUSR1 is forwarded as
-    it is and every rank stops there; a SIGTERM OpenMPI answers with SIGKILL a second later, mid-step."""
+    it is and every rank stops there; a SIGTERM OpenMPI answers with SIGKILL a second later, mid-step, and a SIGINT
+    (Ctrl-C) too: OpenMPI cannot forward SIGINT, it sends its ranks SIGTERM, and mpirun exits 1 (Open MPI 4.1.4)."""
     program = textwrap.dedent("""
         import time
         import Utils.jittor_env as env

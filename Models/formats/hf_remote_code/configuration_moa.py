@@ -11,6 +11,13 @@ from transformers import PretrainedConfig
 class MoAConfig(PretrainedConfig):
     model_type = "moa_jittor"
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        # config.json's model_type is the base's (so that AutoTokenizer, which loads the config without
+        # trust_remote_code, asks nothing): read it as this class's without transformers' type warning
+        config_dict, kwargs = cls.get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return cls.from_dict({**config_dict, "model_type": cls.model_type}, **kwargs)
+
     def __init__(self, base_model_name_or_path: str = None, moa: dict = None, **kwargs):
         self.base_model_name_or_path = base_model_name_or_path
         self.moa = dict(moa or {})
