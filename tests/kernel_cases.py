@@ -26,6 +26,9 @@ FLOOR = 1e-30  # errors are relative to an output's largest value, or to this be
 # Where a side rounds an fp32 intermediate to bf16 that the two sides compute in another order (a probability,
 # a SwiGLU hidden), a value next to a rounding boundary rounds either way: two bf16 ulps of the largest value
 BF16_ROUNDED = 2.0 ** -7
+# bf16 attention: each probability that rounds the other way moves its term by 2^-8, and an output averages
+# many terms, so relative to its largest value the error reaches a few such steps
+BF16_AVERAGED = 2.0 ** -5
 
 
 def values(rng, shape, kind: str, scale: float = 1.0) -> np.ndarray:
@@ -79,6 +82,10 @@ class Case:
     tol: float = 1e-5
     no_grad: bool = False
     describe: str = ""
+    # gradients that are sums of the same terms (attention's dq, dk, dv of dS and P): each one's error against the
+    # case's largest gradient, since one can be all but cancelled (a softmax over one key, or over tied scores)
+    # where the others are not, and rounding is of the terms
+    shared_scale: bool = False
 
 
 @contextlib.contextmanager
@@ -92,15 +99,15 @@ def all_plain():
         switch.fused_kernels_on = saved
 
 
-def normwise(got: np.ndarray, want: np.ndarray) -> float:
-    """max |got - want| over max |want| (FLOOR at least); inf where they are not finite at the same places."""
+def normwise(got: np.ndarray, want: np.ndarray, floor: float = FLOOR) -> float:
+    """max |got - want| over max |want| (`floor` at least); inf where they are not finite at the same places."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if got.shape != want.shape or (np.isfinite(got) != np.isfinite(want)).any():
         return math.inf
     finite = np.isfinite(want)
     if not finite.any():
         return 0.0
-    return float(np.abs(got[finite] - want[finite]).max() / max(np.abs(want[finite]).max(), FLOOR))
+    return float(np.abs(got[finite] - want[finite]).max() / max(np.abs(want[finite]).max(), floor))
 
 
 def outputs_of(result) -> list:
@@ -129,7 +136,10 @@ def run(case: Case, seed: int = 0) -> tuple:
                 grads.append([g.numpy() for g in jt.grad(loss, [case.inputs[i] for i in case.wrt])])
             errors.append([o.numpy() for o in outs])
     forward = [normwise(f.astype(np.float64), p.astype(np.float64)) for f, p in zip(*errors)]
-    backward = max((normwise(f, p) for f, p in zip(*grads)), default=0.0) if grads else 0.0
+    floor = FLOOR
+    if grads and case.shared_scale:
+        floor = max([FLOOR] + [float(np.abs(p[np.isfinite(p)]).max()) for p in grads[1] if np.isfinite(p).any()])
+    backward = max((normwise(f, p, floor) for f, p in zip(*grads)), default=0.0) if grads else 0.0
     return forward, backward
 
 
@@ -181,26 +191,32 @@ def case_attention(rng, kind):
     start = 0 if rng.random() < 0.6 else int(rng.integers(0, 70))
     S = start + T
     bf16 = rng.random() < 0.4
-    # q and k within 10 (their tiny, subnormal and zero values kept): a softmax's gradient carries the
-    # scores' fp32 rounding (|s| 2^-24), which each side makes otherwise, so scores stay below about 10^3; past
-    # scores of about 1e10 the plain side's softmax (Jittor's ops fused under -Ofast) is NaN, the fused one right
-    q, k = (jt.array(np.clip(values(rng, shape, kind), -10, 10)) for shape in [(B, T, H, hd), (B, S, Hkv, hd)])
+    q, k = (scores_input(rng, shape, kind, 3.0) for shape in [(B, T, H, hd), (B, S, Hkv, hd)])
     v = var(rng, (B, S, Hkv, hd))
     return Case("attention", attention.attention, [q, k, v, jt.array(attention_mask(T, S, start)), bf16], [0, 1, 2],
-                BF16_ROUNDED if bf16 else 1e-5, describe=f"B{B} T{T} S{S} H{H}/{Hkv} hd{hd} bf16={bf16}")
+                BF16_AVERAGED if bf16 else 1e-5, describe=f"B{B} T{T} S{S} H{H}/{Hkv} hd{hd} bf16={bf16}",
+                shared_scale=True)
+
+
+def scores_input(rng, shape, kind, bound):
+    """q or k of the kind within +-bound (their tiny, subnormal and zero values kept): a softmax's gradient carries
+    the scores' rounding (fp32's |s| 2^-24; bf16's q and k, 2^-9 of |s|), which each side makes otherwise, so the
+    scores stay below about 60 (bound 3; the prompt's keys are normal); past scores of about 1e10 the plain side's
+    softmax (Jittor's ops fused under -Ofast) is NaN, the fused one right."""
+    return jt.array(np.clip(values(rng, shape, kind), -bound, bound))
 
 
 def case_prompt_attention(rng, kind):
     Hkv = int(rng.integers(1, 4))
     H, hd, L = Hkv * int(rng.integers(1, 4)), int(rng.integers(1, 12)), odd(rng, 1, 12)
     B, T = int(rng.integers(1, 3)), odd(rng, 1, 40)
-    q = var(rng, (B, T, H, hd), kind)
+    q = scores_input(rng, (B, T, H, hd), kind, 3.0)
     k, v = var(rng, (L, Hkv * hd)), var(rng, (L, Hkv * hd))
     weighted = rng.random() < 0.7
     tw = jt.array(rng.random((B, T)).astype(np.float32)) if weighted else None
     inputs = [q, k, v, var(rng, (H,)), tw, var(rng, (B, T, H, hd))]
     return Case("prompt_attention", attention.prompt_attention, inputs, [0, 1, 2, 3, 5] + ([4] if weighted else []),
-                1e-5, describe=f"T{T} H{H}/{Hkv} hd{hd} L{L}")
+                1e-5, describe=f"T{T} H{H}/{Hkv} hd{hd} L{L}", shared_scale=True)
 
 
 def case_rope(rng, kind):
@@ -215,10 +231,10 @@ def case_output_nll(rng, kind):
     dtype = storage(rng)
     weight, scale = stored(var(rng, (V, D), scale=0.5), dtype)
     targets = jt.array(rng.integers(0, V, (B, T)).astype(np.int32))
-    # fp32: the plain side's gradient is the less exact one (2e-4 normwise from float64's where the logits are
-    # all 0, the fused 1e-6); bf16 / int8: softmax - onehot rounded to bf16 before the product
+    # fp32: the plain side's gradient is the less exact one (up to 6e-4 normwise from float64's where the logits
+    # are all 0, the fused 1e-6); bf16 / int8: softmax - onehot rounded to bf16 before the product
     return Case("output_nll", elementwise.output_nll, [var(rng, (B, T, D), kind), weight, targets, scale], [0],
-                3e-5 if dtype == "float32" else BF16_ROUNDED, describe=f"{B}x{T}x{D} V{V} {dtype}")
+                1e-4 if dtype == "float32" else BF16_ROUNDED, describe=f"{B}x{T}x{D} V{V} {dtype}")
 
 
 def case_silu_gate(rng, kind):
@@ -228,7 +244,8 @@ def case_silu_gate(rng, kind):
 
 
 def case_rms_norm(rng, kind):
-    shape = (int(rng.integers(1, 3)), odd(rng, 1, 20), odd(rng, 1, 130))
+    # two features at least: with one, x / rms(x) is sign(x), whose gradient is 0 up to rounding
+    shape = (int(rng.integers(1, 3)), odd(rng, 1, 20), odd(rng, 2, 130))
     weight = jt.array((1 + 0.1 * rng.standard_normal(shape[-1])).astype(np.float32)).stop_grad()
     if rng.random() < 0.5:
         return Case("rms_norm", elementwise.rms_norm, [var(rng, shape, kind), weight, 1e-5], [0], 1e-5,
@@ -278,7 +295,9 @@ def case_type_weights(rng, kind):
         p.assign(var(rng, p.shape, scale=0.5))
     threshold = ["learned", "const", None][rng.integers(0, 3)]
     gamma = None if threshold is None else Gamma(D, 0.5, threshold == "const")
-    x = var(rng, (int(rng.integers(1, 5)), 1, D), kind)
+    # a router's input is a normed hidden state: within 10 (past it the sigmoids saturate, and a Sparse selection
+    # at a threshold of exactly 1 is decided by rounding)
+    x = gates(rng, (int(rng.integers(1, 5)), 1, D), kind, bound=10.0)
     return Case("type_weights", type_weights, [x, router, gamma, "authors"], [], 1e-5, True,
                 f"D{D} n{n} swi_x{swi_x} {threshold}")
 
