@@ -253,6 +253,7 @@ def test_an_export_never_takes_another_tools_folder(tiny_qwen3, tmp_path, capsys
     adapter = tmp_path / "run" / "adapter"
     save_adapter(build_model(tiny_qwen3, args), str(adapter))
     make_entries(listed(adapter.parent, "Math.py", "adapter", "args.json", "log.txt"), "args.json", "log.txt")
+    (adapter.parent / "args.json").write_text("{}")  # the export reads the run's decoding from it
     for tool in FOLDERS:
         if tool != "scripts/export_hf.py":
             folder = adapter.parent if tool == "Math.py" else tool_folder(tmp_path / tool.replace("/", "_"), tool)

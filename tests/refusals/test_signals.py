@@ -231,7 +231,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import Compare
 stand_in = [sys.executable, "-c", sys.argv[3], sys.argv[1]]
-Compare.commands = lambda args, method: {"math": stand_in, "infer": ["false"]}
+Compare.commands = lambda args, method, *trained: {"math": stand_in, "infer": ["false"]}
 sys.exit(Compare.main(["--methods", "lora", "--output_dir", sys.argv[2]]))
 """
 
