@@ -199,8 +199,8 @@ def non_finite_weights(optimizer, lr: float, progress, ctx) -> NonFiniteLoss:
     gradient, and advice by what the gradients were (AdamW moves a weight by about lr at most, so from finite
     gradients no learning rate short of 1e30 makes one non-finite)."""
     tensors = [(name, p, g) for pg in optimizer.param_groups for name, p, g in zip(pg["names"], pg["params"], pg["grads"])]
-    bad = [(name, float(np.abs(g.numpy()).max()) if g.numel() else 0.0, int((~np.isfinite(p.numpy())).sum()))
-           for name, p, g in tensors if not np.isfinite(p.numpy()).all()]
+    counts = [(name, g, int((~np.isfinite(p.numpy())).sum())) for name, p, g in tensors]
+    bad = [(name, float(np.abs(g.numpy()).max()) if g.numel() else 0.0, count) for name, g, count in counts if count]
     listed = ", ".join(f"{name} ({count} of them, largest |gradient| {top:.3g})" for name, top, count in bad[:4])
     more = f" and {len(bad) - 4} more tensors" if len(bad) > 4 else ""
     if all(math.isfinite(top) for _, top, _ in bad):
