@@ -276,16 +276,14 @@ def run(args, stop=None):
     print_main(f"[infer] base {llama_path}; adapter {adapter or '(none)'}; {len(examples)} examples in "
                f"{len(test_sets)} data set(s); {world} rank(s); max_seq_len {max_seq_len} "
                f"(context {context or 'the prompts'}); batch size {args.batch_size}")
-    # every rank writes into rank 0's staging folder: its pid names it
-    pid0 = int(misc.all_reduce_sum([float(os.getpid()) if rank == 0 else 0.0])[0])
-    staging = output_dirs.staging_dir(output_dir, pid0)
+    staging = output_dirs.staging_dir(output_dir, os.getpid())  # rank 0's: the others send it their results
     if rank == 0:
         output_dirs.remove_stale_temp(os.path.dirname(output_dir), recursive=False)
-    output_dirs.make_staging(staging)
+        output_dirs.make_staging(staging)
     try:
         local = generate_share(model, tok, prompts, range(rank, len(examples), world), args, gen, rank,
                                budget_seq_len, stop, test_sets)
-        results = misc.gather_on_main(local, staging, rank, world)
+        results = misc.gather_on_main(local)
         if rank != 0:
             return None
         summary = write_results(args, staging, test_sets, examples, results, tok, model, run_dir_path,

@@ -35,6 +35,7 @@ from Data.dataset import FinetuneDataset, load_examples, split_validation
 from Data.synthetic import make_splits
 from engine_finetune import NonFiniteLoss, Progress, RunContext, cut_log, log_line, train
 from Models.formats.adapters import NonFiniteAdapter, load_adapter, save_adapter
+from Models.formats.pth import load_pth
 from Models.formats.training import check_extension, restore_checkpoint, resume_signature
 from Models.formats.base_model import base_args, base_settings, build_model, open_tokenizer, settings_file
 from Models.memory import check_memory
@@ -105,9 +106,12 @@ def recorded_run(args) -> tuple:
     """With --resume, (<output_dir>/args.json, the settings it recorded at the run's start), the flags of
     RECORDED_FLAGS not given taken from it; (None, {}) without --resume or args.json."""
     path = os.path.join(args.output_dir, "args.json")
-    if not args.resume or not os.path.isfile(path):
+    if not args.resume:
         return None, {}
-    recorded = read_json_object(path, "run settings")
+    # rank 0's copy: the others' --output_dir may be on their own disks
+    recorded = misc.from_rank0(lambda: read_json_object(path, "run settings") if os.path.isfile(path) else None)
+    if recorded is None:
+        return None, {}
     check_record(path, recorded, SETTINGS)
     # what the run read (a missing base would be the demo's) and every setting it recorded: those its recipe and
     # Math.py's defaults set, and the training loop's; a flag given stands in for a missing one
@@ -184,7 +188,7 @@ def find_resume(args):
     if args.resume != "auto":
         return args.resume
     latest = os.path.join(args.output_dir, "checkpoint-latest.pth")
-    return latest if os.path.isfile(latest) else None
+    return latest if misc.from_rank0(lambda: os.path.isfile(latest)) else None
 
 
 def prepare(args, recorded):
@@ -245,7 +249,8 @@ def prepare(args, recorded):
         print_main(f"--resume auto: no checkpoint-latest.pth in {args.output_dir} yet, starting afresh")
     settings = {**run_flags(args), "recipe": args.recipe, **model_settings, **vars(cfg), **generation}
     if resume_path:
-        ckpt = restore_checkpoint(resume_path, model, optimizer, stopper, signature,
+        ckpt = restore_checkpoint(resume_path, misc.from_rank0(lambda: load_pth(resume_path)), model, optimizer,
+                                  stopper, signature,
                                   resume_fixed({**settings, **model_args.to_dict()}, ModelArgs, TrainArgs),
                                   {name: where for name, (_, where) in sources.items()})
         progress = Progress(int(ckpt["epoch"]), int(ckpt["data_iter_step"]), int(ckpt["global_step"]))
@@ -325,8 +330,9 @@ def finetune(args, stop):
     if args.overwrite and args.resume:
         fail("--overwrite replaces the folder's run and --resume continues it: give one of them")
     try:
-        output_dirs.check_output_dir(args.output_dir)
-        output_dirs.check_owner(args.output_dir, args.resume, args.overwrite)  # early; again under the lock
+        if misc.is_main_process():  # the folder is rank 0's (the others may see another disk there)
+            output_dirs.check_output_dir(args.output_dir)
+            output_dirs.check_owner(args.output_dir, args.resume, args.overwrite)  # early; again under the lock
         recorded = recorded_run(args)
         if args.overwrite and os.path.isdir(args.output_dir):
             output_dirs.check_inputs_outside(output_dirs.removable_entries(args.output_dir), run_inputs(args),

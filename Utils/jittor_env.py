@@ -9,13 +9,16 @@ three defaults break on an offline CPU machine:
   `mkl_include_path`/`mkl_lib_path` are broken in 1.3.11;
 - without oneDNN we fall back to `use_mkl=0` (slower, but never a download);
 - on a GPU machine Jittor's CUDA import downloads CUTLASS, cuTT and (where mpicc exists)
-  NCCL and wants cuDNN 8: CUTLASS, cuTT and cuDNN are switched off unless set, and NCCL
-  too unless under mpirun with NCCL at hand or downloadable.
+  NCCL and wants cuDNN 8: CUTLASS, cuTT and cuDNN are switched off unless set; under mpirun
+  NCCL comes from an installed nvidia-nccl wheel where there is one (torch's), else is switched
+  off unless downloadable.
 Jittor 1.3.11 needs small patches (setup.sh applies them): its op compiler (threads and Python,
 compile time, a lock a kernel) and compile progress (scripts/jittor_patches.sh), and CUDA 13 (scripts/jittor_cuda13.sh).
 """
 import glob
+import hashlib
 import os
+import platform
 import signal
 import socket
 import sys
@@ -40,17 +43,36 @@ def ensure_onednn():
         return False
     os.makedirs(lib_dir, exist_ok=True)
     os.makedirs(inc_dir, exist_ok=True)
-    for header in glob.glob("/usr/include/dnnl*.h*") + ["/usr/include/oneapi"]:
-        link = os.path.join(inc_dir, os.path.basename(header))
-        if os.path.exists(header) and not os.path.lexists(link):
-            os.symlink(header, link)
-    link = os.path.join(lib_dir, "libmkldnn.so")
-    if not os.path.lexists(link):
-        os.symlink(os.path.realpath(system_lib), link)
+    links = [(header, os.path.join(inc_dir, os.path.basename(header)))
+             for header in glob.glob("/usr/include/dnnl*.h*") + ["/usr/include/oneapi"] if os.path.exists(header)]
+    for target, link in links + [(os.path.realpath(system_lib), os.path.join(lib_dir, "libmkldnn.so"))]:
+        try:
+            os.symlink(target, link)
+        except FileExistsError:
+            pass  # made before, or at this moment by another rank of a cold host
     return True
 
 
 NCCL_BUILD = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "nccl", "nccl-2.8.4-1", "build", "lib", "libnccl.so")
+
+
+def wheel_nccl():
+    """(include folder, library folder) of the NCCL in an installed nvidia-nccl-cu* wheel (torch's dependency), the
+    library under the name Jittor loads (libnccl.so, a link in Jittor's cache); None without one. Jittor would
+    otherwise download NCCL's sources and build them, which a machine without registries cannot."""
+    for folder in sys.path:
+        nccl = os.path.join(folder or ".", "nvidia", "nccl")
+        library = os.path.join(nccl, "lib", "libnccl.so.2")
+        if os.path.isfile(library) and os.path.isfile(os.path.join(nccl, "include", "nccl.h")):
+            named = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "nccl", "wheel", "lib")
+            os.makedirs(named, exist_ok=True)
+            link = os.path.join(named, "libnccl.so")
+            if os.path.realpath(link) != os.path.realpath(library):
+                temporary = f"{link}.{os.getpid()}"
+                os.symlink(library, temporary)
+                os.replace(temporary, link)  # another rank's link to the same library may stand there already
+            return os.path.join(nccl, "include"), named
+    return None
 
 
 def nccl_obtainable() -> bool:
@@ -193,6 +215,17 @@ class StopForwarder:
             self.child = None
 
 
+def cpu_identity() -> str:
+    """What code built with -march=native depends on besides the OS, compiler and Python: the CPU's model and
+    instruction sets (/proc/cpuinfo's first model name and flags), as a short hash."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    except OSError:
+        lines = [platform.machine(), platform.processor()]
+    return "cpu" + hashlib.md5("".join(dict.fromkeys(lines)).encode()).hexdigest()[:8]
+
+
 def prepare():
     if "jittor" in sys.modules:
         return  # too late to change anything; whoever imported it chose
@@ -203,6 +236,9 @@ def prepare():
         # needs cuDNN 8; none is used here. conv_opt=1 sets up only cuBLAS and cuRAND.
         for name, value in (("use_cutlass", "0"), ("use_cutt", "0"), ("conv_opt", "1")):
             os.environ.setdefault(name, value)
+        found = "OMPI_COMM_WORLD_SIZE" in os.environ and not os.environ.get("nccl_lib_path") and wheel_nccl()
+        if found:
+            os.environ["nccl_include_path"], os.environ["nccl_lib_path"] = found
         if "OMPI_COMM_WORLD_SIZE" not in os.environ or not nccl_obtainable():
             os.environ.setdefault("use_nccl", "0")  # ranks then reduce through MPI on the host
     if os.environ.get("use_mkl", "1") == "1" and not ensure_onednn():
@@ -220,6 +256,11 @@ def prepare():
     # OpenMPI refuses root unless told; harmless elsewhere.
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    # Jittor keys its compile cache (~/.cache/jittor/...) by the OS, compiler, Python, CPU model and the host's
+    # name: each node of a cluster sharing a home compiled Jittor and every kernel again, minutes each, into a
+    # cache of its own. The CPU's identity stands in for the name (scripts/jittor_patches.sh), so machines of one
+    # kind share one cache and one compile (Jittor's and our kernels' file locks keep concurrent compiles apart).
+    os.environ.setdefault("jittor_cache_host", cpu_identity())
 
 
 # Jittor's kernels are built with -Ofast, whose start-up code sets the CPU to treat subnormal floats as zero in the

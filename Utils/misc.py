@@ -216,24 +216,42 @@ def all_reduce_sum(values):
     return jt.array(values).mpi_all_reduce("add").numpy()
 
 
-def gather_on_main(local: dict, folder: str, rank: int, world: int):
-    """Rank 0 gets every rank's dict merged, the others None: each writes a part file into `folder` (one this
-    run owns), a barrier, rank 0 reads them. Call on every rank."""
-    if world == 1:
+def broadcast_object(value, root: int = 0):
+    """`value` of rank `root`, pickled and sent to every rank (the others' `value` is ignored); identity outside
+    MPI. The ranks share no disk: what one rank reads or holds reaches the others this way. Call on every rank."""
+    if not jt.in_mpi or jt.world_size == 1:
+        return value
+    payload = pickle.dumps(value, protocol=5) if jt.rank == root else b""
+    size = int(jt.array(np.array([len(payload)], np.float64)).mpi_broadcast(root).item())
+    data = np.frombuffer(payload, np.uint8) if jt.rank == root else np.zeros(size, np.uint8)
+    received = jt.array(data).mpi_broadcast(root).numpy()
+    return value if jt.rank == root else pickle.loads(received.tobytes())
+
+
+def from_rank0(read):
+    """What `read()` returns on rank 0, on every rank, or the exception it raised there, raised on every rank:
+    files of a run's folder, which may lie on rank 0's own disk only. Call on every rank."""
+    result, error = None, None
+    if is_main_process():
+        try:
+            result = read()
+        except Exception as e:  # noqa: BLE001  (raised on every rank below)
+            error = e
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise error
+    return result
+
+
+def gather_on_main(local: dict):
+    """Rank 0 gets every rank's dict merged, the others None (over MPI: the ranks may share no disk). Call on
+    every rank."""
+    if not jt.in_mpi or jt.world_size == 1:
         return local
-    part = os.path.join(folder, f".part{rank}.pkl")
-    with open(part, "wb") as f:
-        pickle.dump(local, f)
-    all_reduce_sum([1.0])  # barrier: every part is written
-    if rank != 0:
-        return None
     merged = {}
-    for r in range(world):
-        path = os.path.join(folder, f".part{r}.pkl")
-        with open(path, "rb") as f:
-            merged.update(pickle.load(f))
-        os.remove(path)
-    return merged
+    for rank in range(jt.world_size):
+        merged.update(broadcast_object(local, root=rank))
+    return merged if jt.rank == 0 else None
 
 
 class SmoothedValue:

@@ -316,7 +316,7 @@ def staging_dir(path: str, pid: int) -> str:
 
 def make_staging(staging: str, tool: str = INFER):
     """Create the staging folder with a manifest that claims all of it, so that a later run may remove it
-    once its writer is dead (remove_stale_temp); every rank may call it."""
+    once its writer is dead (remove_stale_temp)."""
     os.makedirs(staging, exist_ok=True)
     if not os.path.isfile(os.path.join(staging, MANIFEST)):
         write_json({"tool": tool, "written": [], STAGING: True}, os.path.join(staging, MANIFEST))

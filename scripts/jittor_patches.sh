@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Four changes to Jittor 1.3.11's C++ sources, run by setup.sh on every machine (CUDA 13's: scripts/jittor_cuda13.sh).
+# Five changes to Jittor 1.3.11 (four to its C++ sources, one to its cache's key), run by setup.sh on every machine
+# (CUDA 13's: scripts/jittor_cuda13.sh).
 # Usage: bash scripts/jittor_patches.sh <site-packages dir holding jittor/>. Idempotent; Jittor rebuilds the changed
 # files of its core on the next import.
 #
@@ -23,6 +24,10 @@
 # The compile lock. Jittor held one lock over its whole cache folder while a process compiled (or loaded) a batch of
 # kernels, so the test suite's workers, sharing a cache, compiled one kernel at a time between them; on Linux each
 # kernel now takes a lock of its own (scripts/jittor_patches/kernel_lock.h, copied into src/).
+#
+# The cache's key. Jittor names its cache folder after the OS, compiler, Python, CPU model and the host's name; the
+# name now comes from the environment variable jittor_cache_host where it is set (Utils/jittor_env.py sets the CPU's
+# model and instruction sets there), so the nodes of a cluster that share a home share one cache, compiled once.
 #
 # The compile progress. When compiling takes over two seconds, src/parallel_compiler.cc writes "\n" to stderr, then
 # its progress ("Compiling Operators(i/n) ... \r", each over the last), then a newline. The first "\n" keeps the
@@ -48,7 +53,7 @@ def patch(name, mark, edits):
             sys.exit(f"{path}: the line to patch was not found once (not Jittor 1.3.11?): {anchor.strip()[:60]}")
         text = text.replace(anchor, replacement)
     open(path, "w").write(text)
-    print(f"[jittor_patches] {mark[3:]}: patched {path}")
+    print(f"[jittor_patches] {mark.lstrip('/# ')}: patched {os.path.normpath(path)}")
 
 GIL = "// moa-jittor: GIL"
 patch("pyjt/py_caller.cc", GIL, [(
@@ -100,4 +105,10 @@ for name, anchor in (("op_compiler.cc", "    if (do_compile_hook)"),
     patch(name, LOCKS, [(f"    jittor::lock_guard lg;\n{anchor}",
                          f"#ifndef __linux__  {LOCKS}: on Linux jit_compiler.cc locks each kernel\n"
                          f"    jittor::lock_guard lg;\n#endif\n{anchor}")])
+
+HOST = "# moa-jittor: cache host"
+patch("../../jittor_utils/__init__.py", HOST, [(
+    "    osv = platform.platform() + platform.node()\n",
+    f"    {HOST}: what stands for this host in the key (Utils/jittor_env.py sets the CPU's identity)\n"
+    '    osv = platform.platform() + os.environ.get("jittor_cache_host", platform.node())\n')])
 PY

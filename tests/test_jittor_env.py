@@ -1,9 +1,14 @@
 """Jittor's environment (Utils/jittor_env.py) and the changes scripts/jittor_patches.sh makes to its sources."""
 import json
+import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,8 +38,15 @@ def test_patches_apply_once_and_compile(tmp_path):
         copy = tmp_path / "jittor" / "src" / name
         copy.parent.mkdir(parents=True, exist_ok=True)
         copy.write_text((Path(jittor.__file__).parent / "src" / name).read_text())
+    import jittor_utils
+    keyed = tmp_path / "jittor_utils" / "__init__.py"
+    keyed.parent.mkdir()
+    keyed.write_text(Path(jittor_utils.__file__).read_text().replace(
+        'os.environ.get("jittor_cache_host", platform.node())', "platform.node()").replace(
+        "    # moa-jittor: cache host", "    # (was)"))  # as Jittor ships it
     for _ in range(2):
         subprocess.run(["bash", str(REPO / "scripts" / "jittor_patches.sh"), str(tmp_path)], check=True)
+    assert keyed.read_text().count('platform.platform() + os.environ.get("jittor_cache_host", platform.node())') == 1
     src = tmp_path / "jittor" / "src"
     progress = (src / "parallel_compiler.cc").read_text()
     assert progress.count('std::cerr << (isatty(2) ? "\\r\\033[K" : "\\n");') == 1
@@ -176,3 +188,54 @@ def test_resume_hints_name_the_launcher_and_what_mpirun_made_of_the_signal(monke
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
     assert launcher() == "mpirun -np 3 " and stop_origin("SIGUSR1") == ""
     assert "a Ctrl-C or SIGTERM to mpirun" in stop_origin("SIGTERM") and "SIGUSR1" in stop_origin("SIGTERM")
+
+
+def cache_path_on(hostname=None) -> str:
+    """Jittor's cache folder as a process sees it (on a host of another name: a UTS namespace of its own)."""
+    program = [sys.executable, "-c", "import Utils.jittor_env, jittor_utils; print(jittor_utils.cache_path)"]
+    if hostname:
+        program = ["unshare", "--uts", "sh", "-c", f"hostname {hostname} && exec {shlex.join(program)}"]
+    run = subprocess.run(program, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.split()[-1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare to "
+                    "run a process under another host name")
+def test_the_cache_is_keyed_by_the_cpu_not_the_host_name():
+    """Nodes of one kind sharing a home share Jittor's compiled cache (each compiled everything again, minutes, into
+    a folder named after it); a machine with other instruction sets keys another folder."""
+    assert cache_path_on("node-a") == cache_path_on("node-b") == cache_path_on()
+    from Utils import jittor_env
+    assert re.fullmatch(r"cpu[0-9a-f]{8}", jittor_env.cpu_identity())
+
+
+def test_onednn_links_made_by_another_rank_meanwhile(monkeypatch, tmp_path):
+    """Two ranks of a cold host link oneDNN at once: one found a link missing, the other made it, and the first's
+    symlink raised FileExistsError (a traceback, the job aborted)."""
+    from Utils import jittor_env
+    folder = tmp_path / "dnnl"
+    monkeypatch.setattr(jittor_env, "ONEDNN_DIR", str(folder))
+    if not jittor_env.ensure_onednn():
+        pytest.skip("no system oneDNN (libdnnl-dev) to link")
+    (folder / "lib" / "libmkldnn.so").unlink()
+    monkeypatch.setattr(os.path, "lexists", lambda path: False)  # each link "missing" when looked at
+    assert jittor_env.ensure_onednn()
+    assert (folder / "lib" / "libmkldnn.so").resolve().is_file() and (folder / "include" / "dnnl.hpp").exists()
+
+
+def test_nccl_from_an_installed_wheel(monkeypatch, tmp_path):
+    """Under mpirun on a GPU Jittor builds NCCL from downloaded sources; an installed nvidia-nccl wheel's library
+    serves instead, linked under the name Jittor loads."""
+    from Utils import jittor_env
+    site = tmp_path / "site"
+    for part in ("lib/libnccl.so.2", "include/nccl.h"):
+        (site / "nvidia" / "nccl" / part).parent.mkdir(parents=True, exist_ok=True)
+        (site / "nvidia" / "nccl" / part).write_bytes(b"")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert jittor_env.wheel_nccl() is None or str(site) not in jittor_env.wheel_nccl()[0]
+    monkeypatch.syspath_prepend(str(site))
+    for _ in range(2):  # a second rank finds the link made
+        include, library = jittor_env.wheel_nccl()
+        assert include == str(site / "nvidia" / "nccl" / "include")
+        assert Path(library, "libnccl.so").resolve() == (site / "nvidia" / "nccl" / "lib" / "libnccl.so.2")

@@ -12,7 +12,7 @@ from Utils.misc import is_main_process
 
 from . import CheckpointError
 from .adapters import adapter_arrays, assign_strict, differing_fields, write_adapter
-from .pth import load_pth, save_pth
+from .pth import save_pth
 
 
 def rng_state() -> dict:
@@ -79,13 +79,12 @@ def check_extension(ckpt: dict, train, path: str):
 SHOWN_DIFFERENCES = 3
 
 
-def restore_checkpoint(path: str, model, optimizer, stopper, signature: dict, fixed: dict = None,
+def restore_checkpoint(path: str, ckpt, model, optimizer, stopper, signature: dict, fixed: dict = None,
                        sources: dict = None) -> dict:
-    """Load a training checkpoint into model, optimizer, stopper and the RNGs after checking it was
-    made with the same settings (the model's, the signature's and `fixed`, the settings a resumed run
-    may not change, against those the checkpoint recorded; the refusal says where this run's value came
+    """Load a training checkpoint (`ckpt`, load_pth of `path`) into model, optimizer, stopper and the RNGs after
+    checking it was made with the same settings (the model's, the signature's and `fixed`, the settings a resumed
+    run may not change, against those the checkpoint recorded; the refusal says where this run's value came
     from, `sources` {name: where}); returns the checkpoint (its epoch, data_iter_step, global_step)."""
-    ckpt = load_pth(path)
     if not isinstance(ckpt, dict) or "adapter" not in ckpt or "optimizer" not in ckpt:
         raise CheckpointError(f"{path}: not a training checkpoint of Math.py (no adapter/optimizer state)")
     differences = differing_fields(ckpt["model_args"], model.args)
