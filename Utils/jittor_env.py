@@ -226,6 +226,30 @@ def cpu_identity() -> str:
     return "cpu" + hashlib.md5("".join(dict.fromkeys(lines)).encode()).hexdigest()[:8]
 
 
+def jittor_prepared() -> bool:
+    """Whether Jittor has compiled its core for this machine's kind (setup.sh or an earlier run did): a
+    jittor_core library in a cache folder of this OS and CPU (jittor_utils.find_cache_path's key, its host part
+    the CPU's identity)."""
+    def shorten(text):  # as jittor_utils.find_cache_path: a hash for the tail, the key then filtered and shortened
+        return text[:14] + "x" + hashlib.md5(text.encode()).hexdigest()[:2] if len(text) > 14 else text
+    key = shorten(platform.platform() + os.environ.get("jittor_cache_host", cpu_identity()))
+    key = shorten("".join(c for c in key if c.isidentifier() or c.isnumeric() or c.isalpha() or c in ".-+"))
+    home = os.environ.get("JITTOR_HOME", os.path.expanduser("~"))
+    return bool(glob.glob(os.path.join(home, ".cache", "jittor", "*", "*", "*", key, "*", "*", "*",
+                                       "jittor_core*.so")))
+
+
+def say_if_unprepared():
+    """Under mpirun, the first rank of a host where Jittor has never compiled says why the job waits: its first
+    import compiles Jittor (minutes; the host's other ranks wait for it under Jittor's lock, the other hosts'
+    ranks at the first all-reduce), which Jittor's silenced log would otherwise leave unsaid."""
+    if os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") == "0" and not jittor_prepared():
+        print(f"[moa] host {socket.gethostname()}: Jittor is not prepared here (no compiled cache for this CPU under "
+              f"{os.environ.get('JITTOR_HOME', os.path.expanduser('~'))}/.cache/jittor): compiling it now, a few "
+              "minutes, while every rank waits; `bash setup.sh` on each host beforehand saves the wait",
+              file=sys.stderr, flush=True)
+
+
 def prepare():
     if "jittor" in sys.modules:
         return  # too late to change anything; whoever imported it chose
@@ -261,6 +285,7 @@ def prepare():
     # cache of its own. The CPU's identity stands in for the name (scripts/jittor_patches.sh), so machines of one
     # kind share one cache and one compile (Jittor's and our kernels' file locks keep concurrent compiles apart).
     os.environ.setdefault("jittor_cache_host", cpu_identity())
+    say_if_unprepared()
 
 
 # Jittor's kernels are built with -Ofast, whose start-up code sets the CPU to treat subnormal floats as zero in the

@@ -126,3 +126,25 @@ def test_a_stop_to_mpirun_stops_every_rank_on_every_host(setup, tmp_path, stop, 
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert [r["step"] for r in log_records(run, "train")][-2:] == [step, step + 1]
     assert not [n for n in os.listdir(run) if n.startswith(".tmp")]
+
+
+def test_a_cold_host_says_why_the_job_waits(setup, tmp_path):
+    """A host that has never prepared Jittor (a home of its own, empty) compiles it at its ranks' first import,
+    minutes with Jittor's log silenced: its first rank says so, once for the host, and the job goes on (stopped
+    here once it said so; two ranks of one cold host preparing together took 5 min 54 s, docs/multinode.md)."""
+    disk, log = tmp_path / "disk", tmp_path / "stderr"
+    with emulated_hosts.Hosts(["node1", "node2"], disk=str(disk), cold=["node2"]) as hosts, open(log, "w") as err:
+        process = hosts.popen("node1", hosts_command(hosts.names, 2, argv(setup, disk / "run", "--max_steps", 1)),
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+        said = "[moa] host node2: Jittor is not prepared here"
+        deadline = time.time() + 120
+        while time.time() < deadline and process.poll() is None and said not in log.read_text():
+            time.sleep(0.2)
+        time.sleep(2)  # the host's second rank would have said it by now
+        still_running = process.poll() is None
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        assert [hosts.pids(name) for name in hosts.names] == [[], []]
+    text = log.read_text()
+    assert still_running and text.count(said) == 1 and "bash setup.sh" in text, text[-3000:]
+    assert "node1: Jittor is not prepared" not in text
