@@ -68,7 +68,9 @@ prepare() {
   note "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1)"
   note "CUDA: $(nvcc --version 2>&1 | tail -2 | head -1) | python3: $(command -v python3) $(python3 --version 2>&1)"
   note "cores $(nproc), memory $(free -g | awk '/Mem:/ {print $2}') GB, mpirun: $(command -v mpirun || echo absent)," \
-       "mpicc: $(command -v mpicc || echo absent), bwrap: $(command -v bwrap || echo absent)"
+       "mpicc: $(command -v mpicc || echo absent), bwrap: $(command -v bwrap || echo absent)," \
+       "NCCL for Jittor (an installed nvidia-nccl wheel's): $(cd "$HERE" && python3 -c 'import sys
+sys.path.insert(0, "."); from Utils.jittor_env import wheel_nccl; print(wheel_nccl() or "none")' 2>&1 | tail -1)"
   # the usual venv over the image's packages (torch, matplotlib, tiktoken, safetensors, ...); its own come first
   if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv --without-pip "$VENV" || return 1

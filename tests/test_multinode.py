@@ -28,11 +28,17 @@ def setup(tmp_path_factory, tiny_base):
 
 @pytest.fixture(scope="module")
 def one_rank(setup, tmp_path_factory):
-    """The adapter (and the run folder's names) that one rank trains in STEPS steps."""
-    out = tmp_path_factory.mktemp("one") / "run"
-    assert Math.main(argv(setup, out, "--max_steps", STEPS)) == 0
-    return {"adapter": load_pth(out / "adapter" / "adapter.pth"), "names": sorted(os.listdir(out)),
-            "losses": [r["train_loss"] for r in log_records(out, "train")]}
+    """one_rank(batch): the adapter (and the run folder's names) that one rank trains in STEPS steps."""
+    runs = {}
+
+    def trained(batch: int) -> dict:
+        if batch not in runs:
+            out = tmp_path_factory.mktemp("one") / "run"
+            assert Math.main(argv(setup, out, "--max_steps", STEPS, "--batch_size", batch)) == 0
+            runs[batch] = {"adapter": load_pth(out / "adapter" / "adapter.pth"), "names": sorted(os.listdir(out)),
+                           "losses": [r["train_loss"] for r in log_records(out, "train")]}
+        return runs[batch]
+    return trained
 
 
 def argv(setup, out, *extra) -> list:
@@ -57,13 +63,14 @@ def relative_difference(a: dict, b: dict) -> float:
     return max(float(np.abs(a[k] - b[k]).max()) for k in a) / max(float(np.abs(a[k]).max()) for k in a)
 
 
-@pytest.mark.parametrize("n_hosts, per_host", [(2, 1), (2, 2)])
-def test_hosts_train_the_adapter_one_rank_trains(setup, one_rank, tmp_path, n_hosts, per_host):
+@pytest.mark.parametrize("n_hosts, per_host, batch", [(2, 1, 4), (2, 2, 4), (3, 1, 6)])
+def test_hosts_train_the_adapter_one_rank_trains(setup, one_rank, tmp_path, n_hosts, per_host, batch):
     """Rank 0 writes the run on its host's disk, and nothing lands on the others'."""
     disk = tmp_path / "disk"
     names = [f"node{i + 1}" for i in range(n_hosts)]
+    one_rank = one_rank(batch)
     with emulated_hosts.Hosts(names, disk=str(disk)) as hosts:
-        done = on_hosts(hosts, per_host, argv(setup, disk / "run", "--max_steps", STEPS))
+        done = on_hosts(hosts, per_host, argv(setup, disk / "run", "--max_steps", STEPS, "--batch_size", batch))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert f"rank 1 of {n_hosts * per_host}" in done.stdout
     run = tmp_path / "disk.node1" / "run"
