@@ -330,11 +330,12 @@ def finetune(args, stop):
     if args.overwrite and args.resume:
         fail("--overwrite replaces the folder's run and --resume continues it: give one of them")
     try:
-        if misc.is_main_process():  # the folder is rank 0's (the others may see another disk there)
+        main = misc.is_main_process()  # the folder is rank 0's (the others may see another disk there)
+        if main:
             output_dirs.check_output_dir(args.output_dir)
             output_dirs.check_owner(args.output_dir, args.resume, args.overwrite)  # early; again under the lock
         recorded = recorded_run(args)
-        if args.overwrite and os.path.isdir(args.output_dir):
+        if main and args.overwrite and os.path.isdir(args.output_dir):
             output_dirs.check_inputs_outside(output_dirs.removable_entries(args.output_dir), run_inputs(args),
                                              "--overwrite")
         prepared = prepare(args, recorded)
