@@ -141,8 +141,7 @@ def main():
         fail(why)
     demo_step = demo_step_seconds(args.repeats)
     with emulated_hosts.Hosts(["node1", "node2"]) as hosts:
-        # one OpenMP thread a rank: the emulated hosts share this machine's cores, where each rank would take
-        # them all (spinning threads of one rank starved the other's MPI progress: 6 ms a message instead of 0.1)
+        # one OpenMP thread a rank: the emulated hosts share this machine's cores, where each rank would take them all
         command = ["mpirun", "-H", "node1:1,node2:1", "-np", "2", "--mca", "btl", "tcp,self",
                    "-x", "OMP_NUM_THREADS=1", sys.executable,
                    os.path.abspath(__file__), "--worker", "--repeats", str(args.repeats)]
