@@ -23,13 +23,14 @@ TRAINING_COPIES = 4
 # LLM.LLaMA's RoPE tables at their peak (Models/rope.rope_tables): the angles, cos, sin and the copy
 # of a cast, each [2 * max_seq_len, head_dim / 2] fp32
 ROPE_TABLES_AT_PEAK = 4
-# A training step's activations (activation_bytes), from the peak RSS of steps of 2 and 6 layers at 8 x 256 tokens, the
-# bench recipe's experts, dim 256 and 512, FFN 704 and 1408 (docs/performance.md): a layer keeps fp32 numbers in 8
-# widths of dim, 2 of the queries, 2 of the keys and values and 3 of the FFN (its gate and up and the experts' and
-# routers' own; 0-20% above what was measured). With --recompute a layer holds 2 copies of its fp32 input and 4 MiB
-# (its second forward's and backward's graph, built for every layer before the step runs: 4.2 MiB at 512, 2048 and
-# 8192 tokens)
-ACTIVATION_WIDTHS = {"dim": 8, "q": 2, "kv": 2, "ffn": 3}
+# A training step's activations (activation_bytes): a layer keeps, per token, fp32 numbers in these many widths of dim,
+# of the queries, of the keys and values and of the FFN (its gate and up, the experts' and routers' own). fp32: fitted
+# to the peak RSS of steps of 2 and 6 layers at 8 x 256 tokens, the bench recipe's experts, dim 256 and 512, FFN 704
+# and 1408 (0-20% above what was measured); bf16 products keep the FFN's branches as bf16 bits: the 14B shape's
+# profile at 300 tokens (docs/performance.md, 65 MB a layer: 83 counted) and dim 256 (12% above). With --recompute a
+# layer holds 2 copies of its fp32 input and 4 MiB (its second forward's and backward's graph, built for every layer
+# before the step runs: 4.2 MiB at 512, 2048 and 8192 tokens)
+ACTIVATION_WIDTHS = {"fp32": {"dim": 8, "q": 2, "kv": 2, "ffn": 3}, "bf16": {"dim": 6, "q": 2, "kv": 2, "ffn": 1.5}}
 INPUTS_KEPT, RECOMPUTED_GRAPH_BYTES = 2, 4 << 20
 
 
@@ -160,11 +161,11 @@ def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
 def layer_activation_bytes(args, tokens: int) -> int:
     """What one layer's training forward keeps for its backward at `tokens` positions: per position, fp32 numbers
     in ACTIVATION_WIDTHS of the residual stream (dim), the queries (heads x head_dim), the keys and values (kv heads
-    x head_dim) and the FFN (ffn_dim). Counted in fp32 whatever the precision (bf16 keeps some in bf16: less)."""
+    x head_dim) and the FFN (ffn_dim), fewer where the base's products take bf16."""
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    widths = ACTIVATION_WIDTHS
-    return 4 * tokens * (widths["dim"] * args.dim + widths["q"] * q + widths["kv"] * kv
-                         + widths["ffn"] * args.ffn_hidden_dim)
+    widths = ACTIVATION_WIDTHS["bf16" if args.precision in BF16_PRODUCTS else "fp32"]
+    return round(4 * tokens * (widths["dim"] * args.dim + widths["q"] * q + widths["kv"] * kv
+                               + widths["ffn"] * args.ffn_hidden_dim))
 
 
 def loss_bytes(args, tokens: int) -> int:

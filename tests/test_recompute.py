@@ -98,7 +98,7 @@ QWEN3_32B = dict(architecture="qwen3", dim=5120, n_layers=64, n_heads=64, n_kv_h
 
 def test_the_memory_check_counts_the_activations_kept_or_recomputed():
     """A step's activations: every layer's, or each layer's input (twice, with its graph) and one layer's; the loss's
-    logits either way. Qwen3-32B at 1 x 300 tokens: 10.6 GB kept, 1.35 GB recomputed."""
+    logits either way. Qwen3-32B at 1 x 300 tokens: 10.6 GB kept, 1.35 GB recomputed (fp32; 6.9 GB kept in int8)."""
     args = ModelArgs(**QWEN3_32B)
     one = memory.layer_activation_bytes(args, 300)
     assert one == 4 * 300 * (8 * 5120 + 2 * 8192 + 2 * 1024 + 3 * 25600)
@@ -108,6 +108,9 @@ def test_the_memory_check_counts_the_activations_kept_or_recomputed():
     assert memory.activation_bytes(args, 1, 300, True) == 64 * (2 * 4 * 300 * 5120 + (4 << 20)) + one + loss
     assert round(memory.activation_bytes(args, 1, 300, False) / 1e9, 2) == 10.59
     assert round(memory.activation_bytes(args, 1, 300, True) / 1e9, 2) == 1.35
+    int8 = ModelArgs(**QWEN3_32B, precision="int8")  # bf16 products: the FFN's branches kept as bf16 bits
+    assert memory.layer_activation_bytes(int8, 300) == 4 * 300 * (6 * 5120 + 2 * 8192 + 2 * 1024 + 1.5 * 25600)
+    assert round(memory.activation_bytes(int8, 1, 300, False) / 1e9, 2) == 6.86
 
 
 def test_the_memory_check_chooses_recompute_where_kept_activations_would_not_fit():
