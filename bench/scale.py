@@ -234,11 +234,11 @@ def check_options(parser, opts):
     problems = [
         (opts.n_layers is not None and opts.n_layers < 1, f"--n_layers {opts.n_layers} must be at least 1"),
         (bool(unknown), f"--variants: unknown {unknown}; choose from sparse, soft"),
+        (opts.checkpoint_dir and opts.llama_path, "--checkpoint_dir keeps a random checkpoint: not with --llama_path"),
         (opts.llama_path and not any(os.path.isfile(os.path.join(opts.llama_path, f)) for f in LAYOUTS.values()),
          f"--llama_path {opts.llama_path}: neither params.json (Meta's layout) nor config.json (Hugging Face's) there"),
         (opts.tmp_dir and not (os.path.isdir(opts.tmp_dir) and os.access(opts.tmp_dir, os.W_OK)),
          f"--tmp_dir {opts.tmp_dir} is not a writable folder"),
-        (opts.checkpoint_dir and opts.llama_path, "--checkpoint_dir keeps a random checkpoint: not with --llama_path"),
         (opts.checkpoint_dir and os.path.exists(opts.checkpoint_dir) and (
             not os.path.isdir(opts.checkpoint_dir) or os.listdir(opts.checkpoint_dir) and not written_checkpoint(
                 opts.checkpoint_dir)), f"--checkpoint_dir {opts.checkpoint_dir} holds other files than a complete "
