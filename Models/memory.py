@@ -24,14 +24,14 @@ TRAINING_COPIES = 4
 # of a cast, each [2 * max_seq_len, head_dim / 2] fp32
 ROPE_TABLES_AT_PEAK = 4
 # A training step's activations (activation_bytes): a layer keeps, per token, fp32 numbers in these many widths of dim,
-# of the queries, of the keys and values and of the FFN (its gate and up, the experts' and routers' own). fp32: fitted
-# to the peak RSS of steps of 2 and 6 layers at 8 x 256 tokens, the bench recipe's experts, dim 256 and 512, FFN 704
-# and 1408 (0-20% above what was measured); bf16 products keep the FFN's branches as bf16 bits: the 14B shape's
-# profile at 300 tokens (docs/performance.md, 65 MB a layer: 83 counted) and dim 256 (12% above). With --recompute a
-# layer holds 2 copies of its fp32 input and 4 MiB (its second forward's and backward's graph, built for every layer
-# before the step runs: 4.2 MiB at 512, 2048 and 8192 tokens)
-ACTIVATION_WIDTHS = {"fp32": {"dim": 8, "q": 2, "kv": 2, "ffn": 3}, "bf16": {"dim": 6, "q": 2, "kv": 2, "ffn": 1.5}}
-INPUTS_KEPT, RECOMPUTED_GRAPH_BYTES = 2, 4 << 20
+# of the queries, of the keys and values and of the FFN (its gate and up, the experts' and routers' own), and its graph,
+# about 4 MiB whatever the tokens. fp32: fitted to the peak RSS of steps of 2 and 6 layers at 512 and 2,048 tokens, the
+# bench recipe's experts, dim 256 and 512, FFN 704 and 1408 (3-28% above what was measured); bf16 products keep the
+# FFN's branches as bf16 bits: the 14B shape's profile at 300 tokens (docs/performance.md, 65 MB a layer: 83 counted)
+# and dim 256. With --recompute a layer holds 2 copies of its fp32 input and its graph (4.2 MiB measured at 512, 2,048
+# and 8,192 tokens)
+ACTIVATION_WIDTHS = {"fp32": {"dim": 8, "q": 2, "kv": 2, "ffn": 2.5}, "bf16": {"dim": 6, "q": 2, "kv": 2, "ffn": 1.5}}
+INPUTS_KEPT, LAYER_GRAPH_BYTES = 2, 4 << 20
 
 
 def available_memory() -> int:
@@ -175,13 +175,12 @@ def loss_bytes(args, tokens: int) -> int:
 
 def activation_bytes(args, batch_size: int, seq_len: int, recompute: bool) -> int:
     """A training step's activations for batch_size rows of seq_len tokens: every layer's (layer_activation_bytes)
-    or, with `recompute`, INPUTS_KEPT copies of each layer's fp32 input [B,T,D] and its graph, and one layer's; and
-    the loss's."""
+    or, with `recompute`, INPUTS_KEPT copies of each layer's fp32 input [B,T,D] and one layer's; each layer's graph;
+    and the loss's."""
     tokens = batch_size * seq_len
     one = layer_activation_bytes(args, tokens)
-    kept = (args.n_layers * (INPUTS_KEPT * 4 * tokens * args.dim + RECOMPUTED_GRAPH_BYTES) if recompute
-            else (args.n_layers - 1) * one)
-    return kept + one + loss_bytes(args, tokens)
+    kept = args.n_layers * INPUTS_KEPT * 4 * tokens * args.dim if recompute else (args.n_layers - 1) * one
+    return kept + one + args.n_layers * LAYER_GRAPH_BYTES + loss_bytes(args, tokens)
 
 
 def memory_parts(args, batch_size: int = 0, seq_len: int = 0, training: bool = False) -> list:

@@ -8,14 +8,14 @@ reused by a later run of the same --arch and --n_layers): LLaMA-3.1-8B's params.
 consolidated.00.pth (Meta's layout), or Qwen3's config.json and safetensors shards of at most
 4 GB with their index (Hugging Face's layout). It says the disk that takes before writing, and refuses (exit 4)
 where the folder's disk has less free. Training recomputes the layers' activations in the backward where the
-memory check says a step would not fit with them kept (--recompute / --no-recompute choose). For each variant (the `math` recipe: Sparse MoA, Soft MoA with
-prompts on every layer): load, two AdamW steps on 1 x 300 tokens, save the adapter, greedy-decode 16
-tokens through the KV cache (after a 2-token warm-up that compiles the decode step: `decode_step_tok_s` is
-the steady rate of the decode steps, `decode_tok_s` the whole timed call). The plain read of the
-checkpoint is timed in the same run, each read (the plain one and every load) starting from a cold page
+memory check says a step would not fit with them kept (--recompute / --no-recompute choose). For each variant (the
+`math` recipe: Sparse MoA, Soft MoA with prompts on every layer): load, two AdamW steps on 1 x 300 tokens, save
+the adapter, greedy-decode 16 tokens through the KV cache (after a 2-token warm-up that compiles the decode step:
+`decode_step_tok_s` is the steady rate of the decode steps, `decode_tok_s` the whole timed call). The plain read
+of the checkpoint is timed in the same run, each read (the plain one and every load) starting from a cold page
 cache for that file (posix_fadvise DONTNEED). The base takes the math recipe's precision (bf16) unless
---precisions names one; several run one after another, each in a process of its own (peak RSS is a
-process's) on the one checkpoint, and end with their ratios to the first (`<precision>_over_<first>_...`).
+--precisions names one; several run one after another, each in a process of its own (peak RSS is a process's) on
+the one checkpoint, and end with their ratios to the first (`<precision>_over_<first>_...`).
 Several variants likewise run each in a process of its own (`<variant>_peak_rss_gb`; `peak_rss_gb` is the
 largest).
 Prints key=value pairs last.
@@ -102,7 +102,8 @@ def write_random_checkpoint(out_dir: str, arch: str, n_layers: int, seed: int = 
 
 def checkpoint_bytes(arch: str, n_layers: int) -> int:
     """The random checkpoint's tensors on disk: every one in bf16 (its headers, index and config are a few MB)."""
-    return sum(2 * math.prod(shape) for shape in meta_shapes(ModelArgs(**{**ARCHS[arch], "n_layers": n_layers})).values())
+    shapes = meta_shapes(ModelArgs(**{**ARCHS[arch], "n_layers": n_layers}))
+    return sum(2 * math.prod(shape) for shape in shapes.values())
 
 
 def random_checkpoint(opts, work: str) -> str:
@@ -301,7 +302,8 @@ def measure(opts, work: str):
     print(f"plain cold read of {file_gb:.2f} GB: {read_s:.1f} s", flush=True)
     roofline = sgemm_gflops()
     precision = opts.precisions[0] if opts.precisions else None
-    results = {v: run_variant(llama_dir, v, work, roofline, precision, opts.recompute) for v in opts.variants.split(",")}
+    results = {v: run_variant(llama_dir, v, work, roofline, precision, opts.recompute)
+               for v in opts.variants.split(",")}
     peak = peak_rss_gb()
     n_base = next(iter(results.values()))["n_base"]
     line = {"base": opts.llama_path or opts.arch, "precision": precision or recipe_values("math")["precision"],

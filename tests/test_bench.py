@@ -122,12 +122,14 @@ def test_the_scale_benchs_random_checkpoint_is_removed_or_kept_and_reused(bench,
     monkeypatch.setattr(scale, "write_random_checkpoint", write)
     monkeypatch.setattr(scale, "measure", lambda opts, work: folders.append(scale.random_checkpoint(opts, work)))
     kept = tmp_path / "kept"
-    for flags in ([], ["--checkpoint_dir", kept], ["--checkpoint_dir", kept], ["--checkpoint_dir", kept, "--n_layers", 3]):
+    for flags in ([], ["--checkpoint_dir", kept], ["--checkpoint_dir", kept],
+                  ["--checkpoint_dir", kept, "--n_layers", 3]):
         monkeypatch.setattr(sys, "argv", [str(a) for a in ["scale.py", "--arch", "qwen3-32b", "--n_layers", 2,
                                                            "--tmp_dir", tmp_path, *flags]])
         scale.main()
     assert writes == [("qwen3-32b", 2), ("qwen3-32b", 2), ("qwen3-32b", 3)]
-    assert not os.path.exists(folders[0]) and folders[1:] == [str(kept)] * 3 and sorted(os.listdir(tmp_path)) == ["kept"]
+    assert not os.path.exists(folders[0]) and folders[1:] == [str(kept)] * 3
+    assert sorted(os.listdir(tmp_path)) == ["kept"]  # the temporary folder removed
     assert scale.written_checkpoint(kept) == {"arch": "qwen3-32b", "n_layers": 3}
     os.remove(kept / scale.WRITTEN)
     monkeypatch.setattr(sys, "argv", ["scale.py", "--checkpoint_dir", str(kept)])

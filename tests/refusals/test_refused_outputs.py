@@ -396,6 +396,6 @@ def test_the_scale_bench_refuses_a_random_checkpoint_its_disk_cannot_hold(tmp_pa
     import scale
     monkeypatch.setattr(scale.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=40 * 10**9))
     monkeypatch.setattr(sys, "argv", ["scale.py", "--arch", "qwen3-32b", "--tmp_dir", str(tmp_path)])
-    assert_refused(capsys, scale.main, f"{tmp_path}/moa-scale-", "the random qwen3-32b checkpoint needs 65.6 GB of disk",
-                   "40.0 GB free there", "--checkpoint_dir or --tmp_dir on a larger disk", code=4)
+    assert_refused(capsys, scale.main, f"{tmp_path}/moa-scale-", "the random qwen3-32b checkpoint needs 65.6 GB of "
+                   "disk", "40.0 GB free there", "--checkpoint_dir or --tmp_dir on a larger disk", code=4)
     assert os.listdir(tmp_path) == []
