@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import (MIXTURES, MOA, REPO, log_records, randomize_adapters, squeezed_memory, train,
+from conftest import (BASELINES, MIXTURES, MOA, REPO, log_records, randomize_adapters, squeezed_memory, train,
                       write_synthetic_splits)
 
 import Utils.jittor_env  # noqa: F401
@@ -36,7 +36,8 @@ def adapter_gradients(path, settings, recompute_on, monkeypatch) -> tuple:
 
 
 CASES = {"sparse-fp32": (MOA["sparse"], "fp32"), "soft-bf16": (dict(MOA["soft"], prompt_len=3), "bf16"),
-         "sparse-int8": (MOA["sparse"], "int8"), "topk-fp32": (MIXTURES["topk"], "fp32")}  # topk: its aux loss
+         "sparse-int8": (MOA["sparse"], "int8"), "topk-fp32": (MIXTURES["topk"], "fp32"),  # topk: its aux loss
+         "unipeft-fp32": (BASELINES["unipeft"], "fp32"), "hydralora-bf16": (MIXTURES["hydralora"], "bf16")}
 
 
 @pytest.mark.parametrize("case", list(CASES))
