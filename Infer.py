@@ -102,7 +102,7 @@ def get_args_parser():
                                "its settings are used and a flag that differs from them is refused. "
                                "--max_seq_len bounds prompt + generation (default: the adapter's max_seq_len, "
                                "else 2048); longer prompts are refused. --precision may differ from training")
-    add_arguments(moa, ModelArgs, optional=True)
+    add_arguments(moa, ModelArgs, optional=True, exclude=("recompute",))  # training only
     return p
 
 

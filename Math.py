@@ -38,7 +38,7 @@ from Models.formats.adapters import NonFiniteAdapter, load_adapter, save_adapter
 from Models.formats.pth import load_pth
 from Models.formats.training import check_extension, restore_checkpoint, resume_signature
 from Models.formats.base_model import base_args, base_settings, build_model, open_tokenizer, settings_file
-from Models.memory import check_memory
+from Models.memory import check_memory, needs_recompute
 from Models.ModelArgs import INSTANCE_METHODS, ModelArgs, check_flags_do_something
 from Data.tiny_base import ensure_default_base
 from Utils import misc, output_dirs
@@ -204,8 +204,14 @@ def prepare(args, recorded):
     model_settings, cfg, generation = resolve_settings(args, params.n_layers, *recorded, sources)
     given_flags = {k: v for k, (v, where) in sources.items() if where == f"--{k}"}
     try:  # rules joining settings, then the memory with the adapters' training state, before any data is read
-        model_args = base_args(args.llama_path, **model_settings, max_batch_size=cfg.batch_size // args.world_size)
-        check_memory(model_args, settings_file(args.llama_path), training=True)
+        rows = cfg.batch_size // args.world_size
+        model_args = base_args(args.llama_path, **model_settings, max_batch_size=rows)
+        if model_args.recompute is None:
+            model_args.recompute = needs_recompute(model_args, rows, model_args.max_seq_len)
+            if model_args.recompute:
+                print_main("--recompute on: with every layer's activations kept a step would not fit in the memory "
+                           "left (--no-recompute keeps them)")
+        check_memory(model_args, settings_file(args.llama_path), rows, model_args.max_seq_len, training=True)
         check_flags_do_something(model_args, given_flags)
     except ValueError as e:
         fail(with_sources(str(e), sources))

@@ -10,6 +10,7 @@ from .Experts import PAdapterLayer
 from .kernels.elementwise import branches, residual_add
 from .kernels.linear import Linear
 from .ModelArgs import BF16_PRODUCTS, INSTANCE_METHODS, ModelArgs
+from .recompute import recomputed
 from .kernels.precision import BaseLinear
 from .Routing import UNIPEFT_GATES, Gamma, LayerRoute, sequence_mean, type_router, type_weights
 from .rope import rope_tables
@@ -214,6 +215,8 @@ class LLaMA(nn.Module):
         h = self.tok_embeddings(tokens).float32()  # [B,T,D]; the table may be stored in bf16
         if not self.tok_embeddings.weight.requires_grad:  # frozen: layer 0's kernels make no gradient for h
             h = h.stop_grad()
+        recompute = self.args.recompute and start_pos is None and records is None and not jt.flags.no_grad
         for layer in self.layers:
-            h = layer(h, cos, sin, mask, start_pos, records, aux)
+            h = recomputed(layer, h, cos, sin, mask, aux) if recompute else layer(h, cos, sin, mask, start_pos,
+                                                                                   records, aux)
         return self.norm(h)  # [B,T,D] fp32

@@ -154,6 +154,12 @@ class ModelArgs:
                                     "products take them (bf16 with --precision bf16 or int8: half the cache's memory "
                                     "and of what each decode step reads), 'fp32' in fp32 whatever the base",
                             KV_CACHE_PRECISIONS, resumable=True)
+    recompute: Optional[bool] = setting(None, "training: each layer keeps only its input for the backward, which "
+                                              "runs the layer's forward again to rebuild its activations (a step's "
+                                              "activations cut to one layer's, the same gradients; the forward, "
+                                              "about half a frozen base's step, runs twice). Default: on where the "
+                                              "memory check finds the step would not fit with every layer's "
+                                              "activations kept, off otherwise", resumable=True)
     method: str = setting("moa", "the mixture: moa (the heterogeneous type router, see --variant), or a baseline: "
                                  "moe (LoRA / MoLoRA / HydraLoRA / prompt and adapter MoE, by --expert_num and "
                                  "--hydra_moe), topk (sparse MoE-LoRA), adamole (threshold MoE-LoRA), instance "

@@ -10,10 +10,12 @@ import math
 import os
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
+from .kernels.elementwise import LAZY_CHUNKS, LOGIT_BYTES
 from .ModelArgs import BF16_PRODUCTS, SPARSE_MOE_METHODS
 
 # AdamW's training state per adapter parameter: the parameter, its gradient and the two moments, each fp32
@@ -21,6 +23,15 @@ TRAINING_COPIES = 4
 # LLM.LLaMA's RoPE tables at their peak (Models/rope.rope_tables): the angles, cos, sin and the copy
 # of a cast, each [2 * max_seq_len, head_dim / 2] fp32
 ROPE_TABLES_AT_PEAK = 4
+# A training step's activations (activation_bytes): a layer keeps, per token, fp32 numbers in these many widths of dim,
+# of the queries, of the keys and values and of the FFN (its gate and up, the experts' and routers' own), and its graph,
+# about 4 MiB whatever the tokens. fp32: fitted to the peak RSS of steps of 2 and 6 layers at 512 and 2,048 tokens, the
+# bench recipe's experts, dim 256 and 512, FFN 704 and 1408 (3-28% above what was measured); bf16 products keep the
+# FFN's branches as bf16 bits: the 14B shape's profile at 300 tokens (docs/performance.md, 65 MB a layer: 83 counted)
+# and dim 256. With --recompute a layer holds 2 copies of its fp32 input and its graph (4.2 MiB measured at 512, 2,048
+# and 8,192 tokens)
+ACTIVATION_WIDTHS = {"fp32": {"dim": 8, "q": 2, "kv": 2, "ffn": 2.5}, "bf16": {"dim": 6, "q": 2, "kv": 2, "ffn": 1.5}}
+INPUTS_KEPT, LAYER_GRAPH_BYTES = 2, 4 << 20
 
 
 def available_memory() -> int:
@@ -147,12 +158,33 @@ def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
     return batch_size * args.n_layers * 2 * args.n_kv_heads * args.head_dim * seq_len * element
 
 
-def check_memory(args, source: str, batch_size: int = 0, seq_len: int = 0, available=None, training: bool = False):
-    """Refuse a model larger than the memory left (all the ranks sharing it together) before any of it is
-    allocated: its base, RoPE tables and adapters (`training`: with their gradients and AdamW's moments), and
-    with `batch_size` the KV cache of batch_size rows of seq_len tokens. `source` names what set the sizes (the
-    base's settings file, or the flags); the message names each part, the base in the run's own precision, and
-    what lowers the largest."""
+def layer_activation_bytes(args, tokens: int) -> int:
+    """What one layer's training forward keeps for its backward at `tokens` positions: per position, fp32 numbers
+    in ACTIVATION_WIDTHS of the residual stream (dim), the queries (heads x head_dim), the keys and values (kv heads
+    x head_dim) and the FFN (ffn_dim), fewer where the base's products take bf16."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    widths = ACTIVATION_WIDTHS["bf16" if args.precision in BF16_PRODUCTS else "fp32"]
+    return round(4 * tokens * (widths["dim"] * args.dim + widths["q"] * q + widths["kv"] * kv
+                               + widths["ffn"] * args.ffn_hidden_dim))
+
+
+def loss_bytes(args, tokens: int) -> int:
+    """The loss's logits and their gradient at their peak: LAZY_CHUNKS chunks of LOGIT_BYTES, or all of them."""
+    return 2 * min(LAZY_CHUNKS * LOGIT_BYTES, 4 * tokens * args.vocab_size)
+
+
+def activation_bytes(args, batch_size: int, seq_len: int, recompute: bool) -> int:
+    """A training step's activations for batch_size rows of seq_len tokens: every layer's (layer_activation_bytes)
+    or, with `recompute`, INPUTS_KEPT copies of each layer's fp32 input [B,T,D] and one layer's; each layer's graph;
+    and the loss's."""
+    tokens = batch_size * seq_len
+    one = layer_activation_bytes(args, tokens)
+    kept = args.n_layers * INPUTS_KEPT * 4 * tokens * args.dim if recompute else (args.n_layers - 1) * one
+    return kept + one + args.n_layers * LAYER_GRAPH_BYTES + loss_bytes(args, tokens)
+
+
+def memory_parts(args, batch_size: int = 0, seq_len: int = 0, training: bool = False) -> list:
+    """(what, bytes, what lowers it) of each part check_memory counts."""
     smaller = {"fp32": "use --precision bf16 or int8, or ", "bf16": "use --precision int8, or "}.get(args.precision, "")
     parts = [(f"base weights in {args.precision}", base_bytes(args), smaller),
              (f"RoPE tables for max_seq_len {args.max_seq_len}", rope_table_bytes(args), "lower --max_seq_len, or ")]
@@ -161,10 +193,33 @@ def check_memory(args, source: str, batch_size: int = 0, seq_len: int = 0, avail
         parts.append((f"{adapters:,} adapter parameters{' with their gradients and AdamW moments' if training else ''}",
                       4 * (TRAINING_COPIES if training else 1) * adapters, "lower the adapters' sizes (--lora_rank, "
                       "--expert_num, --prompt_len, --p_adapter_size, --swi_x), or "))
-    if batch_size:
+    if batch_size and training:
+        kept = "each layer's input and one layer's (--recompute)" if args.recompute else "every layer's"
+        parts.append((f"the activations of {batch_size} rows x {seq_len} tokens a rank ({kept})",
+                      activation_bytes(args, batch_size, seq_len, args.recompute),
+                      ("" if args.recompute else "use --recompute, or ") + "lower --batch_size or --max_seq_len, or "))
+    elif batch_size:
         parts.append((f"the KV cache for --batch_size {batch_size} x {seq_len} tokens ({args.n_layers} layers, "
                       f"{args.n_kv_heads} kv heads of {args.head_dim})", kv_cache_bytes(args, batch_size, seq_len),
                       "lower --batch_size or the sequence length (--max_seq_len; Infer.py: --max_gen_len), or "))
+    return parts
+
+
+def needs_recompute(args, batch_size: int, seq_len: int, available=None) -> bool:
+    """Whether a training step of batch_size rows of seq_len tokens would not fit with every layer's activations
+    kept (--recompute's default)."""
+    stored = memory_parts(replace(args, recompute=False), batch_size, seq_len, training=True)
+    return sum(size for _, size, _ in stored) * ranks_sharing_memory() > (
+        available_memory() if available is None else available)
+
+
+def check_memory(args, source: str, batch_size: int = 0, seq_len: int = 0, available=None, training: bool = False):
+    """Refuse a model larger than the memory left (all the ranks sharing it together) before any of it is
+    allocated: its base, RoPE tables and adapters (`training`: with their gradients and AdamW's moments), and
+    with `batch_size` the KV cache of batch_size rows of seq_len tokens or, in `training`, a step's activations
+    (per rank). `source` names what set the sizes (the base's settings file, or the flags); the message names each
+    part, the base in the run's own precision, and what lowers the largest."""
+    parts = memory_parts(args, batch_size, seq_len, training)
     ranks = ranks_sharing_memory()
     need = sum(size for _, size, _ in parts) * ranks
     available = available_memory() if available is None else available

@@ -105,6 +105,19 @@ def time_training(model: LLaMA_adapter, steps: int = TIMED_STEPS, warmup: int = 
     return times[0], float(np.median(times[warmup:])), describe_optimizer("AdamW", groups), loss_tokens
 
 
+def time_recompute(model: LLaMA_adapter, rounds: int) -> dict:
+    """{False: median step s with every layer's activations kept, True: with them recomputed (--recompute)}, two steps
+    of each in turn `rounds` times in this process (the machine's drift falls on both), the second timed (the first
+    after a switch also refills Jittor's allocator, which the other kind of step left holding other blocks), after a
+    round that compiles."""
+    seconds = {False: [], True: []}
+    for _ in range(rounds + 1):
+        for recompute in seconds:
+            model.args.recompute = recompute
+            seconds[recompute].append(time_training(model, steps=1, warmup=1)[1])
+    return {recompute: float(np.median(times[1:])) for recompute, times in seconds.items()}
+
+
 def time_decoding(model: LLaMA_adapter):
     """Greedy decoding through the KV cache, no stop tokens so every row makes NEW_TOKENS:
     (tokens/s over the whole call, prefill included, tokens made per call)."""
@@ -128,6 +141,9 @@ def main():
     parser.add_argument("--n_layers", type=int, help="the model's depth (default: the config's; 8b at a depth "
                                                       "that fits the machine)")
     parser.add_argument("--no_decode", action="store_true", help="skip the decoding benchmark")
+    parser.add_argument("--recompute_rounds", type=int, default=0,
+                        help="instead of the other timings: a training step with each layer's activations kept, then "
+                             "one with them recomputed (--recompute), this many times in turn; their tokens/s")
     parser.add_argument("--preset", choices=list(METHOD_PRESETS),
                         help="a method as Compare.py runs it (Utils/settings.METHOD_PRESETS; lora = plain LoRA on "
                              "the recipe's targets, no prompt, parallel adapter or router) over the bench recipe; "
@@ -137,12 +153,22 @@ def main():
     opts = parser.parse_args()
     if opts.n_layers is not None and opts.n_layers < 1:
         parser.error(f"--n_layers {opts.n_layers} must be at least 1")
+    if opts.recompute_rounds < 0:
+        parser.error(f"--recompute_rounds {opts.recompute_rounds} must be at least 0")
     try:
         settings = model_args(opts.config, {**METHOD_PRESETS.get(opts.preset, {}), **given(opts, ModelArgs)},
                               opts.n_layers)
     except ValueError as e:  # a setting's rule, or the rules joining several
         parser.exit(2, f"error: {e}\n")
     jt.set_global_seed(0)
+    if opts.recompute_rounds:
+        step_s = time_recompute(LLaMA_adapter(settings), opts.recompute_rounds)
+        print(f"variant={settings.variant} config={opts.config} n_layers={settings.n_layers} "
+              f"precision={settings.precision} rounds={opts.recompute_rounds} "
+              f"kept_tok_s={TRAIN_BATCH * TRAIN_SEQ / step_s[False]:.0f} "
+              f"recomputed_tok_s={TRAIN_BATCH * TRAIN_SEQ / step_s[True]:.0f} "
+              f"recomputed_over_kept={step_s[False] / step_s[True]:.2f}")
+        return
     # the rooflines first: their matrices then come from memory the model's run reuses, so the
     # peak RSS is the model's (measured after the model, they added up to 80 MB to it)
     roofline = sgemm_gflops()

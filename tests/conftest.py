@@ -147,6 +147,26 @@ def math_refuses(tiny_base, synthetic_data, out, capsys, extra, needles):
     assert (snapshot(out) if os.path.exists(out) else None) == before, extra
 
 
+def squeezed_memory(monkeypatch):
+    """Math.py's memory from its recompute decision or its memory check on (whichever comes first): halfway between
+    what its step takes with every layer's activations kept and what it takes recomputed."""
+    import Math
+    from Models import memory
+    from Models.ModelArgs import ModelArgs
+
+    def squeezed(check):
+        def call(args, *sizes, **flags):
+            rows, seq_len = sizes[-2:]
+            need = [sum(size for _, size, _ in memory.memory_parts(ModelArgs(**{**args.to_dict(), "recompute": rc}),
+                                                                   rows, seq_len, training=True))
+                    for rc in (False, True)]
+            monkeypatch.setattr(memory, "available_memory", lambda: sum(need) // 2)
+            return check(args, *sizes, **flags)
+        return call
+    monkeypatch.setattr(Math, "needs_recompute", squeezed(Math.needs_recompute))
+    monkeypatch.setattr(Math, "check_memory", squeezed(Math.check_memory))
+
+
 def make_entries(folder, *names, text="old"):
     """Files with `text` in `folder` (a name with a slash makes its folders too)."""
     for name in names:

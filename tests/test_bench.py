@@ -105,3 +105,34 @@ def test_gpu_memory_peak_is_the_process_figure_where_the_driver_lists_our_pid(be
     assert peak.peak() == (2500.0, "device") and peak.keys() == " peak_gpu_mb=2500 peak_gpu_from=device"
     device["processes"] = [(os.getpid(), 2000 << 20), (os.getpid(), ctypes.c_ulonglong(-1).value)]
     assert peak.peak() == (2000.0, "process")
+
+
+def test_the_scale_benchs_random_checkpoint_is_removed_or_kept_and_reused(bench, tmp_path, monkeypatch):
+    """bench/scale.py's random checkpoint (32B: 65.5 GB, every tensor in bf16) goes into a temporary folder that the
+    run removes at its end; with --checkpoint_dir into that folder, kept, and reused by a run of the same --arch and
+    --n_layers (another depth writes it again; a folder of other files is refused)."""
+    scale = bench("scale")
+    assert round(scale.checkpoint_bytes("qwen3-32b", 64) / 1e9, 1) == 65.5
+    writes, folders = [], []
+
+    def write(folder, arch, n_layers):
+        writes.append((arch, n_layers))
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            f.write("{}")
+    monkeypatch.setattr(scale, "write_random_checkpoint", write)
+    monkeypatch.setattr(scale, "measure", lambda opts, work: folders.append(scale.random_checkpoint(opts, work)))
+    kept = tmp_path / "kept"
+    for flags in ([], ["--checkpoint_dir", kept], ["--checkpoint_dir", kept],
+                  ["--checkpoint_dir", kept, "--n_layers", 3]):
+        monkeypatch.setattr(sys, "argv", [str(a) for a in ["scale.py", "--arch", "qwen3-32b", "--n_layers", 2,
+                                                           "--tmp_dir", tmp_path, *flags]])
+        scale.main()
+    assert writes == [("qwen3-32b", 2), ("qwen3-32b", 2), ("qwen3-32b", 3)]
+    assert not os.path.exists(folders[0]) and folders[1:] == [str(kept)] * 3
+    assert sorted(os.listdir(tmp_path)) == ["kept"]  # the temporary folder removed
+    assert scale.written_checkpoint(kept) == {"arch": "qwen3-32b", "n_layers": 3}
+    os.remove(kept / scale.WRITTEN)
+    monkeypatch.setattr(sys, "argv", ["scale.py", "--checkpoint_dir", str(kept)])
+    with pytest.raises(SystemExit) as stop:
+        scale.main()
+    assert stop.value.code == 2

@@ -18,7 +18,9 @@ def test_flags_come_from_the_declarations():
     math_flags, infer_flags = flags(Math.get_args_parser()), flags(Infer.get_args_parser())
     model_settings = {f.name for f in setting_fields(ModelArgs)}
     assert {"lora_rank", "lora_alpha", "variant", "max_seq_len", "gamma_grad"} <= model_settings
-    assert model_settings <= math_flags and model_settings - {"max_seq_len"} <= infer_flags  # Infer sizes it
+    # Infer.py sizes max_seq_len itself and trains nothing to recompute
+    assert model_settings <= math_flags and model_settings - {"max_seq_len", "recompute"} <= infer_flags
+    assert "recompute" not in infer_flags
     assert {f.name for f in setting_fields(TrainArgs)} <= math_flags
     assert {f.name for f in setting_fields(GenerationArgs)} <= infer_flags
     # Meta's params.json fields are the checkpoint's, never flags

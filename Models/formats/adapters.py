@@ -124,7 +124,7 @@ def differing_fields(saved: dict, args: ModelArgs) -> list:
     """(name, saved value, the model's) of the fields of a saved adapter config that disagree with the
     model's (runtime fields ignored)."""
     current = args.to_dict()
-    skip = {"max_batch_size", "max_seq_len", "precision", "kv_cache"}
+    skip = {"max_batch_size", "max_seq_len", "precision", "kv_cache", "recompute"}
     return [(k, saved[k], current[k]) for k in sorted(saved)
             if k in current and k not in skip and saved[k] != current[k]]
 

@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_refused, edited_base, infer_base_alone, math_argv, math_refuses, python_program
+from conftest import (assert_refused, edited_base, infer_base_alone, math_argv, math_refuses, python_program,
+                      squeezed_memory)
 
 import Infer
 from Models import memory
@@ -296,3 +297,14 @@ def test_a_gpu_run_is_checked_against_its_gpus_memory(monkeypatch, capsys):
         assert memory.ranks_sharing_memory() == sharing
     monkeypatch.setattr(memory, "gpu_free_memory", lambda: None)
     assert abs(memory.available_memory() - host) < GIB  # the host's MemAvailable, read again
+
+
+def test_a_step_that_fits_only_recomputed_is_refused_with_no_recompute(tiny_base, synthetic_data, tmp_path,
+                                                                       monkeypatch, capsys):
+    """Where a step fits only with the layers' activations recomputed, --no-recompute is refused before the data is
+    read, naming the activations and the flag that makes the step fit (without the flag Math.py recomputes:
+    tests/test_recompute.py)."""
+    squeezed_memory(monkeypatch)
+    math_refuses(tiny_base, synthetic_data, tmp_path / "out", capsys, ["--no-recompute"],
+                 ["params.json: the model needs", "the activations of 4 rows x 256 tokens a rank (every layer's)",
+                  "use --recompute"])
