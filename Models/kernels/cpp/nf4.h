@@ -94,19 +94,72 @@ static inline void nf4_runs(const uint8_t *q, const Nf4Table &t, vf16 &lo, vf16 
     for (int i = 0; i < 16; i++) { lo[i] = t.v[q[i] & 15]; hi[i] = t.v[q[i] >> 4]; }
 }
 #endif
+#if MOA_BF16_UNITS
+// on the bf16 units: a group's 16 weights as bf16 bits (the low half), and a block's 32 codes widened through them
+// in order, for _mm512_dpbf16_ps (_mm512_cvtneps_pbh rounds to nearest even, as narrow())
+static inline __m512i nf4_unit_table(uint16_t s) {
+    const __m256bh bits = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(NF4_CODES), _mm512_set1_ps(widen(s))));
+    return _mm512_castsi256_si512((__m256i)bits);
+}
+// a group's two blocks (32 bytes) widened at once: (blocks' weights 0-15, then 16-31) as (lo, hi), each the first
+// block's 16 then the second's
+static inline void nf4_unit_group(const uint8_t *q, __m512i t, __m512bh &lo, __m512bh &hi) {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, _mm512_set1_epi16(15)), t);
+    hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), t);
+}
+static inline __m512bh nf4_unit_block(const uint8_t *q, __m512i t) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+    const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(b, 4);
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), t);
+}
+#endif
 // Y[m, n0..n0+NB) = X[m] . W[n0..n0+NB) for every m < M, as gemv.h's gemv_rows for an nf4 W: whole blocks through
-// the group's tables, a short last block one weight at a time
+// the group's tables (built once a group), on the bf16 units 32 weights a dot-product step of bf16 pairs (X holds
+// bf16 values: exact as bits), else 16 fp32 products a step; a short last block one weight at a time
 template <int64_t M, int NB>
 static inline void gemv_rows(int64_t rows, int64_t N, int64_t K, int64_t lx, const float *X, const Nf4Matrix *W,
                              float *Y, int64_t n0) {
     vf16 acc[M][NB] = {};
     const int64_t G = nf4_groups(K), whole = K / NF4_BLOCK * NF4_BLOCK;
+#if MOA_BF16_UNITS
+    __m512i t[NB];
+    const int64_t groups = K / NF4_GROUP * NF4_GROUP;
+    for (int64_t k = 0; k < groups; k += NF4_GROUP) {  // whole groups: a group's 64 weights a row in two steps
+        __m512bh lo[NB], hi[NB];
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *q = W->q + (n0 + j) * (K / 2) + k / 2;
+            nf4_unit_group(q, nf4_unit_table(W->s[(n0 + j) * G + k / NF4_GROUP]), lo[j], hi[j]);
+            __builtin_prefetch(q + 2 * NB * (K / 2));  // two blocks of rows ahead, as gemv.h
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const float *x = X + m * lx + k;
+            const __m512bh a = _mm512_cvtne2ps_pbh((__m512)load16(x + 32), (__m512)load16(x));
+            const __m512bh b = _mm512_cvtne2ps_pbh((__m512)load16(x + 48), (__m512)load16(x + 16));
+            for (int j = 0; j < NB; j++)
+                acc[m][j] = (vf16)_mm512_dpbf16_ps(_mm512_dpbf16_ps((__m512)acc[m][j], a, lo[j]), b, hi[j]);
+        }
+    }
+    for (int64_t k = groups; k < whole; k += NF4_BLOCK) {  // a short last group's whole block
+        __m512bh w[NB];
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *q = W->q + (n0 + j) * (K / 2) + k / 2;
+            if (k % NF4_GROUP == 0) t[j] = nf4_unit_table(W->s[(n0 + j) * G + k / NF4_GROUP]);
+            w[j] = nf4_unit_block(q, t[j]);
+            __builtin_prefetch(q + 2 * NB * (K / 2));  // two blocks of rows ahead, as gemv.h
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const __m512bh x = _mm512_cvtne2ps_pbh((__m512)load16(X + m * lx + k + 16), (__m512)load16(X + m * lx + k));
+            for (int j = 0; j < NB; j++) acc[m][j] = (vf16)_mm512_dpbf16_ps((__m512)acc[m][j], x, w[j]);
+        }
+    }
+#else
+    Nf4Table t[NB];
     for (int64_t k = 0; k < whole; k += NF4_BLOCK) {
-        Nf4Table t[NB];
         vf16 lo[NB], hi[NB];
         for (int j = 0; j < NB; j++) {
             const uint8_t *q = W->q + (n0 + j) * (K / 2) + k / 2;
-            t[j] = nf4_table(W->s[(n0 + j) * G + k / NF4_GROUP]);
+            if (k % NF4_GROUP == 0) t[j] = nf4_table(W->s[(n0 + j) * G + k / NF4_GROUP]);
             nf4_runs(q, t[j], lo[j], hi[j]);
             __builtin_prefetch(q + 2 * NB * (K / 2));  // two blocks of rows ahead, as gemv.h
         }
@@ -115,6 +168,7 @@ static inline void gemv_rows(int64_t rows, int64_t N, int64_t K, int64_t lx, con
             for (int j = 0; j < NB; j++) acc[m][j] += a * lo[j] + b * hi[j];
         }
     }
+#endif
     for (int64_t m = 0; m < rows; m++)
         for (int j = 0; j < NB; j++) {
             float sum = 0.f;
