@@ -51,26 +51,6 @@ static bool nf4_quantize_row(const float *w, int64_t K, uint8_t *q, uint16_t *s)
     return true;
 }
 
-// the weights of row q [K/2] (scales s) in [k0, k0 + n) as E (bf16 bits or fp32 values); k0 a multiple of NF4_BLOCK
-template <typename E>
-static void nf4_widen_row(const uint8_t *q, const uint16_t *s, int64_t K, E *dst) {
-    for (int64_t b0 = 0; b0 < K; b0 += NF4_BLOCK) {
-        const int64_t half = std::min(NF4_BLOCK, K - b0) / 2;
-        const uint16_t scale = s[b0 / NF4_GROUP];
-        for (int64_t i = 0; i < half; i++) {
-            const uint8_t byte = q[b0 / 2 + i];
-            round_to(nf4_value(byte & 15, scale), dst + b0 + i);
-            round_to(nf4_value(byte >> 4, scale), dst + b0 + half + i);
-        }
-    }
-}
-// rows [n0, n0 + nb) of an nf4 matrix widened into dst [nb,K]
-template <typename E>
-static void nf4_widen_rows(const uint8_t *q, const uint16_t *s, int64_t K, int64_t n0, int64_t nb, E *dst) {
-    #pragma omp parallel for
-    for (int64_t n = 0; n < nb; n++) nf4_widen_row(q + (n0 + n) * (K / 2), s + (n0 + n) * nf4_groups(K), K, dst + n * K);
-}
-
 // An nf4 matrix as the GEMV pass (gemv.h) takes it: gemv_of's calls of gemv_rows find the overload below
 struct Nf4Matrix { const uint8_t *q; const uint16_t *s; };
 // a group's 16 weights bf16(NF4_CODES[c] * s), and 16 bytes of a block widened through them to its two runs of 16
@@ -94,6 +74,40 @@ static inline void nf4_runs(const uint8_t *q, const Nf4Table &t, vf16 &lo, vf16 
     for (int i = 0; i < 16; i++) { lo[i] = t.v[q[i] & 15]; hi[i] = t.v[q[i] >> 4]; }
 }
 #endif
+// a run of 16 widened weights (bf16 values as fp32) stored as E: fp32, or bf16 bits (their top halves, exactly)
+static inline void nf4_store(vf16 v, float *dst) { std::memcpy(dst, &v, 64); }
+static inline void nf4_store(vf16 v, uint16_t *dst) {
+    vu16 u;
+    std::memcpy(&u, &v, 64);
+    const vh16 h = __builtin_convertvector(u >> 16, vh16);
+    std::memcpy(dst, &h, 32);
+}
+// the K weights of row q [K/2] (scales s) as E (bf16 bits or fp32 values): whole blocks through the group's table,
+// a short last block one weight at a time
+template <typename E>
+static void nf4_widen_row(const uint8_t *q, const uint16_t *s, int64_t K, E *dst) {
+    const int64_t whole = K / NF4_BLOCK * NF4_BLOCK;
+    Nf4Table t;
+    for (int64_t k = 0; k < whole; k += NF4_BLOCK) {
+        if (k % NF4_GROUP == 0) t = nf4_table(s[k / NF4_GROUP]);
+        vf16 lo, hi;
+        nf4_runs(q + k / 2, t, lo, hi);
+        nf4_store(lo, dst + k);
+        nf4_store(hi, dst + k + 16);
+    }
+    const int64_t half = (K - whole) / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const uint8_t byte = q[whole / 2 + i];
+        round_to(nf4_value(byte & 15, s[whole / NF4_GROUP]), dst + whole + i);
+        round_to(nf4_value(byte >> 4, s[whole / NF4_GROUP]), dst + whole + half + i);
+    }
+}
+// rows [n0, n0 + nb) of an nf4 matrix widened into dst [nb,K]
+template <typename E>
+static void nf4_widen_rows(const uint8_t *q, const uint16_t *s, int64_t K, int64_t n0, int64_t nb, E *dst) {
+    #pragma omp parallel for
+    for (int64_t n = 0; n < nb; n++) nf4_widen_row(q + (n0 + n) * (K / 2), s + (n0 + n) * nf4_groups(K), K, dst + n * K);
+}
 #if MOA_BF16_UNITS
 // on the bf16 units: a group's 16 weights as bf16 bits (the low half), and a block's 32 codes widened through them
 // in order, for _mm512_dpbf16_ps (_mm512_cvtneps_pbh rounds to nearest even, as narrow())
