@@ -7,7 +7,7 @@ compared with the bf16 base's (top-1 agreement, max abs difference): `shipped` i
 absmax per 64 weights, the embedding bf16, the output matrix nf4; it matches --precision nf4 itself to the
 emulation's fp32 products); `fp32 scales`; `double-quantized` scales as QLoRA (the mean-centred scales in 8 bits
 per block of 256 with an fp32 scale each: linear absmax, standing in for bitsandbytes' dynamic 8-bit map); `groups
-of 32`; `embedding nf4`; `output bf16` (the output matrix kept bf16, as transformers' bitsandbytes loading keeps
+of 32`; `int4` (plain symmetric int4, 15 levels, in place of the NF4 codes); `embedding nf4`; `output bf16` (the output matrix kept bf16, as transformers' bitsandbytes loading keeps
 lm_head). Prints a markdown table.
 """
 import os
@@ -24,8 +24,10 @@ from Models.formats.tensor_bytes import bf16_bits_to_float32, float32_to_bf16_bi
 from Models.kernels.precision import NF4_CODES, BaseLinear  # noqa: E402
 
 CODES = np.array(NF4_CODES, np.float32)
+INT4 = np.arange(-7, 8, dtype=np.float32) / np.float32(7)  # symmetric absmax int4: 15 evenly spaced levels
 VARIANTS = {"shipped": {}, "fp32 scales": dict(scales="fp32"), "double-quantized": dict(scales="dq"),
-            "groups of 32": dict(group=32), "embedding nf4": dict(embedding=True), "output bf16": dict(output=False)}
+            "groups of 32": dict(group=32), "int4": dict(codebook=INT4), "embedding nf4": dict(embedding=True),
+            "output bf16": dict(output=False)}
 
 
 def bf16(a):
@@ -47,8 +49,8 @@ def scales_of(top, kind):
     return out.reshape(top.shape)
 
 
-def nf4(w, group=64, scales="bf16"):
-    """The matrix [N,K] that NF4 codes of w stand for."""
+def nf4(w, group=64, scales="bf16", codebook=CODES):
+    """The matrix [N,K] that NF4 codes of w (or the codes of another `codebook` of values in [-1, 1]) stand for."""
     N, K = w.shape
     padded = np.zeros((N, -(-K // group) * group), np.float32)
     padded[:, :K] = w
@@ -56,8 +58,8 @@ def nf4(w, group=64, scales="bf16"):
     s = scales_of(np.abs(groups).max(2), scales)
     s = np.where(s >= 1e-30, s, 0).astype(np.float32)
     inv = np.where(s > 0, np.float32(1) / np.maximum(s, np.float32(1e-30)), 0).astype(np.float32)
-    codes = np.searchsorted((CODES[:-1] + CODES[1:]) / np.float32(2), groups * inv[..., None], side="left")
-    return bf16(CODES[codes] * s[..., None]).reshape(N, -1)[:, :K]
+    codes = np.searchsorted((codebook[:-1] + codebook[1:]) / np.float32(2), groups * inv[..., None], side="left")
+    return bf16(codebook[codes] * s[..., None]).reshape(N, -1)[:, :K]
 
 
 def logits(model, tokens):
