@@ -7,8 +7,8 @@ compared with the bf16 base's (top-1 agreement, max abs difference): `shipped` i
 absmax per 64 weights, the embedding bf16, the output matrix nf4; it matches --precision nf4 itself to the
 emulation's fp32 products); `fp32 scales`; `double-quantized` scales as QLoRA (the mean-centred scales in 8 bits
 per block of 256 with an fp32 scale each: linear absmax, standing in for bitsandbytes' dynamic 8-bit map); `groups
-of 32`; `int4` (plain symmetric int4, 15 levels, in place of the NF4 codes); `embedding nf4`; `output bf16` (the output matrix kept bf16, as transformers' bitsandbytes loading keeps
-lm_head). Prints a markdown table.
+of 32`; `int4` (plain symmetric int4, 15 levels, in place of the NF4 codes); `embedding nf4`; `output bf16` (the
+output matrix kept bf16, as transformers' bitsandbytes loading keeps lm_head). Prints a markdown table.
 """
 import os
 import sys

@@ -1,7 +1,8 @@
 """--precision nf4: QLoRA's 4-bit NormalFloat against a numpy reference of NF4 (codes, bf16 group scales, the
 packing), the nf4 matmul against its plain reference and float64, and the base quantized as its checkpoint streams
 in (the streamed load against the in-memory quantization and the memory check: tests/test_int8.py; the
-random-case pairs, the decode layer and the loss over nf4 bases: tests/kernel_cases.py, tests/test_decode_layer.py; its predictions against bf16: bench/quantization.py, docs/performance.md)."""
+random-case pairs, the decode layer and the loss over nf4 bases: tests/kernel_cases.py, tests/test_decode_layer.py;
+its predictions against bf16: bench/quantization.py, docs/performance.md)."""
 import numpy as np
 import pytest
 

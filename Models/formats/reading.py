@@ -140,8 +140,9 @@ def checked_in_memory(value: jt.Var, stored: str, dtype: str, where: tuple) -> T
 def read_quantized(parts: list, shape: tuple, stored: str, head_dim: int = 0, where: tuple = ("", ""),
                    storage: str = "int8") -> TensorRead:
     """(values [N,K] int8, scale [N] fp32), or with `storage` uint8 (nf4: precision.py) (codes [N,K/2], scales
-    [N, ceil(K/64)] bf16), of the matrix of `shape` stored as `stored` (bfloat16, float16, float32) in `parts`, each (fd, offset, row0, rows, col0, cols): a rectangle of the matrix whose rows lie
-    one after another in fd from offset. Read, counted finite and quantized a block of rows at a time when
+    [N, ceil(K/64)] bf16), of the matrix of `shape` stored as `stored` (bfloat16, float16, float32) in `parts`,
+    each (fd, offset, row0, rows, col0, cols): a rectangle of the matrix whose rows lie one after another in fd
+    from offset. Read, counted finite and quantized a block of rows at a time when
     the Vars are executed; head_dim > 0 puts the rows of each head from halves into adjacent pairs
     (read_var); `where` is (the file, the tensor's name in it)."""
     N, K = shape
@@ -154,10 +155,11 @@ def read_quantized(parts: list, shape: tuple, stored: str, head_dim: int = 0, wh
         numbers.data.update(zip(keys, part))
     nf4 = storage == "uint8"
     outputs = [(N, K // 2), (N, -(-K // NF4_GROUP))] if nf4 else [(N, K), (N,)]
-    types = "typedef uint8_t VALUES;\ntypedef uint16_t SCALES;\n" if nf4 else "typedef int8_t VALUES;\ntypedef float SCALES;\n"
+    types = f"typedef {STORED_TYPES[stored]} STORED;\n" + ("typedef uint8_t VALUES;\ntypedef uint16_t SCALES;\n" if nf4
+                                                            else "typedef int8_t VALUES;\ntypedef float SCALES;\n")
     values, scale, count = jt.code(outputs + [(1,)], [storage, "bfloat16" if nf4 else "float32", "int64"], [],
                                    cpu_header=QUANTIZED_READ_HEADER, data=numbers.data,
-                                   cpu_src=numbers.code + f"typedef {STORED_TYPES[stored]} STORED;\n" + types + QUANTIZED_READ)
+                                   cpu_src=numbers.code + types + QUANTIZED_READ)
     return TensorRead((values, scale), [Check(count, *where, "NaN or inf")])
 
 

@@ -35,12 +35,13 @@ C++ function.
 weight, two a byte, and a bf16 scale (the absmax) per 64 weights along the input (cpp/nf4.h): 4.25 bits a
 weight. Weight k stands for bf16(NF4[code] * scale), so an nf4 matrix is a bf16 matrix in a quarter of the
 bytes and its products are that matrix's under the bf16 rule; its plain reference widens it whole
-(`nf4_dequantized`) and runs plain_bf16_linear. The scales stay bf16: QLoRA's double quantization (8-bit scales
-in blocks of 256) would save 0.12 bits a weight (3%) and add a second widening to every group, and bf16 scales
-already keep the demo base's and the golden checkpoints' next tokens (docs/performance.md). The embedding table
-stays bf16, as with int8: a lookup reads one row per token, so 4 bits there would only save memory (1.6 of
-the 18 GB at Qwen3-32B's shape), and the memory targets are met without it. An in-dimension must be even
-(two codes a byte); one not a multiple of 64 ends its rows with a shorter group.
+(`nf4_dequantized`) and runs plain_bf16_linear. Measured by bench/nf4_variants.py (docs/performance.md): the
+scales stay bf16, which keep the bf16 base's next tokens exactly where fp32 scales do, while QLoRA's double
+quantization (8-bit scales in blocks of 256) kept no more of them and would save 0.12 bits a weight (3%) for a
+second widening in every group; plain int4 kept fewer. The embedding table stays bf16, as with int8: in nf4 it
+kept fewer of the demo base's next tokens (80.2% against 82.2%), and a lookup reads one row per token, so 4 bits
+there would only save memory (1.1 GB at Qwen3-32B's shape). An in-dimension must be even (two codes a byte);
+one not a multiple of 64 ends its rows with a shorter group.
 """
 import functools
 import re
@@ -77,7 +78,7 @@ NF4_QUANTIZE = cpp.source("nf4_quantize.cc")
 NF4_GROUP = cpp.constant("nf4.h", "NF4_GROUP")  # weights a scale serves
 NF4_BLOCK = cpp.constant("nf4.h", "NF4_BLOCK")  # weights a run of 16 bytes holds (cpp/nf4.h: the packing)
 # bitsandbytes' NF4 codebook (cpp/nf4.h's NF4_CODES), read from the header: one home for the 16 values
-NF4_CODES = [float(v) for v in re.findall(r"(-?[0-9.]+)f", cpp.source("nf4.h").split("NF4_CODES[16] = {", 1)[1].split("}", 1)[0])]
+NF4_CODES = [float(v) for v in re.findall(r"(-?[0-9.]+)f", NF4_HEADER.split("NF4_CODES[16] = {", 1)[1].split("}")[0])]
 
 
 def bf16_rule(weight: jt.Var) -> bool:
@@ -313,7 +314,7 @@ def fused_nf4_quantize(weight: jt.Var) -> tuple:
                          cpu_header=NF4_HEADER, cpu_src=numbers.code + NF4_QUANTIZE, data=numbers.data))
 
 
-def blocks(codes: jt.Var) -> tuple:
+def nf4_halves(codes: jt.Var) -> tuple:
     """codes [N,K] as (the blocks' halves whose codes take the low nibbles, those that take the high ones), each
     [N,K/2] in byte order (cpp/nf4.h's packing)."""
     N, K = codes.shape
@@ -338,7 +339,7 @@ def plain_nf4_quantize(weight: jt.Var) -> tuple:
     codebook = jt.array(NF4_CODES, "float32")
     mids = (codebook[:-1] + codebook[1:]) * 0.5
     codes = (((groups * inv.unsqueeze(2)).unsqueeze(3) > mids).int32().sum(3)).reshape(N, -1)[:, :K]
-    low, high = blocks(codes)
+    low, high = nf4_halves(codes)
     return (low + high * 16).uint8(), to_bf16(scale)
 
 

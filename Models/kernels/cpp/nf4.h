@@ -1,12 +1,12 @@
 // The frozen base's nf4 matrices (QLoRA's 4-bit NormalFloat): a code c in 0..15 per weight, two a byte, and a
 // bf16 scale s (the absmax) per group of 64 weights along a row, a row's last group holding what is left. Weight
-// k of row n stands for bf16(NF4_CODES[c] * s) (nf4_value): an nf4 matrix is a bf16 matrix stored in 4.25 bits a weight,
+// k of row n stands for bf16(NF4_CODES[c] * s) (nf4_value): an nf4 matrix is a bf16 matrix in 4.25 bits a weight,
 // and its products are that bf16 matrix's under the bf16 rule of Models/kernels/precision.py (x rounded to bf16,
 // products summed in fp32). A row of K weights (K even) takes K/2 bytes in blocks of 32 weights (the last block
 // holds L = what is left): byte i of a block holds its weight i in the low nibble and weight L/2 + i in the high
 // one, so 16 bytes widen to two runs of 16 weights with a mask and a shift. A decode step's GEMV pass widens each
-// weight as read through a 16-entry table per group (one AVX-512 permute per 16 weights), so the matrix crosses
-// memory once at about half a byte a weight; training and prefill widen PANEL rows at a time to bf16 for oneDNN's
+// weight as read through a 16-entry table per group (on the bf16 units an AVX-512 permute per 32 weights, dotted
+// as bf16 pairs), so the matrix crosses memory once at about half a byte a weight; training and prefill widen PANEL rows at a time to bf16 for oneDNN's
 // gemm on the bf16 units (to fp32 for sgemm without them), as int8.h does.
 #ifndef MOA_NF4_H
 #define MOA_NF4_H
@@ -69,7 +69,11 @@ static inline void nf4_runs(const uint8_t *q, Nf4Table t, vf16 &lo, vf16 &hi) {
 }
 #else
 struct Nf4Table { float v[16]; };
-static inline Nf4Table nf4_table(uint16_t s) { Nf4Table t; for (int c = 0; c < 16; c++) t.v[c] = nf4_value(c, s); return t; }
+static inline Nf4Table nf4_table(uint16_t s) {
+    Nf4Table t;
+    for (int c = 0; c < 16; c++) t.v[c] = nf4_value(c, s);
+    return t;
+}
 static inline void nf4_runs(const uint8_t *q, const Nf4Table &t, vf16 &lo, vf16 &hi) {
     for (int i = 0; i < 16; i++) { lo[i] = t.v[q[i] & 15]; hi[i] = t.v[q[i] >> 4]; }
 }
@@ -106,7 +110,8 @@ static void nf4_widen_row(const uint8_t *q, const uint16_t *s, int64_t K, E *dst
 template <typename E>
 static void nf4_widen_rows(const uint8_t *q, const uint16_t *s, int64_t K, int64_t n0, int64_t nb, E *dst) {
     #pragma omp parallel for
-    for (int64_t n = 0; n < nb; n++) nf4_widen_row(q + (n0 + n) * (K / 2), s + (n0 + n) * nf4_groups(K), K, dst + n * K);
+    for (int64_t n = 0; n < nb; n++)
+        nf4_widen_row(q + (n0 + n) * (K / 2), s + (n0 + n) * nf4_groups(K), K, dst + n * K);
 }
 #if MOA_BF16_UNITS
 // on the bf16 units: a group's 16 weights as bf16 bits (the low half), and a block's 32 codes widened through them
