@@ -17,7 +17,7 @@ from jittor import nn
 from .kernels.elementwise import output_nll
 from .LLM import LLaMA
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
-from .kernels.precision import SCALE_SUFFIX, set_base_precision
+from .kernels.precision import SCALE_SUFFIX, matrix_shape, set_base_precision
 from .Routing import gradientless_modules
 
 ADAPTER_KEYS = ("lora", "prompt", "adapter")
@@ -61,11 +61,11 @@ class LLaMA_adapter(nn.Module):
         return {name: p for name, p in self.named_parameters() if not is_adapter_param(name)}
 
     def parameter_counts(self) -> dict:
-        """Trainable parameter count per expert type, plus 'total' and 'base' (the checkpoint's: an int8 base's
-        row scales are not counted)."""
+        """Trainable parameter count per expert type, plus 'total' and 'base' (the checkpoint's: a quantized
+        base's scales are not counted, an nf4 matrix's weights are, two a byte)."""
         counts = Counter()
         for name, p in self.named_parameters():
-            size = int(np.prod(p.shape))
+            size = int(np.prod(matrix_shape(p)))
             if is_adapter_param(name):
                 counts[expert_family(name)] += size
                 counts["total"] += size

@@ -19,15 +19,16 @@ METHODS = ("moa", "moe", "topk", "adamole", "instance", "unipeft")
 SPARSE_MOE_METHODS = ("topk", "adamole")
 INSTANCE_METHODS = ("instance", "unipeft")  # routed once per sequence, from its mean
 GAMMA_GRADS = ("authors", "ste")
-PRECISIONS = ("bf16", "fp32", "int8")
-BF16_PRODUCTS = ("bf16", "int8")  # the precisions whose base products (and attention's) take bf16 operands
+PRECISIONS = ("bf16", "fp32", "int8", "nf4")
+BF16_PRODUCTS = ("bf16", "int8", "nf4")  # the precisions whose base products (and attention's) take bf16 operands
 KV_CACHE_PRECISIONS = ("base", "fp32")
 PRECISION_HELP = ("storage of the frozen base's matrices. bf16 halves the base's memory (what an 8B model needs), "
                   "runs on the CPU's bf16 units (avx512_bf16/AMX) or the GPU's half matmul, and loses nothing on "
                   "Meta's bf16 checkpoints; int8 stores the projections and the output matrix as int8 with a scale "
                   "per row, quantized as the checkpoint loads (a quarter of fp32: what a 14B model needs), the "
-                  "embedding in bf16; fp32 gives the authors' fp32 numbers. Adapters, routers, norms, softmax, loss "
-                  "and optimizer are fp32 either way; in bf16 and int8 the base's products and, in training and "
+                  "embedding in bf16; nf4 stores them as QLoRA's 4-bit NormalFloat with a bf16 scale per 64 weights "
+                  "(4.25 bits a weight: what a 32B model needs), the embedding in bf16; fp32 gives the authors' fp32 numbers. Adapters, routers, norms, softmax, loss "
+                  "and optimizer are fp32 either way; in bf16, int8 and nf4 the base's products and, in training and "
                   "prefill, attention's take bf16 operands with fp32 sums, as autocast does")
 META_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                "ffn_dim_multiplier", "norm_eps", "rope_theta", "use_scaled_rope")

@@ -17,6 +17,7 @@ import jittor as jt
 
 from .kernels.elementwise import LAZY_CHUNKS, LOGIT_BYTES
 from .ModelArgs import BF16_PRODUCTS, SPARSE_MOE_METHODS
+from .kernels.precision import NF4_GROUP
 
 # AdamW's training state per adapter parameter: the parameter, its gradient and the two moments, each fp32
 TRAINING_COPIES = 4
@@ -83,11 +84,14 @@ def ranks_sharing_memory() -> int:
 
 def base_bytes(args) -> int:
     """The frozen base as loaded: its matrices in the base's precision (2 bytes in bf16, 4 in fp32; in int8 1
-    and an fp32 scale per row, the embedding table 2), its vectors (the norms) in fp32; one layer counted
+    and an fp32 scale per row, in nf4 half a byte and a bf16 scale per 64 weights, the embedding table 2 in
+    both), its vectors (the norms) in fp32; one layer counted
     and multiplied, so no table of n_layers entries is built."""
     def matrix(name, shape):
         if args.precision == "int8" and name != "tok_embeddings.weight":
             return math.prod(shape) + 4 * shape[0]
+        if args.precision == "nf4" and name != "tok_embeddings.weight":  # two codes a byte, a bf16 scale per 64
+            return shape[0] * (shape[1] // 2 + 2 * -(-shape[1] // NF4_GROUP))
         return math.prod(shape) * (4 if args.precision == "fp32" else 2)
 
     def size(shapes):
@@ -153,7 +157,7 @@ def adapter_parameters(args) -> int:
 
 def kv_cache_bytes(args, batch_size: int, seq_len: int) -> int:
     """The keys and values of every layer: batch * layers * 2 * kv_heads * head_dim * seq * (4, or 2 in a
-    bf16 cache: ModelArgs.kv_cache 'base' with a bf16 or int8 base)."""
+    bf16 cache: ModelArgs.kv_cache 'base' with a bf16, int8 or nf4 base)."""
     element = 2 if args.precision in BF16_PRODUCTS and args.kv_cache == "base" else 4
     return batch_size * args.n_layers * 2 * args.n_kv_heads * args.head_dim * seq_len * element
 
@@ -185,7 +189,8 @@ def activation_bytes(args, batch_size: int, seq_len: int, recompute: bool) -> in
 
 def memory_parts(args, batch_size: int = 0, seq_len: int = 0, training: bool = False) -> list:
     """(what, bytes, what lowers it) of each part check_memory counts."""
-    smaller = {"fp32": "use --precision bf16 or int8, or ", "bf16": "use --precision int8, or "}.get(args.precision, "")
+    smaller = {"fp32": "use --precision bf16, int8 or nf4, or ", "bf16": "use --precision int8 or nf4, or ",
+               "int8": "use --precision nf4, or "}.get(args.precision, "")
     parts = [(f"base weights in {args.precision}", base_bytes(args), smaller),
              (f"RoPE tables for max_seq_len {args.max_seq_len}", rope_table_bytes(args), "lower --max_seq_len, or ")]
     adapters = adapter_parameters(args)

@@ -1,7 +1,7 @@
 """Evaluation at the 8B shape: batched generation through Infer.py's path against the machine's rooflines.
 
 python bench/eval_scale.py [--arch llama31-8b|qwen3-8b|qwen3-14b] [--llama_path DIR] [--n_layers 2]
-                           [--batch_sizes 1 8 32 auto] [--precision bf16|int8]
+                           [--batch_sizes 1 8 32 auto] [--precision bf16|int8|nf4]
 Without --llama_path it writes a random bf16 checkpoint of the architecture's shape as bench/scale.py
 does (its writer; removed at the end). It loads the base in bf16 (or --precision) with the math recipe's MoA adapter
 (random experts: the work of a decode step does not depend on their values) and, for each batch size,
@@ -218,7 +218,7 @@ def main():
     parser.add_argument("--n_layers", type=int, default=None,
                         help="layers of the random checkpoint (default: the architecture's; a quick check: 2)")
     parser.add_argument("--variant", default="sparse", choices=("sparse", "soft"), help="the math recipe's MoA variant")
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "int8"),
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "int8", "nf4"),
                         help="the base's storage (default: bf16, the math recipe's)")
     parser.add_argument("--batch_sizes", nargs="+", type=count_or_auto, default=[1, 8, 32, "auto"],
                         help="batch sizes to time; auto: Infer.py's --batch_size auto (default: 1 8 32 auto)")

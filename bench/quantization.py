@@ -1,8 +1,8 @@
-"""What --precision int8 changes in a base's predictions: its logits against the same base in bf16 and fp32.
+"""What --precision int8 and nf4 change in a base's predictions: their logits against the same base in bf16 and fp32.
 
 python bench/quantization.py [--bases DIR ...] [--problems 32]
 For each base folder (default: the golden tiny Meta checkpoint, the golden LLaMA-3.1 and Qwen3 Hugging Face
-checkpoints, and the demo's pretrained base) it loads the base in fp32, bf16 and int8 and runs the same
+checkpoints, and the demo's pretrained base) it loads the base in fp32, bf16, int8 and nf4 and runs the same
 tokens through each: a golden folder's tokens (tests/golden/<...>.npz beside it), else --problems synthetic
 math problems with their solutions, teacher-forced (the demo's text). Per base and precision pair: the
 largest logit difference (and the logits' largest magnitude) and the share of positions whose most likely
@@ -30,7 +30,7 @@ from Utils.settings import ArgumentParser  # noqa: E402
 GOLDEN = os.path.join(REPO, "tests", "golden")
 BASES = {"tiny_meta": os.path.join(GOLDEN, "tiny_meta"), "llama31_tiny": os.path.join(GOLDEN, "hf", "llama31_tiny"),
          "qwen3_tiny": os.path.join(GOLDEN, "hf", "qwen3_tiny"), "demo": DEFAULT_BASE_DIR}
-PAIRS = [("int8", "bf16"), ("int8", "fp32"), ("bf16", "fp32")]
+PAIRS = [("int8", "bf16"), ("nf4", "bf16"), ("int8", "fp32"), ("nf4", "fp32"), ("bf16", "fp32")]
 SEQ = 128
 
 
@@ -58,7 +58,7 @@ def compare(folder: str, problems: int) -> dict:
     """{(a, b): (max abs difference, largest |logit| of b, top-1 agreement, positions compared)} for the pairs
     of PAIRS."""
     logits, tokens, mask = {}, golden_tokens(folder), None
-    for precision in ("fp32", "bf16", "int8"):
+    for precision in ("fp32", "bf16", "int8", "nf4"):
         model = load_base_model(folder, precision=precision, max_seq_len=SEQ, max_batch_size=8)
         if tokens is None:
             tokens, mask = problem_tokens(folder, model.args.vocab_size, problems)

@@ -17,7 +17,7 @@ import jittor as jt
 from jittor import nn
 
 from Models.kernels import cpp
-from Models.kernels.precision import STORAGES, cpu_has_bf16_units, matrix_code
+from Models.kernels.precision import STORAGES, cpu_has_bf16_units, matrix_code, matrix_shape
 
 BASE_MATRIX_HEADER = cpp.source("base_matrix.h")
 GPU_HEADER = cpp.source("products.cuh")
@@ -52,9 +52,10 @@ out0_p[0] = folded;
 """
 PRODUCT_TIMES = """// best seconds of REPS products y [M,N] = x [M,K] W^T under the bf16 rule: out [0] the model's decode
 // product on W's storage (cpp/base_matrix.h: the GEMV pass or the rows kernel), [1] oneDNN's
-// gemm_bf16bf16f32 on W's values as bf16 (int8 widened first)
+// gemm_bf16bf16f32 on W's values as bf16 (int8 and nf4 widened first)
 std::vector<uint16_t> w(N * K);
 if (W.storage == INT8) widen_panel((const int8_t *)W.values, N * K, w.data());
+else if (W.storage == NF4) nf4_widen_rows((const uint8_t *)W.values, (const uint16_t *)W.scale, K, 0, N, w.data());
 else std::memcpy(w.data(), W.values, N * K * 2);
 std::vector<float> y(M * N);
 const auto xb = narrowed(x, M * K);
@@ -164,9 +165,9 @@ def stream_bandwidth(matrices: list, runs: int = 3) -> float:
 
 def product_gflops(rows: int, weight: jt.Var, scale, reps: int, decode: bool) -> float:
     """The best rate (GFLOP/s) of a product of `rows` fp32 rows with the base matrix `weight` [N,K] (bf16, or
-    int8 with its row scales `scale`) under the bf16 rule: the better of the model's decode product (when
+    int8 or nf4 with its scales `scale`) under the bf16 rule: the better of the model's decode product (when
     `decode`) and the vendor's bf16 gemm."""
-    N, K = weight.shape
+    N, K = matrix_shape(weight)
     inputs = cpp.CodeInputs()
     x = jt.array(np.random.default_rng(0).standard_normal((rows, K)).astype(np.float32))
     inputs.add("x", x)

@@ -1,7 +1,7 @@
 """LLaMA-3.1-8B, Qwen3-8B, 14B or 32B on one machine: streaming load, two training steps, adapter save, decoding.
 
 python bench/scale.py [--arch llama31-8b|qwen3-8b|qwen3-14b|qwen3-32b] [--llama_path DIR] [--n_layers 2]
-                      [--variants sparse,soft] [--precisions bf16 int8] [--checkpoint_dir DIR] [--recompute]
+                      [--variants sparse,soft] [--precisions bf16 int8 nf4] [--checkpoint_dir DIR] [--recompute]
 Without --llama_path it writes a checkpoint of random bf16 weights of the architecture's shape into a
 temporary folder, tensor by tensor, and removes it at the end (--checkpoint_dir: into that folder, kept, and
 reused by a later run of the same --arch and --n_layers): LLaMA-3.1-8B's params.json and one
@@ -51,7 +51,6 @@ from Models.ModelArgs import ModelArgs  # noqa: E402
 from Models.formats.pth import save_pth  # noqa: E402
 from Models.formats.tensor_bytes import TensorSource, float32_to_bf16_bits  # noqa: E402
 from Models.kernels.adamw import build_optimizer  # noqa: E402
-from Models.kernels.precision import split_scales  # noqa: E402
 from Models.ModelArgs import PRECISIONS  # noqa: E402
 from Utils.settings import ArgumentParser, recipe_values  # noqa: E402
 
@@ -215,7 +214,7 @@ def run_variant(llama_dir: str, variant: str, out_dir: str, roofline: float, pre
     print(f"[{variant}] decoded {len(out[0])} tokens in {decode_s:.1f} s ({step_tok_s:.2f} tokens/s in the decode "
           "steps)", flush=True)
 
-    n_base = sum(int(np.prod(p.shape)) for p in split_scales(model.base_parameters())[0].values())
+    n_base = model.parameter_counts()["base"]  # weights, not bytes (an nf4 matrix holds two a byte)
     flops = train_flops_per_token(model, SEQ) * BATCH * SEQ
     step = min(step_s)
     result = dict(load_s=load_s, step_s=step, first_step_s=step_s[0], mfu=flops / step / 1e9 / roofline,

@@ -15,8 +15,9 @@ evaluation's). The files are written into a staging folder beside it and moved i
 earlier export's files this one does not write are removed then. A base whose config.json or tokenizer_config.json
 has `auto_map` (code of its own) is refused: the exported folder loads the base with transformers' own classes.
 The transformers folder's generation_config.json carries the run's decoding (args.json: temperature, top_p,
-max_gen_len); an adapter trained on an int8 base exports with a warning line (the folder runs it on the
-full-precision base), recorded in config.json as moa.trained_precision.
+max_gen_len); an adapter trained on an int8 or nf4 base exports with a warning line (the folder runs it on the
+full-precision base; for nf4 it names bitsandbytes' nf4 as the nearest way to load it), recorded in config.json as
+moa.trained_precision (peft's adapter_config.json has no field for it: the warning alone says it).
 Exit codes: 0 done, 2 bad input or arguments, 4 a file could not be written, 130 / 143 / 138 stopped by SIGINT /
 SIGTERM / SIGUSR1 before the files were moved in (the folder is left as it was); one `error:` line.
 """
@@ -83,13 +84,20 @@ def generation_config(base: str, adapter: str) -> dict:
     return {**config, "do_sample": bool(sampling), **sampling, "max_new_tokens": decoding.max_gen_len}
 
 
+# what each quantized base was, for the export's warning
+QUANTIZED_BASES = {
+    "int8": "an int8 base (its matrices quantized per row)",
+    "nf4": "an nf4 base (QLoRA's 4-bit NormalFloat, a bf16 scale per 64 weights; transformers' BitsAndBytesConfig("
+           "load_in_4bit=True, bnb_4bit_quant_type='nf4') loads the base nearest to it, its scales fp32)"}
+
+
 def precision_warning(args: ModelArgs) -> str:
-    """The line an adapter trained on an int8 base exports with: the folder runs it on the base's own weights."""
-    if args.precision != "int8":
+    """The line an adapter trained on a quantized base exports with: the folder runs it on the base's own weights."""
+    if args.precision not in QUANTIZED_BASES:
         return ""
-    return ("warning: the adapter was trained on an int8 base (its matrices quantized per row); transformers runs it "
-            "on the base's full-precision weights, whose logits differ from those it trained with (recorded in "
-            "the folder's config)")
+    return (f"warning: the adapter was trained on {QUANTIZED_BASES[args.precision]}; transformers runs it on the "
+            "base's full-precision weights, whose logits differ from those it trained with (recorded in the "
+            "folder's config)")
 
 
 def adapter_settings(adapter: str) -> ModelArgs:

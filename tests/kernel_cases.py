@@ -1,6 +1,6 @@
 """Seeded random cases of every Kernel pair (Models/kernels): the fused side against its plain reference over
 random shapes (odd sizes, one row, sizes off the vector width and the tiles, grouped kv heads, head_dim apart
-from dim / heads), base storages (fp32, bf16, int8) and values (VALUES), forward and backward.
+from dim / heads), base storages (fp32, bf16, int8, nf4) and values (VALUES), forward and backward.
 
 tests/test_kernel_pairs.py runs a seeded slice; `python tests/kernel_soak.py --cases N` a soak. The decode
 layer (LLM.layer_step) is the one pair not here: it needs a whole model, and tests/test_decode_layer.py runs
@@ -163,8 +163,9 @@ def run_adamw(case: Case) -> float:
     return max(normwise(f, p) for f, p in zip(*results))
 
 
-def storage(rng):
-    return ["float32", "bfloat16", "int8"][rng.integers(0, 3)]
+def storage(rng, K: int):
+    """A base storage for a matrix of in-dimension K (nf4, uint8, where K is even: two codes a byte)."""
+    return ["float32", "bfloat16", "int8", "uint8"][rng.integers(0, 4 if K % 2 == 0 else 3)]
 
 
 def case_linear(rng, kind):
@@ -176,21 +177,31 @@ def case_linear(rng, kind):
 
 
 def case_base_linear(rng, kind):
-    """bf16_linear or int8_linear: the input (and the backward's gradient) rounded to bf16 by both sides."""
+    """bf16_linear, int8_linear or nf4_linear: the input (and the backward's gradient) rounded to bf16 by both
+    sides. nf4: an even K, most often not a multiple of the groups' 64 or the blocks' 32."""
     M, K, N = odd(rng, 1, 70), odd(rng, 1, 300), odd(rng, 1, 160)
-    dtype = ["bfloat16", "int8"][rng.integers(0, 2)]
+    dtype = ["bfloat16", "int8", "uint8"][rng.integers(0, 3)]
+    K += dtype == "uint8" and K % 2
     weight, scale = stored(var(rng, (N, K), scale=K ** -0.5), dtype)
     x = var(rng, (M, K), kind)
     decode = rng.random() < 0.3
     if dtype == "bfloat16":
         return Case("bf16_linear", precision.bf16_linear, [x, weight], [0], 1e-5, decode, f"{M}x{K} -> {N}")
-    return Case("int8_linear", precision.int8_linear, [x, weight, scale], [0], 1e-5, decode, f"{M}x{K} -> {N}")
+    name, kernel = ("int8_linear", precision.int8_linear) if dtype == "int8" else ("nf4_linear", precision.nf4_linear)
+    return Case(name, kernel, [x, weight, scale], [0], 1e-5, decode, f"{M}x{K} -> {N}")
 
 
 def case_quantize(rng, kind):
     N, K = odd(rng, 1, 40), odd(rng, 1, 300)
     # values within one step (a half-way product rounds either way), scales to fp32
     return Case("quantize", precision.quantize, [var(rng, (N, K), kind)], [], (1.01 / 127, 1e-6), True, f"{N}x{K}")
+
+
+def case_nf4_quantize(rng, kind):
+    N, K = odd(rng, 1, 40), 2 * odd(rng, 1, 150)
+    # the same codes and scales, bit for bit: both sides divide by the same bf16 scale and compare with the same
+    # midpoints
+    return Case("nf4_quantize", precision.nf4_quantize, [var(rng, (N, K), kind)], [], (0.0, 0.0), True, f"{N}x{K}")
 
 
 def case_attention(rng, kind):
@@ -237,7 +248,7 @@ def case_rope(rng, kind):
 
 def case_output_nll(rng, kind):
     B, T, D, V = int(rng.integers(1, 3)), odd(rng, 1, 90), odd(rng, 2, 40), odd(rng, 2, 1500)
-    dtype = storage(rng)
+    dtype = storage(rng, D)
     weight, scale = stored(var(rng, (V, D), scale=0.5), dtype)
     targets = jt.array(rng.integers(0, V, (B, T)).astype(np.int32))
     # fp32: the plain side's gradient is the less exact one (up to 6e-4 normwise from float64's where the logits
@@ -319,7 +330,8 @@ def case_type_weights(rng, kind):
 
 
 def case_projections(rng, kind):
-    dtype, K = storage(rng), odd(rng, 2, 130)
+    K = odd(rng, 2, 130)
+    dtype = storage(rng, K)
     rows = (odd(rng, 1, 40),) if rng.random() < 0.5 else (int(rng.integers(1, 3)), odd(rng, 1, 30))
     decode = rng.random() < 0.3
     if decode:
@@ -351,7 +363,8 @@ class ProjectionsOf:
 
 
 def case_swiglu_down(rng, kind):
-    dtype, F, D = storage(rng), odd(rng, 1, 90), odd(rng, 1, 40)
+    F, D = odd(rng, 1, 90), odd(rng, 1, 40)
+    dtype = storage(rng, F)
     rows = (int(rng.integers(1, 3)), odd(rng, 1, 20))
     gate, up = gates(rng, (*rows, F), kind, 2.0), var(rng, (*rows, F), kind, 2.0)
     base, scale = stored(var(rng, (D, F), scale=F ** -0.5), dtype)
@@ -393,6 +406,6 @@ def case_nonfinite(rng, kind):
     return Case("nonfinite_count", finite.nonfinite_count, [tensors], [], 0.0, True)
 
 
-BUILDERS = [case_linear, case_base_linear, case_quantize, case_attention, case_prompt_attention, case_rope,
+BUILDERS = [case_linear, case_base_linear, case_quantize, case_nf4_quantize, case_attention, case_prompt_attention, case_rope,
             case_output_nll, case_silu_gate, case_rms_norm, case_sums, case_gated_projection, case_swiglu_router,
             case_type_weights, case_projections, case_swiglu_down, case_adamw, case_nonfinite]

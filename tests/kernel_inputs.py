@@ -5,7 +5,7 @@ import platform
 import numpy as np
 
 import jittor as jt
-from Models.kernels.precision import quantize, to_bf16
+from Models.kernels.precision import QUANTIZERS, to_bf16
 
 
 def normal(rng, shape, scale=1.0):
@@ -13,9 +13,9 @@ def normal(rng, shape, scale=1.0):
 
 
 def stored(weight, dtype):
-    """A frozen base weight in the base's storage `dtype` and its row scales (int8), else None."""
-    if dtype == "int8":
-        values, scale = quantize(weight)
+    """A frozen base weight in the base's storage `dtype` and its scales (int8, uint8: nf4), else None."""
+    if dtype in QUANTIZERS:
+        values, scale = QUANTIZERS[dtype](weight)
         return values.stop_grad(), scale.stop_grad()
     return (weight if dtype == "float32" else to_bf16(weight)).stop_grad(), None
 

@@ -42,10 +42,10 @@ def test_scaled_rope_frequencies():
     assert np.all(scaled[middle] < plain[middle]) and np.all(scaled[middle] > plain[middle] / 8)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "nf4"])
 def test_sharded_checkpoint_joins(tiny_meta, tmp_path, precision):
-    """Two model-parallel shards (column- and row-split) load to the same weights as one; in int8 a row split
-    over both shards is quantized whole."""
+    """Two model-parallel shards (column- and row-split) load to the same weights as one; in int8 and nf4 a row
+    split over both shards is quantized whole."""
     full = load_pth(tiny_meta / "consolidated.00.pth")
     column = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")
     shards = [{}, {}]
@@ -132,21 +132,21 @@ def test_layer_spans():
             parse_layer_span(bad, 4)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32", "int8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "int8", "nf4"])
 def test_streaming_load_peak_memory(tiny_meta, tmp_path, precision):
     """Loading a ~60 MB bf16 checkpoint raises the peak RSS by at most 1.15x the loaded base's bytes:
     tensors go from the file into their Vars one by one, with no fp32 copy of the whole model and
-    no random initialisation run first; int8 matrices are quantized as they are read, never whole in
-    bf16. A fresh process measures its own peak (VmHWM)."""
+    no random initialisation run first; int8 and nf4 matrices are quantized as they are read, never whole
+    in bf16. A fresh process measures its own peak (VmHWM)."""
     from Data.tiny_base import params_for, random_base_weights
     params = params_for(16384, 512, 4, 8, 4, 256)
     (tmp_path / "params.json").write_text(json.dumps(params))
     save_pth(random_base_weights(ModelArgs(**params), 0), tmp_path / "consolidated.00.pth", bf16=True)
     report = load_peak(tiny_meta, tmp_path, precision)
-    assert report["model_bytes"] > 35e6  # int8: matrices of a byte a weight, the embedding in bf16
-    # int8: besides, each thread's block of rows converted and quantized, and OpenMP's threads (a few MB, not
+    assert report["model_bytes"] > 22e6  # nf4: matrices of half a byte a weight, the embedding in bf16
+    # int8, nf4: besides, each thread's block of rows converted and quantized, and OpenMP's threads (a few MB, not
     # growing with the model; a bf16 copy of the model would be several times that)
-    assert report["increase"] <= 1.15 * report["model_bytes"] + (8 << 20 if precision == "int8" else 0), report
+    assert report["increase"] <= 1.15 * report["model_bytes"] + (8 << 20 if precision in ("int8", "nf4") else 0), report
 
 
 def test_truncated_shard_names_the_file(meta_copy):

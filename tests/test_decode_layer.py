@@ -26,13 +26,14 @@ def base_dir(tiny_base):
                             ("qwen3", "lora", "bf16"), ("llama", "instance", "bf16"), ("qwen3", "instance", "fp32"),
                             ("llama", "unipeft", "fp32"), ("qwen3", "unipeft", "int8"), ("llama", "molora", "fp32"),
                             ("qwen3", "hydralora", "bf16"), ("llama", "topk", "bf16"), ("qwen3", "adamole", "int8"),
-                            ("llama", "moa_experts", "fp32"), ("qwen3", "prompt_adapter_moe", "int8")])
+                            ("llama", "moa_experts", "fp32"), ("qwen3", "prompt_adapter_moe", "int8"),
+                            ("llama", "soft", "nf4"), ("qwen3", "sparse", "nf4")])
 def test_decode_layer_equals_op_by_op(monkeypatch, base_dir, tiny_qwen3, arch, variant, precision):
     """A decode step's layer in two ops (Models/kernels/decode_layer.py) against the op-by-op layer, its plain
     reference, through the KV cache: a prefill of 2 x 3 rows (causal within it) and 2-row steps; layers
     with and without prompt and adapter, grouped kv heads; Qwen3 (head_dim 32 of a 64-wide model, its
     per-head q_norm and k_norm, with weights drawn so that they matter). fp32: the same numbers to float
-    rounding; bf16 and int8: a last-bit difference can round a projection's input to the neighbouring bf16
+    rounding; bf16, int8 and nf4: a last-bit difference can round a projection's input to the neighbouring bf16
     value, so a looser bound. The baselines with one expert per family too: LoRA, and instance and UniPEFT, whose
     gates the prefill decides; and the mixtures, gated per row in the op: of LoRA experts (MoLoRA, HydraLoRA, top-k
     and AdaMoLE, routers drawn so that top-k's and AdaMoLE's selections leave experts out), MoA's three experts

@@ -331,7 +331,7 @@ def test_infer_without_llama_path_takes_the_base_a_peft_folder_names_or_refuses(
 def test_export_carries_the_runs_decoding_and_its_base_precision(tiny_qwen3, tmp_path, capsys):
     """generation_config.json: the base's token ids with the run's decoding (args.json), not the base's sampling;
     config.json: the base's model_type (AutoTokenizer asks nothing: tests/test_export_hf_reference.py) and the
-    precision the adapter trained in; an int8 one exports with a warning line."""
+    precision the adapter trained in; an int8 or nf4 one exports with a warning line (nf4's names bitsandbytes')."""
     save_adapter(adapted(tiny_qwen3, method="moa", variant="sparse", lora_layers="0-2", p_adapter_layers="0-2",
                          swi_x=2), str(tmp_path / "adapter"))
     base_generation = json.loads(open(os.path.join(tiny_qwen3, "generation_config.json")).read())
@@ -352,6 +352,10 @@ def test_export_carries_the_runs_decoding_and_its_base_precision(tiny_qwen3, tmp
     assert json.loads((tmp_path / "out" / CONFIG).read_text())["moa"]["trained_precision"] == "int8"
     generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert generation == {"eos_token_id": base_generation["eos_token_id"], "do_sample": False, "max_new_tokens": 200}
+    params.write_text(json.dumps({**json.loads(params.read_text()), "precision": "nf4"}))
+    assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "out")]) is None
+    assert "warning: the adapter was trained on an nf4 base (QLoRA's 4-bit NormalFloat" in capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / CONFIG).read_text())["moa"]["trained_precision"] == "nf4"
 
 
 def test_peft_layers_differing_in_projections_are_refused(tmp_path):

@@ -1,5 +1,5 @@
 """--precision int8: row quantization, the int8 matmul against its plain reference and float64, and the base
-quantized as its checkpoint streams in (the kernels shared with bf16 and fp32 are checked with int8 bases in
+(int8, and nf4 beside it: tests/test_nf4.py) quantized as its checkpoint streams in (the kernels shared with bf16 and fp32 are checked with int8 bases in
 tests/test_kernels.py; the golden bases in int8 in tests/test_golden.py)."""
 import numpy as np
 import pytest
@@ -104,27 +104,35 @@ def test_int8_rows(M, N, K, units):
 RUNTIME = dict(max_seq_len=16, max_batch_size=1)
 
 
+# each quantized precision's matrix and scale types
+QUANTIZED = {"int8": ("int8", "float32"), "nf4": ("uint8", "bfloat16")}
+
+
+@pytest.mark.parametrize("precision", QUANTIZED)
 @pytest.mark.parametrize("stored", ["bfloat16", "float16", "float32"])
-def test_streamed_quantization_is_the_in_memory_one(tmp_path, stored):
-    """A Hugging Face base (q/k rows reordered while read, untied) loaded in int8 holds the bytes of the same
-    base loaded in fp32 and then quantized in memory, whatever the file's float type; the embedding is bf16."""
+def test_streamed_quantization_is_the_in_memory_one(tmp_path, stored, precision):
+    """A Hugging Face base (q/k rows reordered while read, untied) loaded in int8 or nf4 holds the bytes of the
+    same base loaded in fp32 and then quantized in memory, whatever the file's float type; the embedding is bf16;
+    it counts its weights (nf4: two a byte), not its bytes."""
     args = ModelArgs(architecture="qwen3", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96,
                      vocab_size=160, qk_norm=True, tied_embeddings=False)
     weights = random_base_weights(args, 3)
     if stored == "float16":
         weights = {name: value.astype(np.float16) for name, value in weights.items()}
     hf.write_hf_base(str(tmp_path), args, weights, bf16=stored == "bfloat16")
-    streamed = load_base_model(str(tmp_path), precision="int8", **RUNTIME)
+    streamed = load_base_model(str(tmp_path), precision=precision, **RUNTIME)
     in_memory = load_base_model(str(tmp_path), precision="fp32", **RUNTIME)
-    set_base_precision(in_memory, "int8")
+    set_base_precision(in_memory, precision)
     expected = in_memory.base_parameters()
     kinds = {name: str(var.dtype) for name, var in streamed.base_parameters().items()}
-    assert kinds["llama.layers.0.attention.wq.weight"] == kinds["llama.output.weight"] == "int8"
-    assert kinds["llama.layers.0.attention.wq.weight_scale"] == "float32"
+    matrix, scale = QUANTIZED[precision]
+    assert kinds["llama.layers.0.attention.wq.weight"] == kinds["llama.output.weight"] == matrix
+    assert kinds["llama.layers.0.attention.wq.weight_scale"] == scale
     assert kinds["llama.tok_embeddings.weight"] == "bfloat16" and kinds["llama.norm.weight"] == "float32"
     assert kinds == {name: str(var.dtype) for name, var in expected.items()}
     for name, var in streamed.base_parameters().items():
         np.testing.assert_array_equal(var.float32().numpy(), expected[name].float32().numpy(), err_msg=name)
+    assert streamed.parameter_counts()["base"] == sum(v.size for v in weights.values())
 
 
 def test_a_tied_output_stays_the_bf16_embedding():
@@ -134,7 +142,8 @@ def test_a_tied_output_stays_the_bf16_embedding():
     assert model.llama.layers[0].attention.wq.weight.dtype == "int8"
 
 
-def test_a_non_finite_checkpoint_weight_is_refused(tmp_path):
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_a_non_finite_checkpoint_weight_is_refused(tmp_path, precision):
     args = ModelArgs(architecture="qwen3", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96,
                      vocab_size=160, qk_norm=True, tied_embeddings=True)
     weights = random_base_weights(args, 3)
@@ -142,16 +151,18 @@ def test_a_non_finite_checkpoint_weight_is_refused(tmp_path):
     hf.write_hf_base(str(tmp_path), args, weights, bf16=True)
     with pytest.raises(NonFiniteBase, match=r"tensor 'model.layers.0.mlp.down_proj.weight' holds 1 value\(s\) that are "
                                             "NaN or inf"):
-        load_base_model(str(tmp_path), precision="int8", **RUNTIME)
+        load_base_model(str(tmp_path), precision=precision, **RUNTIME)
 
 
+@pytest.mark.parametrize("precision", QUANTIZED)
 @pytest.mark.parametrize("tied", [False, True])
-def test_memory_check_counts_an_int8_base_as_loaded(tmp_path, tied):
-    """Models/memory.base_bytes, which refuses a base before it is allocated, counts an int8 base's bytes as
-    loaded: a byte a weight and an fp32 scale per row, the embedding table in bf16, the norms in fp32."""
+def test_memory_check_counts_a_quantized_base_as_loaded(tmp_path, tied, precision):
+    """Models/memory.base_bytes, which refuses a base before it is allocated, counts an int8 or nf4 base's bytes
+    as loaded: a byte a weight and an fp32 scale per row (nf4: half a byte and a bf16 scale per 64 weights, two
+    groups of the 96 in the down projection), the embedding table in bf16, the norms in fp32."""
     from Models import memory
     args = ModelArgs(architecture="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96,
                      vocab_size=160, qk_norm=True, tied_embeddings=tied)
     hf.write_hf_base(str(tmp_path), args, random_base_weights(args, 3), bf16=True)
-    model = load_base_model(str(tmp_path), precision="int8", **RUNTIME)
+    model = load_base_model(str(tmp_path), precision=precision, **RUNTIME)
     assert memory.base_bytes(model.args) == sum(p.nbytes for p in model.base_parameters().values())

@@ -1,6 +1,6 @@
 """Sparse and Soft MoA with each recipe's adapters train on random Hugging Face bases of sizes users have (Qwen3
 and LLaMA, tied and untied, a padded vocabulary, FFN widths 352 and 384, head_dim apart from dim / heads, GQA),
-in fp32, bf16 and int8, finite and with the fused kernels' adapter equal to the plain kernels'. Each run trains
+in fp32, bf16, int8 and nf4, finite and with the fused kernels' adapter equal to the plain kernels'. Each run trains
 with the CPU's denormal modes cleared in the OpenMP pool (tests/kernel_inputs.denormal_mode): the fused AdamW took
 NaN there from the first step. A covering set: every recipe in both variants, every base and every precision."""
 import numpy as np
@@ -24,13 +24,14 @@ BASES = {  # name: write_random_hf_base's settings
 RUNS = [("demo", "sparse", "fp32", "qwen3-128-384"), ("demo", "soft", "int8", "llama-96-256"),
         ("math", "sparse", "bf16", "llama-96-256"), ("math", "soft", "fp32", "llama-128-352"),
         ("commonsense", "sparse", "int8", "qwen3-80-200"), ("commonsense", "soft", "bf16", "qwen3-128-384"),
-        ("code", "sparse", "fp32", "llama-128-352"), ("code", "soft", "bf16", "qwen3-80-200")]
+        ("code", "sparse", "fp32", "llama-128-352"), ("code", "soft", "bf16", "qwen3-80-200"),
+        ("math", "soft", "nf4", "qwen3-80-200")]  # nf4: in-dimensions 80 and 200 end in short groups and blocks
 # AdamW's first updates move each weight by about lr whatever its gradient's size, so an element whose gradient is
 # near 0 can take either sign from the smallest difference: the adapters agree in their mean absolute difference
-# over their mean size, and the losses step by step. fp32: 1% (summation orders); with a bf16 or int8 base the
+# over their mean size, and the losses step by step. fp32: 1% (summation orders); with a bf16, int8 or nf4 base the
 # plain side's products are fp32 (bf16 is the fused kernels' rule), so the gradients differ by bf16's rounding of
 # the activations: 10%, the losses within 1%
-TOLERANCE = {"fp32": 1e-2, "bf16": 0.1, "int8": 0.1}
+TOLERANCE = {"fp32": 1e-2, "bf16": 0.1, "int8": 0.1, "nf4": 0.1}
 
 
 @pytest.fixture(scope="module")

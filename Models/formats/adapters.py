@@ -32,7 +32,7 @@ from Utils.settings import check_values
 
 from ..LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from ..ModelArgs import ModelArgs
-from ..kernels.precision import cast_to
+from ..kernels.precision import cast_to, matrix_shape
 from . import CheckpointError
 from .authors import authors_params, check_authors_base, fields_from_authors, folder_of
 from .pth import PlainNamespace, load_pth, save_pth
@@ -84,9 +84,9 @@ def check_strict(params: dict, shapes: dict, source: str, what: str):
         problems.append(f"missing {what} tensor(s): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if unexpected:
         problems.append(f"unexpected tensor(s): {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-    misshaped = [f"'{name}' has shape {list(shapes[name])}, the model expects {list(params[name].shape)}"
+    misshaped = [f"'{name}' has shape {list(shapes[name])}, the model expects {list(matrix_shape(params[name]))}"
                  for name in sorted(set(params) & set(shapes))
-                 if tuple(shapes[name]) != tuple(params[name].shape)]
+                 if tuple(shapes[name]) != matrix_shape(params[name])]
     problems += misshaped[:4] + ([f"... and {len(misshaped) - 4} more mis-shaped"] if len(misshaped) > 4 else [])
     if problems:
         raise CheckpointError(f"{source}: " + "; ".join(problems))

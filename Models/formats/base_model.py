@@ -42,9 +42,9 @@ def base_args(path: str, **overrides) -> ModelArgs:
     """The base's settings updated with runtime/MoA `overrides`. The base that the file and the sizing overrides
     (SIZE_SETTINGS) describe must fit: checked first, before anything is built from them (a layer span over
     n_layers, the RoPE tables, the model), in the precision the model will have (the overrides', else ModelArgs'
-    default); with no overrides at all (a base read for its shape) in int8, the least any precision takes."""
-    sizing = {k: v for k, v in overrides.items() if k in SIZE_SETTINGS} if overrides else {"precision": "int8"}
-    least = "" if overrides else " (a lower bound: int8 takes the least of any --precision)"
+    default); with no overrides at all (a base read for its shape) in nf4, the least any precision takes."""
+    sizing = {k: v for k, v in overrides.items() if k in SIZE_SETTINGS} if overrides else {"precision": "nf4"}
+    least = "" if overrides else " (a lower bound: nf4 takes the least of any --precision)"
     check_memory(base_settings(path, **sizing), settings_file(path) + least)
     return base_settings(path, **overrides)
 

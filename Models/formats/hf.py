@@ -208,7 +208,7 @@ def load_base(model: LLaMA_adapter, folder: str):
         where = (t.path, hf_name(name))
         if name in scales:
             return read_quantized([(fds[t.path], t.offset, 0, t.shape[0], 0, t.shape[1])], t.shape, t.dtype,
-                                  paired_head_dim(name, args), where)
+                                  paired_head_dim(name, args), where, str(var.dtype))
         return read_var(fds[t.path], t.offset, t.nbytes, t.shape, t.dtype, var.dtype, paired_head_dim(name, args),
                         where)
     fill_base(base, value_of, sorted({t.path for t in tensors.values()}), source, scales)

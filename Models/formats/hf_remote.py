@@ -65,7 +65,7 @@ def remote_config(args: ModelArgs, base: str) -> dict:
     without trust_remote_code (AutoTokenizer loads it to choose the tokenizer) then takes transformers' own class
     and asks nothing, where "moa_jittor" made it stop at an interactive trust_remote_code prompt; with
     trust_remote_code, auto_map's MoAConfig reads it. `moa.trained_precision`: the base's precision in training
-    (int8: the exported folder runs the adapter on the full-precision base, whose logits differ)."""
+    (int8, nf4: the exported folder runs the adapter on the full-precision base, whose logits differ)."""
     return {"architectures": ["MoAForCausalLM"], "model_type": args.architecture,
             "auto_map": {"AutoConfig": "configuration_moa.MoAConfig",
                          "AutoModelForCausalLM": "modeling_moa.MoAForCausalLM"},

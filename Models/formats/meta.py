@@ -17,7 +17,7 @@ from .adapters import IGNORED_META_KEYS, check_strict
 from ..LLaMA_Adapter import LLaMA_adapter
 from ..ModelArgs import ModelArgs
 from ..Tokenizer import Tokenizer
-from ..kernels.precision import quantize, split_scales
+from ..kernels.precision import QUANTIZERS, matrix_shape, split_scales
 from .pth import StoredTensor, load_pth
 from .reading import TensorRead, checked_in_memory, fill_base, read_quantized, read_var
 
@@ -35,14 +35,15 @@ def meta_shapes(args: ModelArgs) -> dict:
 REINTERPRET_SOURCE = "std::memcpy(out0_p, in0_p, in0->size);"
 
 
-def quantized_var(parts: list, dim, fds: dict, name: str) -> TensorRead:
-    """(values, row scales) of the int8 matrix `name` joined from `parts` along `dim` (None: one part),
+def quantized_var(parts: list, dim, fds: dict, name: str, storage: str) -> TensorRead:
+    """(values, scales) of the matrix `name` in the quantized `storage` (int8, uint8: nf4) joined from `parts`
+    along `dim` (None: one part),
     quantized as it is read (reading.read_quantized); a part not stored contiguously goes through
     tensor_var first."""
     if any(part.file_range() is None for part in parts):
         reads = [tensor_var(part, fds[part.storage.reader.path], "float32", name) for part in parts]
         values = [read.value for read in reads]
-        return TensorRead(quantize(values[0] if dim is None else jt.concat(values, dim)),
+        return TensorRead(QUANTIZERS[storage](values[0] if dim is None else jt.concat(values, dim)),
                           [c for read in reads for c in read.checks])
     pieces, start = [], 0
     for part in parts:
@@ -51,7 +52,8 @@ def quantized_var(parts: list, dim, fds: dict, name: str) -> TensorRead:
         pieces.append((fds[part.storage.reader.path], offset, start if dim == 0 else 0, rows,
                        start if dim == 1 else 0, cols))
         start += rows if dim == 0 else cols if dim == 1 else 0
-    return read_quantized(pieces, joined_shape(parts, dim), parts[0].dtype, 0, (parts[0].storage.reader.path, name))
+    return read_quantized(pieces, joined_shape(parts, dim), parts[0].dtype, 0, (parts[0].storage.reader.path, name),
+                          storage)
 
 
 def tensor_var(tensor: StoredTensor, fd: int, dtype: str, name: str) -> TensorRead:
@@ -149,13 +151,13 @@ def load_base(model: LLaMA_adapter, ckpt_dir: str):
     shards = open_shards(paths)
     base, scales = split_scales({name[len("llama."):]: var for name, var in model.base_parameters().items()})
     source = paths[0] if len(paths) == 1 else f"{ckpt_dir} ({len(paths)} shards)"
-    plan = join_plan(shards, {k: v.shape for k, v in base.items()}, source)
+    plan = join_plan(shards, {k: matrix_shape(v) for k, v in base.items()}, source)
     check_strict(base, {name: joined_shape(*entry) for name, entry in plan.items()}, source, "base")
 
     def value_of(name, var, fds):
         parts, dim = plan[name]
         if name in scales:
-            return quantized_var(parts, dim, fds, name)
+            return quantized_var(parts, dim, fds, name, str(var.dtype))
         reads = [tensor_var(part, fds[part.storage.reader.path], var.dtype, name) for part in parts]
         if dim is None:
             return reads[0]

@@ -3,7 +3,7 @@
 Each tensor's bytes go from the file into a Jittor Var of the file's dtype through a pread inside a
 jt.code op: no numpy copy (bf16 has no numpy dtype to pass through), an fp32 base widens bf16
 inside the read, and a Hugging Face q_proj/k_proj gets Meta's row order while it is read (hf.py
-says why). An int8 base's matrices are quantized as they are read, a block of rows at a time
+says why). An int8 or nf4 base's matrices are quantized as they are read, a block of rows at a time
 (read_quantized), so the checkpoint's matrices never exist whole in its type. Every base parameter
 first points at its read op, then one sync runs them all, so a 16 GB bf16 checkpoint needs about
 16 GB, not the 32 GB of an fp32 copy (about 8 GB in int8), and the model's random initialisation is
@@ -26,7 +26,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from ..kernels import cpp
-from ..kernels.precision import cast_to
+from ..kernels.precision import NF4_GROUP, cast_to
 from . import CheckpointError
 
 # The smallest magnitude (the bits of a stored element, sign cleared) that is not finite in the model:
@@ -95,7 +95,7 @@ class Check(NamedTuple):
 
 
 class TensorRead(NamedTuple):
-    """One tensor as read: its Var (an int8 matrix: its (values, row scales) pair) and a Check per stored
+    """One tensor as read: its Var (a quantized matrix: its (values, scales) pair) and a Check per stored
     part (a tensor of several shards has several)."""
     value: object
     checks: list
@@ -137,10 +137,12 @@ def checked_in_memory(value: jt.Var, stored: str, dtype: str, where: tuple) -> T
     return TensorRead(value, [Check(count, *where, what)])
 
 
-def read_quantized(parts: list, shape: tuple, stored: str, head_dim: int = 0, where: tuple = ("", "")) -> TensorRead:
-    """(values [N,K] int8, scale [N] fp32) of the matrix of `shape` stored as `stored` (bfloat16, float16,
-    float32) in `parts`, each (fd, offset, row0, rows, col0, cols): a rectangle of the matrix whose rows lie
-    one after another in fd from offset. Read, counted finite and quantized a block of rows at a time when
+def read_quantized(parts: list, shape: tuple, stored: str, head_dim: int = 0, where: tuple = ("", ""),
+                   storage: str = "int8") -> TensorRead:
+    """(values [N,K] int8, scale [N] fp32), or with `storage` uint8 (nf4: precision.py) (codes [N,K/2], scales
+    [N, ceil(K/64)] bf16), of the matrix of `shape` stored as `stored` (bfloat16, float16, float32) in `parts`,
+    each (fd, offset, row0, rows, col0, cols): a rectangle of the matrix whose rows lie one after another in fd
+    from offset. Read, counted finite and quantized a block of rows at a time when
     the Vars are executed; head_dim > 0 puts the rows of each head from halves into adjacent pairs
     (read_var); `where` is (the file, the tensor's name in it)."""
     N, K = shape
@@ -151,9 +153,13 @@ def read_quantized(parts: list, shape: tuple, stored: str, head_dim: int = 0, wh
     for i, part in enumerate(parts):
         keys = (f"{key}{i}" for key in ("fd", "offset", "row0", "rows", "col0", "cols"))
         numbers.data.update(zip(keys, part))
-    values, scale, count = jt.code([(N, K), (N,), (1,)], ["int8", "float32", "int64"], [],
+    nf4 = storage == "uint8"
+    outputs = [(N, K // 2), (N, -(-K // NF4_GROUP))] if nf4 else [(N, K), (N,)]
+    types = f"typedef {STORED_TYPES[stored]} STORED;\n" + ("typedef uint8_t VALUES;\ntypedef uint16_t SCALES;\n" if nf4
+                                                            else "typedef int8_t VALUES;\ntypedef float SCALES;\n")
+    values, scale, count = jt.code(outputs + [(1,)], [storage, "bfloat16" if nf4 else "float32", "int64"], [],
                                    cpu_header=QUANTIZED_READ_HEADER, data=numbers.data,
-                                   cpu_src=numbers.code + f"typedef {STORED_TYPES[stored]} STORED;\n" + QUANTIZED_READ)
+                                   cpu_src=numbers.code + types + QUANTIZED_READ)
     return TensorRead((values, scale), [Check(count, *where, "NaN or inf")])
 
 
@@ -168,7 +174,7 @@ def op_failure(exc: RuntimeError) -> str:
 def fill_base(base: dict, value_of, paths: list, source: str, scales: dict = None):
     """Point every Var of `base` (name -> Var) at value_of(name, var, fds) (a TensorRead; fds: path ->
     open file descriptor of `paths`), cast to the Var's dtype, then run them all in one sync, with the
-    counts of elements that are not finite. An int8 matrix's value is its (values, row scales) pair
+    counts of elements that are not finite. A quantized matrix's value is its (values, scales) pair
     (read_quantized), the scales going to `scales[name]`. One sync, because any Jittor sync runs every
     pending Var: syncing tensor by tensor would execute the random initialisation of all parameters not
     yet replaced (a full fp32 model) at the first one."""

@@ -118,10 +118,12 @@ def fuses_decode_step(block, x: jt.Var, cos, sin, mask, start_pos, record, aux) 
     """A decode step (KV cache, no gradient, few rows) of a layer with one expert per family (MoA, and the
     baselines LoRA, instance and UniPEFT, their gates given per sequence), or with mixtures of experts (MoA's
     with expert_num > 1, MoLoRA, HydraLoRA, top-k, AdaMoLE, prompt and adapter MoE) when nothing asks for
-    their routers' records or load-balancing terms."""
+    their routers' records or load-balancing terms; on a GPU not over an nf4 base (its plain path serves it)."""
     E = block.attention.expert_num
     takes = E == 1 or (E <= MAX_EXPERTS and record is None and aux is None)
-    return start_pos is not None and takes and decoding(x, block.attention.wq.weight)
+    weight = block.attention.wq.weight
+    nf4_on_gpu = jt.flags.use_cuda and weight.dtype == "uint8"  # the CUDA form has no nf4 products (cuda/products.cuh)
+    return start_pos is not None and takes and not nf4_on_gpu and decoding(x, weight)
 
 
 def declare_matrix(inputs: cpp.CodeInputs, name: str, base):

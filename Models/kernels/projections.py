@@ -216,7 +216,7 @@ def plain_lora_projections(x: jt.Var, projections: list) -> list:
 
 def gemv_lora_projection(x: jt.Var, p: Projection) -> jt.Var:
     """x [M,K] through one projection with its expert, in GEMV passes (a decode step) -> [M,N]."""
-    (N, K), e = p.base_weight.shape, p.expert
+    N, K, e = p.base_weight.shape[0], x.shape[1], p.expert
     inputs = cpp.CodeInputs()
     inputs.add("x", x)
     inputs.code += f"const BaseMatrix W = {matrix_code(inputs, p.base_weight, p.base_scale)};\n"

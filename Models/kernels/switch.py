@@ -35,11 +35,11 @@ def fused_kernels_on() -> bool:
 
 
 def decoding(x: jt.Var, weight=None) -> bool:
-    """No gradient and at most GEMV_ROWS rows of x [..., K] (DECODE_ROWS for a bf16 or int8 `weight`, the
+    """No gradient and at most GEMV_ROWS rows of x [..., K] (DECODE_ROWS for a bf16, int8 or nf4 `weight`, the
     base's): a decode step, whose products read the weights once for all its rows and where the cost
     of each op counts, so the kernels that serve it (a `when`) run a layer's routing, each base
     projection with its expert, or the whole layer as one op."""
-    rows = DECODE_ROWS if weight is not None and weight.dtype in ("bfloat16", "int8") else GEMV_ROWS
+    rows = DECODE_ROWS if weight is not None and weight.dtype in ("bfloat16", "int8", "uint8") else GEMV_ROWS
     return jt.flags.no_grad and math.prod(x.shape[:-1]) <= rows
 
 

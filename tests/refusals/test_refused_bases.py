@@ -1,6 +1,6 @@
 """Bases, refused in one line naming the file and the tensor or field (exit 2), nothing written: a tensor holding
 NaN or inf (a corrupted download) found while it streams in, a config field of the wrong kind found before anything
-is computed from it, and a base, RoPE tables, adapters or KV cache larger than the memory left found before any of
+is computed from it, an odd in-dimension in nf4, and a base, RoPE tables, adapters or KV cache larger than the memory left found before any of
 it is allocated (--batch_size auto included). A base whose finite weights overflow when computed stops the
 evaluation at its first non-finite logits, naming the example (exit 3)."""
 import json
@@ -150,14 +150,15 @@ def test_sizes_are_checked_before_anything_is_allocated(tiny_qwen3, tiny_base, s
     # a layer span over 2^40 layers (Math.py's default: every layer) would be built before the model; the refusal
     # names the base in the run's own precision (it once named int8, the least it sized first)
     deep = edited_base(tiny_base, tmp_path / "deep", n_layers=2**40)
-    for flags, precision in [([], "fp32"), (["--precision", "bf16"], "bf16"), (["--precision", "int8"], "int8")]:
+    for flags, precision in [([], "fp32"), (["--precision", "bf16"], "bf16"), (["--precision", "int8"], "int8"),
+                             (["--precision", "nf4"], "nf4")]:
         math_refuses(deep, synthetic_data, tmp_path / "out", capsys, flags,
                      ["params.json: the model needs", f"base weights in {precision} ", "GiB available"])
     assert_refused(capsys, lambda: infer_base_alone(deep, tmp_path / "eval", "--data_path", addsub, "--precision",
                                                     "fp32"), "params.json: the model needs", "base weights in fp32 ")
     # read for its shape alone (export, conversion: no run precision), the base is sized by the least it takes
-    with pytest.raises(ValueError, match=r"params.json \(a lower bound: int8 takes the least of any --precision\): "
-                                         r"the model needs .*base weights in int8 "):
+    with pytest.raises(ValueError, match=r"params.json \(a lower bound: nf4 takes the least of any --precision\): "
+                                         r"the model needs .*base weights in nf4 "):
         base_args(deep)
     # --batch_size auto (the default): the cache of its first row must fit beside the model too
     for extra, needles in [(["--max_seq_len", 200_000_000, "--max_gen_len", 16_000_000], ["RoPE tables"]),
@@ -182,6 +183,18 @@ def test_an_export_refuses_a_base_that_carries_code(tiny_qwen3, tmp_path, capsys
                                                        base]), f"{base}/{name}", "auto_map")
         assert not (tmp_path / "out").exists()
     assert export_hf.main([str(tmp_path / "adapter"), str(tmp_path / "out"), "--base", tiny_qwen3]) is None
+
+
+def test_an_odd_in_dimension_is_refused_in_nf4(tiny_qwen3, synthetic_data, addsub, tmp_path, capsys):
+    """nf4 packs two codes a byte: a base whose FFN width (the down projection's in-dimension) is odd is refused
+    in nf4, naming the matrix, by training and evaluation alike, before anything is read or written."""
+    odd = edited_base(tiny_qwen3, tmp_path / "odd", "config.json", intermediate_size=95)
+    needles = ["llama.layers.0.feed_forward.w2.weight", "--precision nf4 stores two weights a byte",
+               "in-dimension 95 is odd"]
+    math_refuses(odd, synthetic_data, tmp_path / "out", capsys, ["--precision", "nf4"], needles)
+    assert_refused(capsys, lambda: infer_base_alone(odd, tmp_path / "eval", "--data_path", addsub, "--precision",
+                                                    "nf4"), *needles)
+    assert not (tmp_path / "eval").exists()
 
 
 ADAPTER_SHAPE = dict(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16,

@@ -97,31 +97,37 @@ static bool gemm_of(char transb, int64_t M, int64_t N, int64_t K, const float *a
     return dnnl_sgemm('N', transb, M, N, K, 1.f, a, lda, b, ldb, beta, c, ldc) == 0;
 }
 
-// y [M,N] = beta y + s * (xe [M,K] q [N,K]^T) for x's bf16 values as E (bits or fp32), PANEL rows of q widened at a
-// time; false where the gemm cannot (before anything is written)
-template <typename E>
-static bool int8_gemm_as(int64_t M, int64_t N, int64_t K, const E *xe, const int8_t *q, const float *s, float beta,
-                         float *y) {
+// y [M,N] = beta y + xe [M,K] W^T (x's bf16 values as E: bits or fp32) for the matrix that widen(n0, nb, dst) writes
+// PANEL rows at a time as E, its rows scaled by s [N] (int8) or not (null); false where the gemm cannot (at the first
+// panel, before anything is written)
+template <typename E, typename Widen>
+static bool panel_gemm_as(int64_t M, int64_t N, int64_t K, const E *xe, const Widen &widen, const float *s,
+                          float beta, float *y) {
     const int64_t panel = std::min(N, PANEL);
-    auto c = scratch<float>(M * panel);
+    auto c = scratch<float>(s ? M * panel : 0);
     auto w = scratch<E>(panel * K);
     for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
         const int64_t nb = std::min(PANEL, N - n0);
-        widen_panel(q + n0 * K, nb * K, w.get());
+        widen(n0, nb, w.get());
+        if (!s) {
+            if (!gemm_of('T', M, nb, K, xe, K, w.get(), K, beta, y + n0, N)) return false;
+            continue;
+        }
         if (!gemm_of('T', M, nb, K, xe, K, w.get(), K, 0.f, c.get(), nb)) return false;
         add_scaled(M, N, n0, nb, c.get(), s, beta, y);
     }
     return true;
 }
 // the same for fp32 x (narrowed here, or given as bits xb), on the bf16 units where the op takes them and oneDNN can
-static void int8_gemm(int64_t M, int64_t N, int64_t K, const float *x, const int8_t *q, const float *s, float beta,
-                      float *y, const uint16_t *xb) {
+template <typename Widen>
+static void panel_gemm(int64_t M, int64_t N, int64_t K, const float *x, const Widen &widen, const float *s, float beta,
+                       float *y, const uint16_t *xb) {
     if (UNITS) {
         std::unique_ptr<uint16_t[]> own;
         if (!xb) { own = narrowed(x, M * K); xb = own.get(); }
-        if (int8_gemm_as(M, N, K, xb, q, s, beta, y)) return;
+        if (panel_gemm_as(M, N, K, xb, widen, s, beta, y)) return;
     }
-    int8_gemm_as(M, N, K, rounded(x, M * K).get(), q, s, beta, y);
+    panel_gemm_as(M, N, K, rounded(x, M * K).get(), widen, s, beta, y);
 }
 
 // whether a decode step of M rows takes the rows kernel with int8 weights: where it does with bf16 ones and, on the
@@ -142,31 +148,39 @@ static void int8_forward(int64_t M, int64_t N, int64_t K, const float *x, const 
         gemv(M, N, K, xr.get(), q, c.get());
         add_scaled(M, N, 0, N, c.get(), s, beta, y);
     } else {
-        int8_gemm(M, N, K, x, q, s, beta, y, xb);
+        const auto widen = [&](int64_t n0, int64_t nb, auto *dst) { widen_panel(q + n0 * K, nb * K, dst); };
+        panel_gemm(M, N, K, x, widen, s, beta, y, xb);
     }
 }
 
-// dx [M,K] = beta dx + bf16(dy [M,N] * s) q [N,K] with the rounded operand as E (bits or fp32), PANEL rows of q
-// widened at a time; false where the gemm cannot (at the first panel, before dx is written)
-template <typename E>
-static bool int8_backward_as(int64_t M, int64_t N, int64_t K, const float *dy, const int8_t *q, const float *s,
-                             float beta, float *dx) {
+// dx [M,K] = beta dx + bf16(dy [M,N] s) W [N,K] with the rounded operand as E (bits or fp32), for the matrix that
+// widen(n0, nb, dst) writes PANEL rows at a time, s [N] its row scales (int8) or null (1); false where the gemm
+// cannot (at the first panel, before dx is written)
+template <typename E, typename Widen>
+static bool panel_backward_as(int64_t M, int64_t N, int64_t K, const float *dy, const Widen &widen, const float *s,
+                              float beta, float *dx) {
     auto dyr = scratch<E>(M * N);
     #pragma omp parallel for
-    for (int64_t i = 0; i < M * N; i++) round_to(dy[i] * s[i % N], dyr.get() + i);
+    for (int64_t i = 0; i < M * N; i++) round_to(s ? dy[i] * s[i % N] : dy[i], dyr.get() + i);
     auto w = scratch<E>(std::min(N, PANEL) * K);
     for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
         const int64_t nb = std::min(PANEL, N - n0);
-        widen_panel(q + n0 * K, nb * K, w.get());
+        widen(n0, nb, w.get());
         if (!gemm_of('N', M, K, nb, dyr.get() + n0, N, w.get(), K, n0 ? 1.f : beta, dx, K)) return false;
     }
     return true;
 }
-// the same for fp32 operands, on the bf16 units where the op takes them and oneDNN can; the weights are frozen, so
-// no weight gradient
+// the same for fp32 operands, on the bf16 units where the op takes them and oneDNN can
+template <typename Widen>
+static void panel_backward(int64_t M, int64_t N, int64_t K, const float *dy, const Widen &widen, const float *s,
+                           float beta, float *dx) {
+    if (!(UNITS && panel_backward_as<uint16_t>(M, N, K, dy, widen, s, beta, dx)))
+        panel_backward_as<float>(M, N, K, dy, widen, s, beta, dx);
+}
+// dx [M,K] = beta dx + bf16(dy [M,N] * s) q [N,K]; the weights are frozen, so no weight gradient
 static void int8_backward(int64_t M, int64_t N, int64_t K, const float *dy, const int8_t *q, const float *s, float beta,
                           float *dx) {
-    if (!(UNITS && int8_backward_as<uint16_t>(M, N, K, dy, q, s, beta, dx)))
-        int8_backward_as<float>(M, N, K, dy, q, s, beta, dx);
+    const auto widen = [&](int64_t n0, int64_t nb, auto *dst) { widen_panel(q + n0 * K, nb * K, dst); };
+    panel_backward(M, N, K, dy, widen, s, beta, dx);
 }
 #endif

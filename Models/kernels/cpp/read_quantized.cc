@@ -1,7 +1,8 @@
-// q [N,K] (int8, out0) and s [N] (out1) of a checkpoint matrix stored as STORED in data's parts, blocks of
+// The quantized values (out0) and scales (out1) of a checkpoint matrix stored as STORED in data's parts (int8 or
+// nf4 by the types VALUES and SCALES: read_quantized.h's quantize_into), blocks of
 // BLOCK rows on each thread; out2 [1] <- its elements that are NaN or inf (their rows are left unquantized). head_dim > 0: within each head of head_dim rows, row 2i+c is read from row
 // c*head_dim/2+i (the halves of a Hugging Face head -> Meta's pairs; BLOCK is a multiple of head_dim).
-// Declared per call: N, K, BLOCK, STORED.
+// Declared per call: N, K, BLOCK, STORED, VALUES, SCALES.
 std::vector<MatrixPart> parts((int64_t)data["parts"]);
 for (size_t i = 0; i < parts.size(); i++) {
     const std::string p = std::to_string(i);
@@ -21,8 +22,7 @@ int64_t unread = -1, bad = 0;
         for (int64_t r = r0; r < r0 + n; r++) {
             const int64_t j = hd > 0 ? r % hd : 0, from = hd > 0 ? r - j + (j % 2) * (hd / 2) + j / 2 : r;
             const float *row = f.data() + (from - r0) * K;
-            out1_p[r] = quantize_row(row, K, (int8_t *)out0_p + r * K);
-            if (out1_p[r] < 0.f) bad += non_finite_count(row, K);
+            if (!quantize_into(row, K, r, (VALUES *)out0_p, (SCALES *)out1_p)) bad += non_finite_count(row, K);
         }
     }
 }

@@ -1,11 +1,11 @@
-// A checkpoint matrix [N,K] read and quantized to int8 a block of rows at a time (int8.h's quantize_row), so
-// an int8 base never holds a whole matrix in the checkpoint's type (Models/formats/reading.read_quantized).
+// A checkpoint matrix [N,K] read and quantized to int8 or nf4 a block of rows at a time (int8.h's quantize_row,
+// nf4.h's nf4_quantize_row), so a quantized base never holds a whole matrix in the checkpoint's type (Models/formats/reading.read_quantized).
 // The matrix may be stored in parts (Meta's model-parallel shards): each part a rectangle of it, rows
 // [row0, row0 + rows) x columns [col0, col0 + cols), contiguous in its file from `offset`.
 #ifndef MOA_READ_QUANTIZED_H
 #define MOA_READ_QUANTIZED_H
 #include "read_file.h"
-#include "int8.h"
+#include "nf4.h"
 #include <vector>
 // the checkpoint's element types, told apart for the conversion to fp32
 struct BF16Bits { uint16_t bits; };
@@ -35,5 +35,13 @@ static bool read_rows(const std::vector<MatrixPart> &parts, int64_t K, int64_t r
             for (int64_t c = 0; c < p.cols; c++) f[(r - r0) * K + p.col0 + c] = stored_value(values[(r - first) * p.cols + c]);
     }
     return true;
+}
+// row r of w [K] quantized into the op's outputs: int8 values [N,K] and fp32 row scales [N], or nf4 codes [N,K/2]
+// and bf16 group scales [N, ceil(K/64)]; false where w holds a non-finite value
+static bool quantize_into(const float *w, int64_t K, int64_t r, int8_t *q, float *s) {
+    return (s[r] = quantize_row(w, K, q + r * K)) >= 0.f;
+}
+static bool quantize_into(const float *w, int64_t K, int64_t r, uint8_t *q, uint16_t *s) {
+    return nf4_quantize_row(w, K, q + r * (K / 2), s + r * nf4_groups(K));
 }
 #endif

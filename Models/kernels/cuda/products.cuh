@@ -123,7 +123,7 @@ __global__ void product_rows(int64_t M, int64_t N, int64_t K, const float *x, Ba
             for (int64_t i = lane; i < e.E * e.R; i += 32) share += e.U[m * e.E * e.R + i] * e.B[i / e.R][n * e.R + i % e.R];
         const float sum = warp_sum(sums[m]), expert = warp_sum(share);
         if (lane == 0)
-            y[m * N + n] = (S == INT8 ? sum * W.scale[n] : sum)
+            y[m * N + n] = (S == INT8 ? sum * ((const float *)W.scale)[n] : sum)
                          + (e.U ? e.scale * (e.w ? e.w[m * e.w_stride] : 1.f) * expert : 0.f);
     }
 }
