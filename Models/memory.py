@@ -17,7 +17,7 @@ import jittor as jt
 
 from .kernels.elementwise import LAZY_CHUNKS, LOGIT_BYTES
 from .ModelArgs import BF16_PRODUCTS, SPARSE_MOE_METHODS
-from .kernels.precision import NF4_GROUP
+from .kernels.precision import nf4_shapes
 
 # AdamW's training state per adapter parameter: the parameter, its gradient and the two moments, each fp32
 TRAINING_COPIES = 4
@@ -90,8 +90,9 @@ def base_bytes(args) -> int:
     def matrix(name, shape):
         if args.precision == "int8" and name != "tok_embeddings.weight":
             return math.prod(shape) + 4 * shape[0]
-        if args.precision == "nf4" and name != "tok_embeddings.weight":  # two codes a byte, a bf16 scale per 64
-            return shape[0] * (shape[1] // 2 + 2 * -(-shape[1] // NF4_GROUP))
+        if args.precision == "nf4" and name != "tok_embeddings.weight":  # the codes' bytes, a bf16 scale per group
+            codes, scales = nf4_shapes(*shape)
+            return math.prod(codes) + 2 * math.prod(scales)
         return math.prod(shape) * (4 if args.precision == "fp32" else 2)
 
     def size(shapes):

@@ -53,7 +53,8 @@ def ensure_onednn():
     return True
 
 
-NCCL_BUILD = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "nccl", "nccl-2.8.4-1", "build", "lib", "libnccl.so")
+NCCL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "nccl")  # where Jittor builds NCCL
+NCCL_BUILD = os.path.join(NCCL_DIR, "nccl-2.8.4-1", "build", "lib", "libnccl.so")
 
 
 def wheel_nccl():
@@ -64,7 +65,7 @@ def wheel_nccl():
         nccl = os.path.join(folder or ".", "nvidia", "nccl")
         library = os.path.join(nccl, "lib", "libnccl.so.2")
         if os.path.isfile(library) and os.path.isfile(os.path.join(nccl, "include", "nccl.h")):
-            named = os.path.join(os.path.expanduser("~"), ".cache", "jittor", "nccl", "wheel", "lib")
+            named = os.path.join(NCCL_DIR, "wheel", "lib")
             os.makedirs(named, exist_ok=True)
             link = os.path.join(named, "libnccl.so")
             if os.path.realpath(link) != os.path.realpath(library):
@@ -226,16 +227,20 @@ def cpu_identity() -> str:
     return "cpu" + hashlib.md5("".join(dict.fromkeys(lines)).encode()).hexdigest()[:8]
 
 
+def jittor_home() -> str:
+    """The folder holding Jittor's .cache (jittor_utils.home(): JITTOR_HOME, else the user's home)."""
+    return os.environ.get("JITTOR_HOME", os.path.expanduser("~"))
+
+
 def jittor_prepared() -> bool:
     """Whether Jittor has compiled its core for this machine's kind (setup.sh or an earlier run did): a
     jittor_core library in a cache folder of this OS and CPU (jittor_utils.find_cache_path's key, its host part
     the CPU's identity)."""
     def shorten(text):  # as jittor_utils.find_cache_path: a hash for the tail, the key then filtered and shortened
         return text[:14] + "x" + hashlib.md5(text.encode()).hexdigest()[:2] if len(text) > 14 else text
-    key = shorten(platform.platform() + os.environ.get("jittor_cache_host", cpu_identity()))
+    key = shorten(platform.platform() + (os.environ.get("jittor_cache_host") or cpu_identity()))
     key = shorten("".join(c for c in key if c.isidentifier() or c.isnumeric() or c.isalpha() or c in ".-+"))
-    home = os.environ.get("JITTOR_HOME", os.path.expanduser("~"))
-    return bool(glob.glob(os.path.join(home, ".cache", "jittor", "*", "*", "*", key, "*", "*", "*",
+    return bool(glob.glob(os.path.join(jittor_home(), ".cache", "jittor", "*", "*", "*", key, "*", "*", "*",
                                        "jittor_core*.so")))
 
 
@@ -245,9 +250,8 @@ def say_if_unprepared():
     ranks at the first all-reduce), which Jittor's silenced log would otherwise leave unsaid."""
     if os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") == "0" and not jittor_prepared():
         print(f"[moa] host {socket.gethostname()}: Jittor is not prepared here (no compiled cache for this CPU under "
-              f"{os.environ.get('JITTOR_HOME', os.path.expanduser('~'))}/.cache/jittor): compiling it now, a few "
-              "minutes, while every rank waits; `bash setup.sh` on each host beforehand saves the wait",
-              file=sys.stderr, flush=True)
+              f"{jittor_home()}/.cache/jittor): compiling it now, a few minutes, while every rank waits; "
+              "`bash setup.sh` on each host beforehand saves the wait", file=sys.stderr, flush=True)
 
 
 def prepare():
@@ -284,7 +288,8 @@ def prepare():
     # name: each node of a cluster sharing a home compiled Jittor and every kernel again, minutes each, into a
     # cache of its own. The CPU's identity stands in for the name (scripts/jittor_patches.sh), so machines of one
     # kind share one cache and one compile (Jittor's and our kernels' file locks keep concurrent compiles apart).
-    os.environ.setdefault("jittor_cache_host", cpu_identity())
+    if "jittor_cache_host" not in os.environ:
+        os.environ["jittor_cache_host"] = cpu_identity()
     say_if_unprepared()
 
 

@@ -9,7 +9,7 @@ runs the command on node1 (the head host, where mpirun starts), with the MCA set
 
 What a host sees:
 - the network: its own loopback and one interface (eth0, 10.231.0.<i>/24) on the bridge; every host's name in
-  /etc/hosts; its host name (`hostname`) is its own, so Jittor keys its compile cache by it, as on a real node;
+  /etc/hosts; its host name (`hostname`) is its own, as a real node's;
 - the disk: the machine's, except `disk` (optional), a folder that each host sees holding its own files (a bind
   mount of <disk>.<host>/ at <disk>): a run's --output_dir there is on each host's own disk;
 - the home folder: this machine's, so a host finds Jittor prepared (its cache is keyed by the CPU, not the host
@@ -47,8 +47,8 @@ def usable() -> str:
 
 
 class Hosts:
-    """`with Hosts(["node1", "node2"], disk=...) as hosts:` makes them, `hosts.run(host, command)` runs a command
-    there, and leaving the block stops every process left in them and removes them (namespaces, /etc/netns
+    """`with Hosts(["node1", "node2"], disk=...) as hosts:` makes them, `hosts.popen(host, command)` starts a
+    command there, and leaving the block stops every process left in them and removes them (namespaces, /etc/netns
     entries, the disk folders stay for the caller)."""
 
     def __init__(self, names, disk=None, cold=()):
@@ -133,7 +133,8 @@ class Hosts:
 
 def enter(folder: str, host: str, command: str):
     """Run the shell text `command` on `host` as a login through ssh would (a login environment: PATH and HOME),
-    in its network and host-name namespaces with its disk and Jittor cache mounted; replaces this process."""
+    in its network and host-name namespaces with its disk mounted (a cold host: its own home); replaces this
+    process."""
     prefix, disk, cold = open(os.path.join(folder, "hosts.txt")).read().split("\n")[:3]
     home = os.path.expanduser("~")
     setup = [f"hostname {shlex.quote(host)}"]

@@ -232,7 +232,7 @@ def test_nccl_from_an_installed_wheel(monkeypatch, tmp_path):
     for part in ("lib/libnccl.so.2", "include/nccl.h"):
         (site / "nvidia" / "nccl" / part).parent.mkdir(parents=True, exist_ok=True)
         (site / "nvidia" / "nccl" / part).write_bytes(b"")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(jittor_env, "NCCL_DIR", str(tmp_path / "nccl"))
     assert jittor_env.wheel_nccl() is None or str(site) not in jittor_env.wheel_nccl()[0]
     monkeypatch.syspath_prepend(str(site))
     for _ in range(2):  # a second rank finds the link made

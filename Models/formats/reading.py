@@ -26,7 +26,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from ..kernels import cpp
-from ..kernels.precision import NF4_GROUP, cast_to
+from ..kernels.precision import cast_to, nf4_shapes
 from . import CheckpointError
 
 # The smallest magnitude (the bits of a stored element, sign cleared) that is not finite in the model:
@@ -154,7 +154,7 @@ def read_quantized(parts: list, shape: tuple, stored: str, head_dim: int = 0, wh
         keys = (f"{key}{i}" for key in ("fd", "offset", "row0", "rows", "col0", "cols"))
         numbers.data.update(zip(keys, part))
     nf4 = storage == "uint8"
-    outputs = [(N, K // 2), (N, -(-K // NF4_GROUP))] if nf4 else [(N, K), (N,)]
+    outputs = nf4_shapes(N, K) if nf4 else [(N, K), (N,)]
     types = f"typedef {STORED_TYPES[stored]} STORED;\n" + ("typedef uint8_t VALUES;\ntypedef uint16_t SCALES;\n" if nf4
                                                             else "typedef int8_t VALUES;\ntypedef float SCALES;\n")
     values, scale, count = jt.code(outputs + [(1,)], [storage, "bfloat16" if nf4 else "float32", "int64"], [],

@@ -307,10 +307,15 @@ def nf4_width(K: int, name: str = "a matrix") -> int:
     return K
 
 
+def nf4_shapes(N: int, K: int) -> list:
+    """[the codes' shape, the scales'] of an nf4 matrix [N,K]: two codes a byte, a scale per NF4_GROUP weights."""
+    return [(N, K // 2), (N, -(-K // NF4_GROUP))]
+
+
 def fused_nf4_quantize(weight: jt.Var) -> tuple:
     N, K = weight.shape[0], nf4_width(weight.shape[1])
     numbers = cpp.Numbers().declare(N=N, K=K)
-    return tuple(jt.code([(N, K // 2), (N, -(-K // NF4_GROUP))], ["uint8", "bfloat16"], [weight.float32()],
+    return tuple(jt.code(nf4_shapes(N, K), ["uint8", "bfloat16"], [weight.float32()],
                          cpu_header=NF4_HEADER, cpu_src=numbers.code + NF4_QUANTIZE, data=numbers.data))
 
 
