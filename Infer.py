@@ -14,7 +14,7 @@ Greedy results do not depend on the batch size, the batching or the number of ra
 
 Writes into --output_dir: <dataset>_predictions.jsonl per data set, scores.json
 (accuracy per data set and their average; pass@k for code sets, whose programs run in
-Utils/sandbox.py: see docs/code.md) and, with --save_weights,
+Utils/sandbox/: see docs/code.md) and, with --save_weights,
 type_weight.pkl, token_weight.pkl (structure: Utils/weight_pickles.py), heatmaps and router_report.html,
 the router report, a page that opens from disk in a browser (Utils/router_report.py).
 The results of one evaluation, never a mix: everything is written into a staging folder

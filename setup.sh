@@ -11,7 +11,7 @@ command -v mpirun >/dev/null || missing+=(openmpi-bin)
 command -v mpicc >/dev/null || missing+=(libopenmpi-dev)
 [ -e /usr/include/dnnl.hpp ] || missing+=(libdnnl-dev)
 command -v g++ >/dev/null || missing+=(g++)
-command -v bwrap >/dev/null || missing+=(bubblewrap)  # the code task's sandbox (Utils/sandbox.py)
+command -v bwrap >/dev/null || missing+=(bubblewrap)  # the code task's sandbox (Utils/sandbox/)
 command -v ip >/dev/null || missing+=(iproute2)  # hosts emulated in network namespaces (scripts/emulated_hosts.py)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ -n "${PIP_NO_INDEX:-}" ]; then  # pip's own switch for a machine without package registries

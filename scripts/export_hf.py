@@ -32,10 +32,11 @@ if __name__ == "__main__":
     Utils.jittor_env.block_stop_signals()
 
 from Models.formats import CheckpointError, hf_remote, peft  # noqa: E402
-from Models.formats.adapters import (ADAPTER_WEIGHTS, adapter_config_path, check_strict, read_adapter,  # noqa: E402
-                                     read_adapter_config, run_adapter_hint)
+from Models.formats.adapters import (ADAPTER_WEIGHTS, adapter_config_path, read_adapter, read_adapter_config,  # noqa: E402
+                                     run_adapter_hint)
 from Models.formats.base_model import base_args, base_layout  # noqa: E402
 from Models.formats.safetensors import save_safetensors  # noqa: E402
+from Models.formats.tensor_match import check_strict  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Models.ModelArgs import BASE_FIELDS, ModelArgs  # noqa: E402
 from Models.formats.hf import CONFIG  # noqa: E402

@@ -286,7 +286,7 @@ def holds_open(path):
 
 @pytest.fixture
 def code_sandbox():
-    """The isolation level the code sandbox (Utils/sandbox.py) picks here; the test is skipped where none
+    """The isolation level the code sandbox (Utils/sandbox/) picks here; the test is skipped where none
     works (the tools refuse code scoring there)."""
     from Utils import sandbox
     try:
@@ -297,7 +297,7 @@ def code_sandbox():
 
 @pytest.fixture(params=["bwrap", "landlock"])
 def sandbox_mode(request):
-    """Each isolation level of the code sandbox (Utils/sandbox.py), skipped where it does not work."""
+    """Each isolation level of the code sandbox (Utils/sandbox/), skipped where it does not work."""
     from Utils import sandbox
     works, why = sandbox.probe(request.param)
     if not works:

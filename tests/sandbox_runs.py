@@ -3,7 +3,8 @@ through the scorer, then a check that none of their processes is left."""
 import os
 from pathlib import Path
 
-from Utils import sandbox, sandbox_processes
+from Utils import sandbox
+from Utils.sandbox import processes
 
 LIMITS = sandbox.SandboxLimits(exec_timeout=1.0)  # wall clock: 5 s
 SQUARE = "def check(candidate):\n    assert candidate(3) == 9\n    assert candidate(-2) == 4\n"
@@ -14,7 +15,7 @@ def sandboxed_processes(marker=None, scorer=None) -> list:
     """Live processes of the sandboxes of process `scorer` (default: this one): one of its uids (as root), or
     its TOKEN_PREFIX and pid or `marker` on the command line (other scorers on the machine have theirs)."""
     scorer = scorer or os.getpid()
-    found, ours = [], f"{sandbox_processes.TOKEN_PREFIX}{scorer}-".encode()
+    found, ours = [], f"{processes.TOKEN_PREFIX}{scorer}-".encode()
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
             status = Path(f"/proc/{name}/status").read_text()
@@ -24,7 +25,7 @@ def sandboxed_processes(marker=None, scorer=None) -> list:
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
         marked = ours in cmdline or (marker is not None and marker.encode() in cmdline)
-        if state != "Z" and (marked or uid in sandbox_processes.uid_range(scorer)):
+        if state != "Z" and (marked or uid in processes.uid_range(scorer)):
             found.append((int(name), cmdline.replace(b"\0", b" ")[:80]))
     return found
 

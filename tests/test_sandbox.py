@@ -1,4 +1,4 @@
-"""The code sandbox (Utils/sandbox.py, Utils/sandboxed/): programs scored as what they did, hostile ones
+"""The code sandbox (Utils/sandbox/): programs scored as what they did, hostile ones
 contained and scored 0 in each isolation level, the verdict out of their reach, no process left, nothing
 written outside the working directory, no network, ordinary limits. Every test but the first runs
 programs (marked slow) and then checks that no sandboxed process is left (sandboxed_processes).
@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -20,8 +19,9 @@ import pytest
 from conftest import FORGE_BY_FRAME_WALK, REPO
 from sandbox_runs import CORRECT, SQUARE, WRONG, observed, run, sandboxed_processes
 
-from Utils import sandbox, sandbox_processes
-from Utils.sandboxed import wire
+from Utils import sandbox
+from Utils.sandbox import processes
+from Utils.sandbox.sandboxed import wire
 
 
 # ---- what crosses between the program's process and the tests' -----------------------------------
@@ -261,7 +261,7 @@ def test_a_killed_scorer_leaves_nothing_behind(sandbox_mode):
     scorer = subprocess.Popen([sys.executable, "-c", "import sys\nfrom Utils import sandbox\n"
                                f"sandbox.run_many([sandbox.Job({program!r}, 'def check(f):\\n    f()\\n', 'f')] * 2, "
                                f"sandbox.SandboxLimits(exec_timeout=10), {sandbox_mode!r})"], cwd=REPO)
-    uids = sandbox_processes.uid_range(scorer.pid)
+    uids = processes.uid_range(scorer.pid)
     try:
         deadline = time.monotonic() + 60
         while len(sandboxed_processes(scorer=scorer.pid)) < 4:  # both programs (and what they forked) run
@@ -356,14 +356,14 @@ def test_bubblewrap_alone_contains():
     works, why = sandbox.probe("bwrap")
     if not works:
         pytest.skip(f"bubblewrap does not work here: {why}")
-    python = sandbox_processes.python_for("bwrap")
+    python = processes.python_for("bwrap")
     probe = ("import os, socket\nfor act in (lambda: socket.create_connection(('1.1.1.1', 53), timeout=1),\n"
              f"            lambda: open('/usr/escaped', 'w'), lambda: os.listdir({str(REPO)!r}),\n"
              "            lambda: os.listdir('/proc')):\n"
              "    try:\n        act()\n        print('REACHED')\n"
              "    except OSError as e:\n        print(type(e).__name__)\n"
              "print(sorted(os.environ))\n")
-    done = subprocess.run(sandbox_processes.bwrap_prefix(python) + [python, "-I", "-S", "-c", probe],
+    done = subprocess.run(processes.bwrap_prefix(python) + [python, "-I", "-S", "-c", probe],
                           capture_output=True, text=True, timeout=60, env={"MOA_TEST_SECRET": "x"})
     assert done.stdout.split("\n")[:4] == ["OSError", "OSError", "FileNotFoundError", "FileNotFoundError"], \
         done.stdout + done.stderr

@@ -10,7 +10,8 @@ import pytest
 
 from sandbox_runs import CORRECT, LIMITS, SQUARE, observed, run, sandboxed_processes
 
-from Utils import sandbox, sandbox_processes
+from Utils import sandbox
+from Utils.sandbox import processes
 
 @pytest.mark.slow
 def test_memory_hog(sandbox_mode):
@@ -45,7 +46,7 @@ def test_files_and_folders_are_bounded_under_bubblewrap():
         pytest.skip(f"bubblewrap does not work here: {why}")
     folders = "import os\ni = 0\nwhile True:\n    os.mkdir(f'd{i}')\n    i += 1\n"
     result = run("bwrap", folders, limits=sandbox.SandboxLimits(exec_timeout=5.0))
-    assert result[:2] == (sandbox.FAILED, f"more than {sandbox_processes.MAX_ENTRIES} files and folders in its "
+    assert result[:2] == (sandbox.FAILED, f"more than {processes.MAX_ENTRIES} files and folders in its "
                                           "working directory")
 
 
@@ -55,7 +56,7 @@ def test_printing_gigabytes(sandbox_mode):
     assert result.status == sandbox.TIMED_OUT
     result = run(sandbox_mode, "import sys\nfor _ in range(4096):\n    sys.stderr.write('x' * 2 ** 20)\n" + CORRECT)
     assert result.status == sandbox.FAILED and result.error.startswith("BrokenPipeError")
-    assert len(result.stderr) <= sandbox_processes.OUTPUT_CAP
+    assert len(result.stderr) <= processes.OUTPUT_CAP
 
 
 @pytest.mark.slow
@@ -103,7 +104,7 @@ def test_folders_deeper_than_recursion_are_removed(sandbox_mode):
     lookups = sandbox.SandboxLimits(exec_timeout=5.0)  # Landlock checks each folder of a path: seconds on a busy CPU
     assert run(sandbox_mode, deep, limits=lookups) == (sandbox.PASSED, "", 0, "")
     if os.geteuid() == 0:  # as root the floor's folders belong to this scorer's uids
-        uids = sandbox_processes.uid_range()
+        uids = processes.uid_range()
         assert [p for p in Path(tempfile.gettempdir()).glob("moa-sandbox-*") if owner(p) in uids] == []
 
 
@@ -115,10 +116,10 @@ def owner(path: Path):
 
 
 def test_a_working_folder_is_removed_listing_each_folder_once(tmp_path, monkeypatch):
-    """The floor's removal of a working folder (Utils/sandboxed/launch.py): files, links, a folder made
+    """The floor's removal of a working folder (Utils/sandbox/sandboxed/launch.py): files, links, a folder made
     unreadable, 2,000 sub-folders side by side and 50 nested; each folder that holds something is listed once
     (a folder of many sub-folders costs its entries, not their square), an empty one not at all."""
-    from Utils.sandboxed import launch
+    from Utils.sandbox.sandboxed import launch
     work = tmp_path / "work"
     (work / "wide").mkdir(parents=True)
     for i in range(2000):

@@ -32,14 +32,14 @@ from Utils.settings import check_values
 
 from ..LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from ..ModelArgs import ModelArgs
-from ..kernels.precision import cast_to, matrix_shape
-from . import CheckpointError
+from ..kernels.precision import cast_to
+from . import CheckpointError, peft
 from .authors import authors_params, check_authors_base, fields_from_authors, folder_of
 from .pth import PlainNamespace, load_pth, save_pth
+from .tensor_match import check_strict
 
 ADAPTER_WEIGHTS = "adapter.pth"
 ADAPTER_PARAMS = "adapter_params.json"
-IGNORED_META_KEYS = ("rope.freqs",)  # in Meta's files, recomputed here
 
 
 class NonFiniteAdapter(CheckpointError):
@@ -73,23 +73,6 @@ def float32_arrays(arrays: dict, source: str, what: str = "adapter") -> dict:
             rounded[name] = np.ascontiguousarray(array, dtype=np.float32)
     check_finite(rounded, source, what)
     return rounded
-
-
-def check_strict(params: dict, shapes: dict, source: str, what: str):
-    """A missing, unexpected or mis-shaped tensor (name -> shape in `shapes`) is an error naming `source`."""
-    missing = sorted(set(params) - set(shapes))
-    unexpected = sorted(set(shapes) - set(params) - set(IGNORED_META_KEYS))
-    problems = []
-    if missing:
-        problems.append(f"missing {what} tensor(s): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    if unexpected:
-        problems.append(f"unexpected tensor(s): {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-    misshaped = [f"'{name}' has shape {list(shapes[name])}, the model expects {list(matrix_shape(params[name]))}"
-                 for name in sorted(set(params) & set(shapes))
-                 if tuple(shapes[name]) != matrix_shape(params[name])]
-    problems += misshaped[:4] + ([f"... and {len(misshaped) - 4} more mis-shaped"] if len(misshaped) > 4 else [])
-    if problems:
-        raise CheckpointError(f"{source}: " + "; ".join(problems))
 
 
 def assign_strict(params: dict, arrays: dict, source: str, what: str):
@@ -171,7 +154,7 @@ def adapter_config_path(path: str) -> str:
 def settings_file(path: str) -> str:
     """The file an adapter's settings are read from, as messages name it: adapter_params.json beside it, or a
     peft folder's adapter_config.json."""
-    ours, peft = adapter_config_path(path), peft_format()
+    ours = adapter_config_path(path)
     return os.path.join(path, peft.PEFT_CONFIG) if not os.path.isfile(ours) and peft.is_peft_adapter(path) else ours
 
 
@@ -188,7 +171,6 @@ def recorded_base(path: str, run_args: dict, run_args_path: str = None) -> str:
         raise ValueError(f"{run_args_path}: field 'llama_path' must be a string, got {run_args['llama_path']!r}")
     if run_args.get("llama_path"):
         return run_args["llama_path"]
-    peft = peft_format()
     if peft.is_peft_adapter(path):
         config = os.path.join(path, peft.PEFT_CONFIG)
         base = read_json_object(config, "peft adapter settings").get("base_model_name_or_path")
@@ -216,7 +198,6 @@ def read_adapter_config(path: str, hint: str = None, base: ModelArgs = None):
     check_adapter_exists(path)
     config_path = adapter_config_path(path)
     if not os.path.isfile(config_path):
-        peft = peft_format()
         return peft.read_peft(path, base)[0] if peft.is_peft_adapter(path) else None
     try:
         config = read_json_object(config_path, "adapter settings")
@@ -254,20 +235,12 @@ def load_adapter(model: LLaMA_adapter, path: str):
         if differences:
             raise CheckpointError(f"{settings_file(path)}: adapter from another configuration: "
                                   + "; ".join(differences))
-    peft = peft_format()
     if peft.is_peft_adapter(path) and not os.path.isfile(adapter_config_path(path)):
         weights, arrays = os.path.join(path, peft.PEFT_WEIGHTS), peft.read_peft(path, model.args)[1]
     else:
         weights = os.path.join(path, ADAPTER_WEIGHTS) if os.path.isdir(path) else path
         arrays = read_adapter(weights)
     assign_strict(model.adapter_parameters(), arrays, weights, "adapter")
-
-
-def peft_format():
-    """Models/formats/peft.py, imported when first used: it reads hf.py's names and rows, and hf.py this
-    module's check_strict."""
-    from . import peft
-    return peft
 
 
 def converted_files(source: str, out: str, out_is_dir: bool) -> list:

@@ -27,7 +27,7 @@ from ..LLaMA_Adapter import LLaMA_adapter
 from ..ModelArgs import ModelArgs
 from ..Tokenizer import HFTokenizer
 from . import CheckpointError
-from .adapters import check_strict
+from .tensor_match import check_strict
 from ..kernels.precision import split_scales
 from .reading import fill_base, read_quantized, read_var
 from .safetensors import open_checkpoint, save_checkpoint

@@ -13,7 +13,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from . import CheckpointError
-from .adapters import IGNORED_META_KEYS, check_strict
+from .tensor_match import IGNORED_META_KEYS, check_strict
 from ..LLaMA_Adapter import LLaMA_adapter
 from ..ModelArgs import ModelArgs
 from ..Tokenizer import Tokenizer

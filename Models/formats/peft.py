@@ -23,8 +23,6 @@ import math
 import os
 import re
 
-import numpy as np
-
 from Utils.misc import read_json_object
 
 from ..ModelArgs import ModelArgs

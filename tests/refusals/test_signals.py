@@ -23,7 +23,8 @@ import Infer
 import Math
 from Data.synthetic import make_splits
 from Models.formats.pth import load_pth
-from Utils import misc, sandbox, sandbox_processes
+from Utils import misc, sandbox
+from Utils.sandbox import processes
 from Utils.jittor_env import Stopped
 
 EVERY_STEP = ("--eval_interval", "1")  # validate and save checkpoint-latest after every step
@@ -106,7 +107,7 @@ def test_sigint_stops_an_evaluation_between_batches_and_writes_nothing(tiny_base
 
 def sandbox_running(pid, stdout):
     """Ready once a sandboxed program of process `pid` runs (its supervisors carry TOKEN_PREFIX and `pid`)."""
-    token = f"{sandbox_processes.TOKEN_PREFIX}{pid}-".encode()
+    token = f"{processes.TOKEN_PREFIX}{pid}-".encode()
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:

@@ -1,7 +1,7 @@
 """Run untrusted Python programs (model-written code) against their tests so that they can neither harm
 the machine nor write their own verdict (the threat model: docs/code.md).
 
-One Job runs as two sandboxed processes, each under its own supervisor (Utils/sandboxed/launch.py): the
+One Job runs as two sandboxed processes, each under its own supervisor (sandboxed/launch.py): the
 program's (candidate.py) and the tests' (checker.py), joined by two pipes that carry only data
 (wire.py). The tests' process writes the verdict to its supervisor's report pipe, read here; the
 program's process has no descriptor of it and cannot reach that process (another process, uid or PID
@@ -18,7 +18,7 @@ Isolation, chosen once per process (isolation()):
   no ptrace, no namespaces).
 Neither: SandboxUnavailable, and nothing runs. Both: setrlimit caps (CPU, address space, processes,
 file size, open files), as root an unprivileged uid per process, a clean environment, stdout discarded,
-stderr kept up to OUTPUT_CAP, at most one Job per core at once (the processes: Utils/sandbox_processes.py).
+stderr kept up to OUTPUT_CAP, at most one Job per core at once (the processes: processes.py).
 """
 import concurrent.futures
 import math
@@ -33,8 +33,8 @@ from collections import namedtuple
 from dataclasses import dataclass
 
 from Utils.jittor_env import Stopped
-from Utils.sandbox_processes import MAX_ENTRIES, TOKEN_PREFIX, UIDS_PER_RUN, Supervised, is_root, uid_range, watch
-from Utils.sandboxed import confine, launch
+from .processes import MAX_ENTRIES, TOKEN_PREFIX, UIDS_PER_RUN, Supervised, is_root, uid_range, watch
+from .sandboxed import confine, launch
 from Utils.settings import check_fields, setting
 
 PASSED, FAILED, TIMED_OUT, CRASHED = "passed", "failed", "timed out", "crashed"

@@ -1,7 +1,7 @@
-"""The sandbox's processes (Utils/sandbox.py runs a Job as two of them): the supervisor's command line,
+"""The sandbox's processes (Utils/sandbox/ runs a Job as two of them): the supervisor's command line,
 bubblewrap's arguments, the uids and working folders they get, and the watch over their pipes.
 
-A supervisor (Utils/sandboxed/launch.py) is started as `sh -c 'ulimit -S -s 8192; exec python ...'`
+A supervisor (sandboxed/launch.py) is started as `sh -c 'ulimit -S -s 8192; exec python ...'`
 (under bubblewrap, as its namespaces' init) in a session of its own; it reads its request from an
 unlinked file on stdin and holds the read end of a control pipe, whose closing (by the scorer, or by
 its death) ends it. Its stdout is its report (and, for the tests' process, the verdict line before it),
@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from Utils.sandboxed import confine, launch
+from .sandboxed import confine, launch
 
 PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandboxed")  # the code run inside
 TOKEN_PREFIX = "moa-sandbox-"  # + the scorer's pid and a random tail, on each supervisor's command line (for ps)
@@ -115,7 +115,7 @@ def private_workdir(uid) -> str:
 
 
 class Supervised:
-    """One supervisor process (Utils/sandboxed/launch.py) running `role` in the sandbox: its report and
+    """One supervisor process (sandboxed/launch.py) running `role` in the sandbox: its report and
     stderr as they come, and the control pipe whose closing ends it."""
 
     def __init__(self, role: str, job: dict, requests: int, replies: int, limits, mode: str,

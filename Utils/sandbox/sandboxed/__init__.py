@@ -1,4 +1,4 @@
-"""The code that runs inside the code sandbox (Utils/sandbox.py starts it): `launch` (the supervisor of one
+"""The code that runs inside the code sandbox (Utils/sandbox/ starts it): `launch` (the supervisor of one
 sandboxed process), `confine` (the kernel's limits it sets), `candidate` (runs the program and answers
 calls), `checker` (runs the tests and writes the verdict), `wire` (the values between those two).
 

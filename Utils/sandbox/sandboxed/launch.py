@@ -1,4 +1,4 @@
-"""The supervisor of one sandboxed process: the first code the sandbox's interpreter runs (Utils/sandbox.py
+"""The supervisor of one sandboxed process: the first code the sandbox's interpreter runs (Utils/sandbox/
 starts `python -I -S -c "...launch.main()"`, with the stack limit of a fresh process).
 
 It reads its request from stdin, forks the process that does the work (the program's, candidate.py, or
