@@ -33,7 +33,7 @@ from pathlib import Path
 
 from Data.test_sets import data_files, load_test_sets
 from Utils.jittor_env import StopForwarder, Stopped, stop_exit_status
-from Utils.output_dirs import RunDirError, check_claimable, check_output_dir, check_tool, read_manifest, record_written
+from Utils.output_dirs import check_claimable, check_output_dir, check_tool, read_manifest, record_written
 from Models.ModelArgs import ModelArgs, idle_settings
 from Utils.settings import (EVERY_LAYER_SPANS, METHOD_PRESETS, RECIPES, ArgumentParser, add_arguments, given,
                             recipe_values, setting_fields)

@@ -22,7 +22,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scale import ARCHS, PROMPT_LEN, peak_rss_gb, random_checkpoint  # noqa: E402  (bench/scale.py)
-import jittor as jt  # noqa: E402
 
 from Models.formats.base_model import base_args, build_model  # noqa: E402
 from Models.generate import generate  # noqa: E402

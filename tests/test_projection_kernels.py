@@ -7,7 +7,7 @@ import pytest
 
 from kernel_inputs import normal, stored
 import jittor as jt
-from Models.kernels import cpp, elementwise
+from Models.kernels import elementwise
 from Models.kernels.elementwise import silu_gate
 from Models.kernels.precision import bf16_values
 from Models.kernels.projections import (ExpertTerm, LoRAProjections, Projection, gemv_lora_projections,
