@@ -16,7 +16,7 @@ from kernel_inputs import stored
 import jittor as jt
 from Models.Block import attention_mask
 from Models.Routing import Gamma, swiglu_router, type_router, type_weights
-from Models.kernels import adamw, attention, elementwise, experts, finite, linear, precision, projections, switch
+from Models.kernels import adamw, attention, bf16, elementwise, experts, finite, int8, linear, nf4, projections, switch
 from Models.rope import rope_tables
 
 # What the data inputs of a case hold (weights stay normal): their normwise error is checked for each
@@ -186,22 +186,22 @@ def case_base_linear(rng, kind):
     x = var(rng, (M, K), kind)
     decode = rng.random() < 0.3
     if dtype == "bfloat16":
-        return Case("bf16_linear", precision.bf16_linear, [x, weight], [0], 1e-5, decode, f"{M}x{K} -> {N}")
-    name, kernel = ("int8_linear", precision.int8_linear) if dtype == "int8" else ("nf4_linear", precision.nf4_linear)
+        return Case("bf16_linear", bf16.bf16_linear, [x, weight], [0], 1e-5, decode, f"{M}x{K} -> {N}")
+    name, kernel = ("int8_linear", int8.int8_linear) if dtype == "int8" else ("nf4_linear", nf4.nf4_linear)
     return Case(name, kernel, [x, weight, scale], [0], 1e-5, decode, f"{M}x{K} -> {N}")
 
 
 def case_quantize(rng, kind):
     N, K = odd(rng, 1, 40), odd(rng, 1, 300)
     # values within one step (a half-way product rounds either way), scales to fp32
-    return Case("quantize", precision.quantize, [var(rng, (N, K), kind)], [], (1.01 / 127, 1e-6), True, f"{N}x{K}")
+    return Case("quantize", int8.quantize, [var(rng, (N, K), kind)], [], (1.01 / 127, 1e-6), True, f"{N}x{K}")
 
 
 def case_nf4_quantize(rng, kind):
     N, K = odd(rng, 1, 40), 2 * odd(rng, 1, 150)
     # the same codes and scales, bit for bit: both sides divide by the same bf16 scale and compare with the same
     # midpoints
-    return Case("nf4_quantize", precision.nf4_quantize, [var(rng, (N, K), kind)], [], (0.0, 0.0), True, f"{N}x{K}")
+    return Case("nf4_quantize", nf4.nf4_quantize, [var(rng, (N, K), kind)], [], (0.0, 0.0), True, f"{N}x{K}")
 
 
 def case_attention(rng, kind):

@@ -5,7 +5,8 @@ import platform
 import numpy as np
 
 import jittor as jt
-from Models.kernels.precision import QUANTIZERS, to_bf16
+from Models.kernels.bf16 import to_bf16
+from Models.kernels.precision import QUANTIZERS
 
 
 def normal(rng, shape, scale=1.0):

@@ -32,7 +32,8 @@ from Utils.settings import check_values
 
 from ..LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from ..ModelArgs import ModelArgs
-from ..kernels.precision import cast_to, matrix_shape
+from ..kernels.bf16 import cast_to
+from ..kernels.precision import matrix_shape
 from . import CheckpointError
 from .authors import authors_params, check_authors_base, fields_from_authors, folder_of
 from .pth import PlainNamespace, load_pth, save_pth
