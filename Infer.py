@@ -54,7 +54,8 @@ from Models.formats import CheckpointError
 from Models.Tokenizer import decode_until_unknown
 from Utils import misc, output_dirs, sandbox
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
-from Utils.misc import print_main, read_json_object
+from Utils.file_io import read_json_object
+from Utils.misc import print_main
 from Utils.settings import ArgumentParser, GenerationArgs, add_arguments, check_values, count_or_auto, given
 
 def get_args_parser():

@@ -41,9 +41,10 @@ from Models.formats.base_model import base_args, base_settings, build_model, ope
 from Models.memory import check_memory, needs_recompute
 from Models.ModelArgs import INSTANCE_METHODS, ModelArgs, check_flags_do_something
 from Data.tiny_base import ensure_default_base
-from Utils import misc, output_dirs
+from Utils import file_io, misc, output_dirs
 from Models.kernels.adamw import build_optimizer
-from Utils.misc import EarlyStopper, all_reduce_sum, print_main, read_json_object
+from Utils.file_io import read_json_object
+from Utils.misc import EarlyStopper, all_reduce_sum, print_main
 from Utils.jittor_env import StopFlag, Stopped, launcher, stop_exit_status, stop_origin
 from Utils.settings import (EVERY_LAYER_SPANS, RECIPES, ArgumentParser, GenerationArgs, TrainArgs, add_arguments,
                             check_record,
@@ -327,9 +328,9 @@ def write_run_files(claim, output_dir, data_path, settings, examples):
         data_dir = os.path.join(output_dir, "data")
         test = make_splits(SYNTHETIC["n_train"], SYNTHETIC["n_val"], SYNTHETIC["n_test"], seed=SYNTHETIC["seed"])[2]
         for name, split in zip(("train.json", "val.json", "test.json"), (*examples, test)):
-            misc.write_json(split, os.path.join(data_dir, name))
+            file_io.write_json(split, os.path.join(data_dir, name))
         settings = {**settings, "synthetic_data": data_dir}
-    misc.write_json(settings, os.path.join(output_dir, "args.json"))
+    file_io.write_json(settings, os.path.join(output_dir, "args.json"))
 
 
 def finetune(args, stop):

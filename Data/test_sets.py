@@ -10,7 +10,8 @@ from Data.dataset import load_examples
 from Data.scoring import checked_labels, extract_answer, is_correct, scoring_rule
 from Utils import output_dirs, sandbox
 from Utils.jittor_env import Stopped
-from Utils.misc import print_main, write_json, write_jsonl
+from Utils.file_io import write_json, write_jsonl
+from Utils.misc import print_main
 
 SPLIT_NAMES = ("test", "val", "validation", "train")
 TEST_FILES = ("test.json", "test.jsonl")  # a math or commonsense set; a code set (HumanEval, MBPP)

@@ -34,7 +34,7 @@ from Data.tiny_base import DEFAULT_BASE_DIR, params_for, random_base_weights  # 
 from Models.Tokenizer import Tokenizer  # noqa: E402
 from Models.formats.pth import save_pth  # noqa: E402
 from Utils import output_dirs  # noqa: E402
-from Utils.misc import write_json  # noqa: E402
+from Utils.file_io import write_json  # noqa: E402
 from Utils.settings import ArgumentParser  # noqa: E402
 
 

@@ -27,7 +27,8 @@ import numpy as np
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
-from Utils.misc import is_main_process, read_json_object, write_json
+from Utils.file_io import read_json_object, write_json
+from Utils.misc import is_main_process
 from Utils.settings import check_values
 
 from ..LLaMA_Adapter import LLaMA_adapter, is_adapter_param

@@ -25,7 +25,7 @@ import re
 
 import numpy as np
 
-from Utils.misc import read_json_object
+from Utils.file_io import read_json_object
 
 from ..ModelArgs import ModelArgs
 from . import CheckpointError

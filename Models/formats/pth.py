@@ -17,7 +17,7 @@ import zipfile
 
 import numpy as np
 
-from Utils.misc import atomic_write
+from Utils.file_io import atomic_write
 
 from . import CheckpointError
 from .tensor_bytes import TensorSource, bf16_bits_to_float32, storage_bytes
