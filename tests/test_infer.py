@@ -23,7 +23,7 @@ from Data.synthetic import make_splits
 from Models.ModelArgs import ModelArgs
 from Models.formats.adapters import export_authors_adapter, read_adapter, save_adapter
 from Models.formats.base_model import build_model
-from Models.formats.pth import save_pth
+from Models.formats.pth_writer import save_pth
 from Models.generate import generate, prefill_length
 from Utils import plots
 from Utils.weight_pickles import load_pickle

@@ -37,7 +37,8 @@ from ..kernels.bf16 import cast_to
 from ..kernels.precision import matrix_shape
 from . import CheckpointError
 from .authors import authors_params, check_authors_base, fields_from_authors, folder_of
-from .pth import PlainNamespace, load_pth, save_pth
+from .pth import PlainNamespace, load_pth
+from .pth_writer import save_pth
 
 ADAPTER_WEIGHTS = "adapter.pth"
 ADAPTER_PARAMS = "adapter_params.json"

@@ -301,7 +301,7 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, sy
         sys.path.insert(0, {str(REPO)!r})
         import Utils.jittor_env
         Utils.jittor_env.block_stop_signals()
-        import Models.formats.pth as torch_write
+        import Models.formats.pth_writer as torch_write
         import Math
         real, saves = torch_write.atomic_write, []
         def dying(path, write):
