@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jittor as jt
-from conftest import max_abs
+from tiny_models import max_abs
 from Models.formats import CheckpointError
 from Models.formats.adapters import (assign_strict, export_authors_adapter, import_authors_adapter, load_adapter,
                                      read_adapter, read_adapter_config)

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DECODE_EXPERTS, MIXTURES, kv_logits, randomize_adapters
+from tiny_models import DECODE_EXPERTS, MIXTURES, kv_logits, randomize_adapters
 import jittor as jt
 from Data.tiny_base import write_random_hf_base
 from Models import LLM

@@ -12,7 +12,9 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import CHROMIUM, DATA, MOA, MPIRUN, assert_refused, mpirun, page_dom, randomize_adapters
+from browser import CHROMIUM, page_dom
+from conftest import DATA, MPIRUN, assert_refused, mpirun
+from tiny_models import MOA, randomize_adapters
 import jittor as jt
 from matplotlib import image as mpimg
 
