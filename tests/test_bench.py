@@ -1,7 +1,8 @@
 """The bench scripts' plumbing that needs no framework: side_by_side.py's GPU pairs and their refusals, the
 authors' side reading their sources from the carried archive where the mirror is absent (a GPU machine), the
 peak GPU memory's choice between the process's figure and the device's, every script's bad arguments refused in
-one line, and no ratios beside the authors' for different work."""
+one line, no ratios beside the authors' for different work, and scale.py's refusal of a checkpoint its disk
+cannot hold."""
 import ctypes
 import importlib
 import os
@@ -11,7 +12,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, one_error_line, python_program
+from conftest import REPO, assert_refused, one_error_line, python_program
 
 
 @pytest.fixture
@@ -182,3 +183,16 @@ def test_side_by_side_gives_no_ratios_for_different_work(monkeypatch):
     differs, line = same_work({**ours, "optimizer": no_decay, "loss_tokens": "2048"}, ours)
     assert differs == ["loss_tokens", "optimizer"]
     assert line.startswith("DIFFERENT WORK") and "loss_tokens=2048|ours:2040" in line
+
+
+def test_the_scale_bench_refuses_a_random_checkpoint_its_disk_cannot_hold(tmp_path, monkeypatch, capsys):
+    """bench/scale.py says the disk its random checkpoint takes before writing a byte of it; where the folder's disk
+    has less free (df) it refuses in one line, exit 4, naming the folder, the need and what is free, and leaves no
+    folder behind (the 32B shape: 65.5 GB of tensors)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the bench scripts import bench/common.py by name
+    import scale
+    monkeypatch.setattr(scale.shutil, "disk_usage", lambda path: SimpleNamespace(free=40 * 10**9))
+    monkeypatch.setattr(sys, "argv", ["scale.py", "--arch", "qwen3-32b", "--tmp_dir", str(tmp_path)])
+    assert_refused(capsys, scale.main, f"{tmp_path}/moa-scale-", "the random qwen3-32b checkpoint needs 65.6 GB of "
+                   "disk", "40.0 GB free there", "--checkpoint_dir or --tmp_dir on a larger disk", code=4)
+    assert os.listdir(tmp_path) == []
