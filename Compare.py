@@ -37,9 +37,9 @@ from Utils.output_dirs import check_claimable, check_output_dir, check_tool, rea
 from Models.ModelArgs import ModelArgs, idle_settings
 from Utils.settings import (EVERY_LAYER_SPANS, METHOD_PRESETS, RECIPES, ArgumentParser, add_arguments, given,
                             recipe_values, setting_fields)
-from Utils.misc import atomic_write, read_json_object, write_json
+from Utils.file_io import atomic_write, read_json_object, write_json
 
-# Utils.misc imports Jittor, whose SIGCHLD handler ends this process when a child dies by a
+# Data.test_sets imports Jittor (through Utils.misc), whose SIGCHLD handler ends this process when a child dies by a
 # signal; a failed run must be reported instead.
 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 REPO = os.path.dirname(os.path.abspath(__file__))

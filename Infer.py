@@ -40,8 +40,8 @@ from tqdm import tqdm
 
 from Data import code_task
 from Data.prompts import format_prompt
-from Data.test_sets import (STOPPED_SAMPLES, TestSet, check_prompt_lengths, data_files, default_test_set,
-                            example_name, load_test_sets, score_and_write, stopped_dir)
+from Data.test_sets import (TestSet, check_prompt_lengths, data_files, default_test_set, example_name,
+                            load_test_sets, print_scores, score_and_write, stopped_dir, stopped_message)
 from Models.ModelArgs import ModelArgs, check_flags_do_something
 from Models.formats.adapters import (ADAPTER_WEIGHTS, NonFiniteAdapter, NotAnAdapter, check_adapter_exists,
                                      load_adapter, read_adapter_config, recorded_base, settings_file,
@@ -54,7 +54,8 @@ from Models.formats import CheckpointError
 from Models.Tokenizer import decode_until_unknown
 from Utils import misc, output_dirs, sandbox
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status
-from Utils.misc import print_main, read_json_object
+from Utils.file_io import read_json_object
+from Utils.misc import print_main
 from Utils.settings import ArgumentParser, GenerationArgs, add_arguments, check_values, count_or_auto, given
 
 def get_args_parser():
@@ -309,15 +310,6 @@ def precision_record(model_args, config, adapter) -> dict:
                 f": its scores may differ from those in {trained}"]}
 
 
-def print_scores(summary, output_dir):
-    for name, s in summary["datasets"].items():
-        passes = "".join(f"  {k} {100 * v:6.2f}%" for k, v in s.items() if k.startswith("pass@"))
-        print_main(f"  {name:<12} {100 * s['accuracy']:6.2f}%  ({s['correct']}/{s['total']}){passes}")
-    print_main(f"  {'average':<12} {100 * summary['average']:6.2f}%   -> {output_dir}/scores.json")
-    if "sandbox" in summary:
-        print_main(f"  programs ran in: {summary['sandbox']['how']}")
-
-
 def replaced_eval_dir(path: str, inputs: list) -> str:
     """output_dirs.eval_dir, saying when the folder holds an earlier evaluation, which this one replaces."""
     output_dir = output_dirs.eval_dir(path, inputs)
@@ -372,16 +364,6 @@ def write_results(args, folder, test_sets, examples, results, tok, model, run_di
             f"{name}.png" + (f" (colours {scale[0]:.4g} to {scale[1]:.4g})" if scale else "")
             for name, (_, scale) in sorted(pngs.items())))
     return summary
-
-
-def stopped_message(e: Stopped) -> str:
-    if e.done is None:
-        return f"stopped by {e} before the evaluation was done; nothing was written"
-    scored = sum(map(len, e.done.values()))
-    where = (f"kept in {e.kept}: the {scored} scored rows in <set>_predictions.jsonl and every completion in "
-             f"{STOPPED_SAMPLES}, which --samples scores" if e.kept else f"{scored} scored rows not kept: {e.not_kept}")
-    return (f"stopped by {e} while the code sets' programs ran, before the evaluation was done; --output_dir "
-            f"is left as it was; {where}")
 
 
 def main(argv=None):

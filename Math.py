@@ -31,8 +31,7 @@ import numpy as np
 
 import jittor as jt
 
-from Data.dataset import FinetuneDataset, load_examples, split_validation
-from Data.synthetic import make_splits
+from Data.training_sets import load_data, training_sets, write_synthetic
 from engine_finetune import NonFiniteLoss, Progress, RunContext, cut_log, log_line, train
 from Models.formats.adapters import NonFiniteAdapter, load_adapter, save_adapter
 from Models.formats.pth import load_pth
@@ -41,17 +40,16 @@ from Models.formats.base_model import base_args, base_settings, build_model, ope
 from Models.memory import check_memory, needs_recompute
 from Models.ModelArgs import INSTANCE_METHODS, ModelArgs, check_flags_do_something
 from Data.tiny_base import ensure_default_base
-from Utils import misc, output_dirs
+from Utils import file_io, misc, output_dirs
 from Models.kernels.adamw import build_optimizer
-from Utils.misc import EarlyStopper, all_reduce_sum, print_main, read_json_object
+from Utils.file_io import read_json_object
+from Utils.misc import EarlyStopper, all_reduce_sum, print_main
 from Utils.jittor_env import StopFlag, Stopped, launcher, stop_exit_status, stop_origin
 from Utils.settings import (EVERY_LAYER_SPANS, RECIPES, ArgumentParser, GenerationArgs, TrainArgs, add_arguments,
                             check_record,
                             check_values, given, recipe_values, recipes_help, resume_fixed, setting_fields,
                             with_sources)
 
-# The demo data; the held-out test split is written beside it for Infer.py (disjoint by instruction).
-SYNTHETIC = dict(n_train=20000, n_val=200, n_test=300, seed=0)
 DEFAULT_RECIPE = "demo"
 
 
@@ -171,19 +169,6 @@ def resolve_settings(args, n_layers, recorded_path=None, recorded=None, sources=
     return pick(ModelArgs), train_cfg, pick(GenerationArgs)
 
 
-def load_data(args, cfg: TrainArgs):
-    """(train, val or None) example lists; the seeded synthetic splits when --data_path is not given."""
-    if args.data_path is None:
-        train_set, val, _ = make_splits(SYNTHETIC["n_train"], SYNTHETIC["n_val"], 0, seed=SYNTHETIC["seed"])
-        return train_set, val
-    train_set = load_examples(args.data_path, need_answer=False)
-    if args.val_data_path:
-        return train_set, load_examples(args.val_data_path, need_answer=False)
-    if cfg.val_fraction == 0:
-        return train_set, None
-    return split_validation(train_set, cfg.val_fraction, seed=cfg.seed)
-
-
 def find_resume(args):
     if args.resume != "auto":
         return args.resume
@@ -221,20 +206,13 @@ def prepare(args, recorded):
                f"{' (the tiny demo base: no --llama_path given)' if tiny_base else ''}, data "
                f"{args.data_path or 'synthetic math problems'}; all of them are recorded in "
                f"{os.path.join(args.output_dir, 'args.json')} when the run starts (--print_settings prints them)")
-    examples = load_data(args, cfg)
+    examples = load_data(args.data_path, args.val_data_path, cfg.val_fraction, cfg.seed)
     tokenizer = open_tokenizer(args.llama_path, model_args.vocab_size)
     # Instance-level routers pool every position, padding included: pad to max_seq_len as the
     # authors' data does, so a sequence's gates do not depend on the length of its batch's longest.
     buckets = [model_args.max_seq_len] if model_args.method in INSTANCE_METHODS else None
-    train_ds = FinetuneDataset(examples[0], tokenizer, model_args.max_seq_len, cfg.batch_size, buckets=buckets,
-                               shuffle=True, drop_last=True, seed=cfg.seed, keep_numpy_array=True)
-    val_ds = None
-    if examples[1] is not None:
-        val_ds = FinetuneDataset(examples[1], tokenizer, model_args.max_seq_len, cfg.batch_size, buckets=buckets,
-                                 shuffle=False, drop_last=False, keep_numpy_array=True)
-    check_lengths(args, train_ds, val_ds, model_args.max_seq_len)
-    if len(train_ds) < cfg.accum_iter:
-        fail(f"{len(train_ds)} batches per epoch cannot fill one optimizer step of --accum_iter {cfg.accum_iter}")
+    train_ds, val_ds = training_sets(examples, tokenizer, cfg, model_args.max_seq_len, buckets, args.data_path,
+                                     args.val_data_path)
 
     jt.set_seed(cfg.seed)  # the same on every rank: the adapters start identical
     np.random.seed(cfg.seed)
@@ -267,24 +245,6 @@ def prepare(args, recorded):
         load_adapter(model, args.init_adapter)
         print_main(f"adapter initialised from {args.init_adapter} (fresh optimizer)")
     return model, optimizer, stopper, (train_ds, val_ds), examples, cfg, progress, settings, signature
-
-
-def check_lengths(args, train_ds, val_ds, max_seq_len):
-    """Say how many examples --max_seq_len cuts; refuse a training or validation set with no target token
-    left: its loss would read 0.0, training nothing or 'improving' forever."""
-    sources = {"training": args.data_path or "synthetic",
-               "validation": args.val_data_path or (f"--val_fraction of {args.data_path}" if args.data_path
-                                                    else "synthetic")}
-    for what, ds in (("training", train_ds), ("validation", val_ds)):
-        if ds is not None and ds.n_cut:
-            print_main(f"{what}: {ds.n_cut} of {ds.total_len} examples are longer than --max_seq_len {max_seq_len} "
-                       "tokens and are cut (their input first, then the answer's end)"
-                       + (f"; {ds.n_unlearnable} of them keep no answer token to learn from (a prompt of "
-                          f"{max_seq_len}+ tokens)" if ds.n_unlearnable else ""))
-    for what, ds in (("validation", val_ds), ("training", train_ds)):
-        if ds is not None and ds.n_targets == 0:
-            fail(f"{what} set ({sources[what]}): no example keeps a target token within --max_seq_len "
-                 f"{max_seq_len} (every prompt fills it): raise --max_seq_len")
 
 
 def run_flags(args) -> dict:
@@ -325,11 +285,9 @@ def write_run_files(claim, output_dir, data_path, settings, examples):
     claim.record("args.json", "log.txt", "tensorboard", *(["data"] if data_path is None else []))
     if data_path is None:
         data_dir = os.path.join(output_dir, "data")
-        test = make_splits(SYNTHETIC["n_train"], SYNTHETIC["n_val"], SYNTHETIC["n_test"], seed=SYNTHETIC["seed"])[2]
-        for name, split in zip(("train.json", "val.json", "test.json"), (*examples, test)):
-            misc.write_json(split, os.path.join(data_dir, name))
+        write_synthetic(data_dir, examples)
         settings = {**settings, "synthetic_data": data_dir}
-    misc.write_json(settings, os.path.join(output_dir, "args.json"))
+    file_io.write_json(settings, os.path.join(output_dir, "args.json"))
 
 
 def finetune(args, stop):

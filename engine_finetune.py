@@ -29,7 +29,8 @@ import jittor as jt
 
 from Models.formats.training import checkpoint_state, save_checkpoint
 from Models.kernels.finite import nonfinite_count
-from Utils.misc import MetricLogger, SmoothedValue, all_reduce_sum, atomic_write, is_main_process, print_main
+from Utils.file_io import atomic_write
+from Utils.misc import MetricLogger, SmoothedValue, all_reduce_sum, is_main_process, print_main
 from Utils.settings import TrainArgs
 
 

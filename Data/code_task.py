@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from Utils import sandbox
 from Utils.jittor_env import Stopped
-from Utils.misc import check_encodable, write_jsonl
+from Utils.file_io import check_encodable, write_jsonl
 from Utils.settings import setting
 
 FIELDS = {"humaneval": ("task_id", "prompt", "canonical_solution", "test", "entry_point"),
@@ -57,7 +57,7 @@ def is_code_file(path: str) -> bool:
 
 def read_jsonl(path: str, what: str) -> list:
     """[(line number, object)] of a JSON Lines file, blank lines skipped; `what` names its objects. Text no
-    encoding can write (Utils/misc.check_encodable) is refused naming its line."""
+    encoding can write (Utils/file_io.check_encodable) is refused naming its line."""
     items = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):

@@ -31,7 +31,7 @@ import jittor as jt
 from jittor.dataset import Dataset
 
 from Data.prompts import format_prompt
-from Utils.misc import check_encodable, read_input
+from Utils.file_io import check_encodable, read_input
 
 FIELDS = ("instruction", "input", "output", "answer")
 TEXT_FIELDS = ("instruction", "input", "output")
@@ -41,7 +41,7 @@ PAD_TOKEN = 0  # what padding feeds the model; the mask makes it irrelevant
 def load_examples(path, need_answer=True):
     """Read a JSON list of {instruction, input, output, answer}; answers become strings. Training
     (need_answer=False) reads only instruction, input and output (code instruction sets have no answer).
-    Text no encoding can write (Utils/misc.check_encodable) is refused here, naming the example."""
+    Text no encoding can write (Utils/file_io.check_encodable) is refused here, naming the example."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file not found: {path}")

@@ -1,6 +1,7 @@
 """The test sets an evaluation runs: found from files and folders, loaded and checked before any
 generation, scored into prediction rows, and written: <set>_predictions.jsonl and scores.json (into the
-staging folder Infer.py swaps in), or what a stopped code scoring keeps."""
+staging folder Infer.py swaps in), or what a stopped code scoring keeps; the scores printed, and what a stop
+left said."""
 import glob
 import os
 from collections import namedtuple
@@ -10,7 +11,8 @@ from Data.dataset import load_examples
 from Data.scoring import checked_labels, extract_answer, is_correct, scoring_rule
 from Utils import output_dirs, sandbox
 from Utils.jittor_env import Stopped
-from Utils.misc import print_main, write_json, write_jsonl
+from Utils.file_io import write_json, write_jsonl
+from Utils.misc import print_main
 
 SPLIT_NAMES = ("test", "val", "validation", "train")
 TEST_FILES = ("test.json", "test.jsonl")  # a math or commonsense set; a code set (HumanEval, MBPP)
@@ -169,3 +171,24 @@ def keep_stopped_scoring(stopped, kept, inputs, test_sets, examples, results, me
         stopped.not_kept = str(e)
         return
     stopped.kept = kept
+
+
+def stopped_message(e: Stopped) -> str:
+    """What an evaluation stopped by `e` leaves: nothing, or what keep_stopped_scoring kept of a code scoring."""
+    if e.done is None:
+        return f"stopped by {e} before the evaluation was done; nothing was written"
+    scored = sum(map(len, e.done.values()))
+    where = (f"kept in {e.kept}: the {scored} scored rows in <set>_predictions.jsonl and every completion in "
+             f"{STOPPED_SAMPLES}, which --samples scores" if e.kept else f"{scored} scored rows not kept: {e.not_kept}")
+    return (f"stopped by {e} while the code sets' programs ran, before the evaluation was done; --output_dir "
+            f"is left as it was; {where}")
+
+
+def print_scores(summary, output_dir):
+    """score_and_write's summary, a line per data set, then the average and where scores.json is."""
+    for name, s in summary["datasets"].items():
+        passes = "".join(f"  {k} {100 * v:6.2f}%" for k, v in s.items() if k.startswith("pass@"))
+        print_main(f"  {name:<12} {100 * s['accuracy']:6.2f}%  ({s['correct']}/{s['total']}){passes}")
+    print_main(f"  {'average':<12} {100 * summary['average']:6.2f}%   -> {output_dir}/scores.json")
+    if "sandbox" in summary:
+        print_main(f"  programs ran in: {summary['sandbox']['how']}")

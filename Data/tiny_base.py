@@ -15,8 +15,8 @@ from Models.ModelArgs import ModelArgs
 from Models.Tokenizer import Tokenizer
 from Models.formats.hf import write_hf_base
 from Models.formats.meta import meta_shapes
-from Models.formats.pth import save_pth
-from Utils.misc import write_json
+from Models.formats.pth_writer import save_pth
+from Utils.file_io import write_json
 
 N_SPECIAL = 256  # LLaMA-3's special tokens follow the BPE vocabulary
 

@@ -18,7 +18,8 @@ from .SparseLoRA import SparseLoRAMoE
 from .kernels.elementwise import rms_norm, rms_norm_branches, rope, silu_gate
 from .kernels.projections import Projection, lora_projections, swiglu_down
 from .ModelArgs import SPARSE_MOE_METHODS, ModelArgs
-from .kernels.precision import BaseLinear, bf16_rule, cast_to
+from .kernels.bf16 import cast_to
+from .kernels.precision import BaseLinear, bf16_rule
 
 
 class RMSNorm(nn.Module):

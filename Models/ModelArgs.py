@@ -4,7 +4,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from Utils.misc import read_json_object
+from Utils.file_io import read_json_object
 from Utils.settings import check_fields, check_values, checked_field, setting
 
 LORA_TARGETS = ("Q", "K", "V", "O", "FFN_UP", "FFN_GATE", "FFN_DOWN")

@@ -17,7 +17,7 @@ import jittor as jt
 
 from .kernels.elementwise import LAZY_CHUNKS, LOGIT_BYTES
 from .ModelArgs import BF16_PRODUCTS, SPARSE_MOE_METHODS
-from .kernels.precision import nf4_shapes
+from .kernels.nf4 import nf4_shapes
 
 # AdamW's training state per adapter parameter: the parameter, its gradient and the two moments, each fp32
 TRAINING_COPIES = 4

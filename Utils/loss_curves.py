@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from Utils.misc import atomic_write  # noqa: E402
+from Utils.file_io import atomic_write  # noqa: E402
 
 TRAIN_KEYS = ("c_train_loss", "train_loss", "loss")
 X_KEYS = ("step", "iteration", "epoch")

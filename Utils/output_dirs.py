@@ -31,7 +31,7 @@ import shutil
 import time
 import uuid
 
-from Utils.misc import TMP_PREFIX, temp_name, write_json
+from Utils.file_io import TMP_PREFIX, temp_name, write_json
 
 LOCK_NAME = ".lock"
 MANIFEST = ".manifest.json"

@@ -25,7 +25,7 @@ import numpy as np
 
 from Utils import plots, router_report  # plots sets matplotlib's Agg backend before pyplot is imported
 from Utils.loss_curves import read_log, train_points
-from Utils.misc import read_json_object, write_json
+from Utils.file_io import read_json_object, write_json
 from Utils.output_dirs import check_claimable, check_output_dir, record_written
 from Utils.weight_pickles import TYPE_ORDER, load_pickle
 

@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from Utils import plots
-from Utils.misc import atomic_write
+from Utils.file_io import atomic_write
 from Utils.weight_pickles import family_order
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "router_report.html")

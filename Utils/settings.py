@@ -19,7 +19,7 @@ import re
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 
-from Utils.misc import read_json_object
+from Utils.file_io import read_json_object
 
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # the least normal float32: below it a value computes as 0 or a subnormal

@@ -72,7 +72,7 @@ def sgemm_gflops() -> float:
 
 
 def base_matmul_gflops(n: int = GEMM_SIZE) -> float:
-    """Our bf16 base matmul (Models/precision.base_linear: fp32 x times bf16 weights, fp32 out) on an
+    """Our bf16 base matmul (Models/kernels/precision.base_linear: fp32 x times bf16 weights, fp32 out) on an
     n^3 product, best of 3 after a warm-up, as bench/torch_gemm.py times torch."""
     x, weight = jt.randn(n, n), jt.randn(n, n).bfloat16().stop_grad()
     base_linear(x, weight).sync(True)

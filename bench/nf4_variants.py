@@ -25,7 +25,8 @@ import jittor as jt  # noqa: E402
 
 from Models import load_base_model  # noqa: E402
 from Models.formats.tensor_bytes import bf16_bits_to_float32, float32_to_bf16_bits  # noqa: E402
-from Models.kernels.precision import NF4_CODES, BaseLinear  # noqa: E402
+from Models.kernels.nf4 import NF4_CODES  # noqa: E402
+from Models.kernels.precision import BaseLinear  # noqa: E402
 
 CODES = np.array(NF4_CODES, np.float32)
 INT4 = np.arange(-7, 8, dtype=np.float32) / np.float32(7)  # symmetric absmax int4: 15 evenly spaced levels

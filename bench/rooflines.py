@@ -17,7 +17,8 @@ import jittor as jt
 from jittor import nn
 
 from Models.kernels import cpp
-from Models.kernels.precision import STORAGES, cpu_has_bf16_units, matrix_code, matrix_shape
+from Models.kernels.bf16 import cpu_has_bf16_units
+from Models.kernels.precision import STORAGES, matrix_code, matrix_shape
 
 BASE_MATRIX_HEADER = cpp.source("base_matrix.h")
 GPU_HEADER = cpp.source("products.cuh")

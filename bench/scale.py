@@ -48,7 +48,7 @@ from Models.formats.meta import meta_shapes  # noqa: E402
 from Models.generate import generate  # noqa: E402
 from Models.memory import memory_parts, needs_recompute  # noqa: E402
 from Models.ModelArgs import ModelArgs  # noqa: E402
-from Models.formats.pth import save_pth  # noqa: E402
+from Models.formats.pth_writer import save_pth  # noqa: E402
 from Models.formats.tensor_bytes import TensorSource, float32_to_bf16_bits  # noqa: E402
 from Models.kernels.adamw import build_optimizer  # noqa: E402
 from Models.ModelArgs import PRECISIONS  # noqa: E402

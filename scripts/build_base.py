@@ -32,9 +32,9 @@ from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Models.ModelArgs import ModelArgs  # noqa: E402
 from Data.tiny_base import DEFAULT_BASE_DIR, params_for, random_base_weights  # noqa: E402
 from Models.Tokenizer import Tokenizer  # noqa: E402
-from Models.formats.pth import save_pth  # noqa: E402
+from Models.formats.pth_writer import save_pth  # noqa: E402
 from Utils import output_dirs  # noqa: E402
-from Utils.misc import write_json  # noqa: E402
+from Utils.file_io import write_json  # noqa: E402
 from Utils.settings import ArgumentParser  # noqa: E402
 
 

@@ -42,7 +42,7 @@ from Models.ModelArgs import BASE_FIELDS, ModelArgs  # noqa: E402
 from Models.formats.hf import CONFIG  # noqa: E402
 from Utils import output_dirs  # noqa: E402
 from Utils.jittor_env import StopFlag, Stopped, stop_exit_status  # noqa: E402
-from Utils.misc import read_json_object, write_json  # noqa: E402
+from Utils.file_io import read_json_object, write_json  # noqa: E402
 from Utils.settings import ArgumentParser, GenerationArgs  # noqa: E402
 
 TOOL = "scripts/export_hf.py"

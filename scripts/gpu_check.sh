@@ -106,7 +106,7 @@ begin() {
 decode_tests() {
   local tests="decode_layer_equals or built_once or greedy_cache or batch_of_4 or records_match or non_finite"
   step gpu_decode 340 env use_cuda=1 MOA_GPU_KERNELS=1 OMP_NUM_THREADS=4 "$VENV/bin/python" -m pytest -q \
-    -p no:cacheprovider -rf -n 4 --dist worksteal tests/test_decode_layer.py tests/test_infer.py \
+    -p no:cacheprovider -rf -n 4 --dist worksteal tests/test_decode_layer.py tests/test_kv_cache.py \
     tests/test_generation.py -k "$tests"
 }
 

@@ -1,8 +1,9 @@
 """What the test files share: Jittor's environment, the files the tests read, tiny bases and training flags,
-running the tools (in-process, as programs, under a signal, under mpirun), checking their refusals, the tiny
-models' experts and KV-cache logits. Test files never import from one another; every helper two of them use lives
-here, or, shared within one family of tests, in a module named for it (tests/golden_files.py, the golden files'
-models; tests/kernel_inputs.py; tests/load_memory.py; tests/sandbox_runs.py).
+running the tools (in-process, as programs, under a signal, under mpirun), checking their refusals. Test files
+never import from one another; every helper two of them use lives here or in a module named for what it holds
+(tests/tiny_models.py, the tiny models' experts and KV-cache logits; tests/browser.py, the headless browser), or,
+shared within one family of tests, in a module named for it (tests/golden_files.py, the golden files' models;
+tests/kernel_inputs.py; tests/load_memory.py; tests/sandbox_runs.py).
 
 Everything the suite reads ships in tests/: the authors' golden outputs (tests/golden/, see its README;
 tests/test_golden.py checks every file) and a few examples of each math data set (tests/data/). Only Meta's
@@ -17,7 +18,6 @@ is the quick run.
 """
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -32,10 +32,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import Utils.jittor_env  # noqa: E402,F401  (must precede any jittor import)
-import jittor as jt  # noqa: E402
+import jittor  # noqa: E402,F401  (before the SIGCHLD reset below: Jittor's import sets the handler)
 
 from Data.synthetic import make_splits  # noqa: E402
-from Models import LLM  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
 from Data.tiny_base import write_random_base, write_random_hf_base  # noqa: E402
 
@@ -238,28 +237,6 @@ def run_and_signal(command, signum, ready, timeout=300, stderr=False) -> subproc
         return subprocess.CompletedProcess(command, proc.returncode, read(0), read(1))
 
 
-# a headless browser for the router report's page (Utils/router_report.html): Debian's chromium, which setup.sh
-# installs as root; the tests that need it skip without it
-CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")
-                 if shutil.which(name)), None)
-needs_browser = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here to open the page in: `apt-get install "
-                                                            "chromium` (setup.sh installs it when run as root)")
-
-
-def chromium(*args) -> subprocess.CompletedProcess:
-    """Headless Chromium with `args`, a fresh profile (nothing of an earlier run)."""
-    with tempfile.TemporaryDirectory() as profile:
-        return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                               f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=120)
-
-
-def page_dom(path, address=""):
-    """A page's DOM after its scripts ran: (body's data-rendered marker or None, the #errors text, the DOM)."""
-    out = chromium("--dump-dom", f"file://{os.path.abspath(path)}{address}").stdout
-    rendered = re.search(r'<body[^>]*data-rendered="([^"]*)"', out)
-    return rendered and rendered[1], re.search(r'<pre id="errors">(.*?)</pre>', out, re.S)[1], out
-
-
 def log_lines(folder, n):
     """Ready once <folder>/log.txt holds `n` lines."""
     path = Path(folder) / "log.txt"
@@ -401,60 +378,3 @@ def write_samples(path, rows):
     with open(path, "w") as f:
         f.writelines(json.dumps({"task_id": t, "completion": c}) + "\n" for t, c in rows)
     return str(path)
-
-
-def randomize_adapters(model, seed, scale):
-    """Every adapter parameter drawn from scale * N(0, 1), so experts and router really act."""
-    rng = np.random.default_rng(seed)
-    for var in model.adapter_parameters().values():
-        var.assign(jt.array((scale * rng.standard_normal(var.shape)).astype(np.float32)))
-
-
-# MoA on the tiny bases' three layers: Sparse with LoRA on every target and the parallel adapter; Soft with the
-# adapter in two layers and prompt experts in two (the decode layer's tests: every expert it fuses)
-MOA = {"sparse": dict(variant="sparse", lora_layers="0-2", p_adapter_layers="0-2",
-                      lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN"),
-       "soft": dict(variant="soft", lora_layers="0-2", p_adapter_layers="0-1", prompt_layers="1-2")}
-# The baselines with one expert per family, whose decode steps the decode layer takes too: LoRA (every target,
-# weight 1), instance (Soft's experts, weighed by the type router on the sequence mean) and UniPEFT (a gate per
-# family from the sequence mean; its adapter layers must be among its prompt layers)
-EVERY_TARGET = dict(lora_layers="0-2", lora_targets="Q,K,V,O,FFN_UP,FFN_GATE,FFN_DOWN")
-BASELINES = {"lora": dict(method="moe", expert_num=1, **EVERY_TARGET),
-             "instance": dict(method="instance", **MOA["soft"]),
-             "unipeft": dict(method="unipeft", variant="soft", lora_layers="0-2", prompt_layers="0-2",
-                             p_adapter_layers="1-2")}
-# The baselines mixing several LoRA experts per target, which the decode layer gates per row: MoLoRA and HydraLoRA
-# (softmax), top-k and AdaMoLE (sparse), four experts each on every target; ranks 8, 12 and 4, so that the low-rank
-# pass takes its eight lanes, its lanes and the rest, and the rest alone
-MIXTURES = {"molora": dict(method="moe", expert_num=4, **EVERY_TARGET),
-            "hydralora": dict(method="moe", expert_num=4, hydra_moe=True, lora_rank=12, **EVERY_TARGET),
-            "topk": dict(method="topk", expert_num=4, top_k=2, **EVERY_TARGET),
-            "adamole": dict(method="adamole", expert_num=4, lora_rank=4, **EVERY_TARGET),
-            # and the mixtures of prompt and adapter experts, gated per row in the decode layer's ops too: Soft MoA
-            # with three experts a family (LoRA, prompt, adapter), and the prompt and adapter MoE with one down
-            # projection for its adapters' ups (p_adapter_hydra)
-            "moa_experts": dict(MOA["soft"], expert_num=3, p_adapter_layers="0-2", prompt_layers="1-2",
-                                lora_targets=EVERY_TARGET["lora_targets"]),
-            "prompt_adapter_moe": dict(method="moe", expert_num=2, p_adapter_hydra=True, prompt_layers="0-2",
-                                       p_adapter_layers="1-2", prompt_len=3)}
-DECODE_EXPERTS = {**MOA, **BASELINES, **MIXTURES}  # every kind of layer the decode layer takes
-
-
-def fused_layer_steps(monkeypatch) -> list:
-    """The batch size of each layer step that LLM.layer_step's fused side (the decode layer) runs from now on."""
-    fused, steps = LLM.layer_step.fused, []
-    monkeypatch.setattr(LLM.layer_step, "fused", lambda *a: steps.append(a[1].shape[0]) or fused(*a))
-    return steps
-
-
-def kv_logits(llama, tokens: np.ndarray, prefill: int) -> np.ndarray:
-    """Prefill, then one token at a time; row j = last-position logits of step j."""
-    llama.reset_cache()
-    rows = [llama(jt.array(tokens[:, :prefill]), start_pos=0)[:, -1].numpy()]
-    for pos in range(prefill, tokens.shape[1]):
-        rows.append(llama(jt.array(tokens[:, pos:pos + 1]), start_pos=pos)[:, -1].numpy())
-    return np.stack(rows, 1)
-
-
-def max_abs(a, b) -> float:
-    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())

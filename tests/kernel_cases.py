@@ -1,6 +1,6 @@
 """Seeded random cases of every Kernel pair (Models/kernels): the fused side against its plain reference over
 random shapes (odd sizes, one row, sizes off the vector width and the tiles, grouped kv heads, head_dim apart
-from dim / heads), base storages (fp32, bf16, int8, nf4) and values (VALUES), forward and backward.
+from dim / heads), base storages (fp32, bf16, int8, nf4) and values (kernel_inputs.VALUES), forward and backward.
 
 tests/test_kernel_pairs.py runs a seeded slice; `python tests/kernel_soak.py --cases N` a soak. The decode
 layer (LLM.layer_step) is the one pair not here: it needs a whole model, and tests/test_decode_layer.py runs
@@ -12,15 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernel_inputs import stored
+from kernel_inputs import gates, odd, storage, stored, values, var
 import jittor as jt
 from Models.Block import attention_mask
 from Models.Routing import Gamma, swiglu_router, type_router, type_weights
-from Models.kernels import adamw, attention, elementwise, experts, finite, linear, precision, projections, switch
+from Models.kernels import adamw, attention, bf16, elementwise, experts, finite, int8, linear, nf4, projections, switch
 from Models.rope import rope_tables
 
-# What the data inputs of a case hold (weights stay normal): their normwise error is checked for each
-VALUES = ("normal", "large", "tiny", "subnormal", "zeros", "mixed")
 FLOOR = 1e-30  # errors are relative to an output's largest value, or to this below it (where flushing to 0 is fine)
 # Where a side rounds an fp32 intermediate to bf16 that the two sides compute in another order (a probability,
 # a SwiGLU hidden), a value next to a rounding boundary rounds either way: two bf16 ulps of the largest value
@@ -28,45 +26,6 @@ BF16_ROUNDED = 2.0 ** -7
 # bf16 attention: each probability that rounds the other way moves its term by 2^-8, and an output averages
 # many terms, so relative to its largest value the error reaches a few such steps
 BF16_AVERAGED = 2.0 ** -5
-
-
-def values(rng, shape, kind: str, scale: float = 1.0) -> np.ndarray:
-    """float32 `shape` of the kind: normal N(0, scale^2); large up to 1e8; tiny 1e-38 to 1e-19 (products
-    and squares subnormal); subnormal; zeros; mixed: normal with a quarter of the entries of the others."""
-    n = rng.standard_normal(shape)
-    if kind == "normal":
-        out = scale * n
-    elif kind == "large":
-        out = n * 10.0 ** rng.uniform(3, 8)
-    elif kind == "tiny":
-        out = n * 10.0 ** rng.uniform(-38, -19, shape)
-    elif kind == "subnormal":
-        out = n * 1e-40
-    elif kind == "zeros":
-        out = np.zeros(shape)
-    else:
-        out = scale * n
-        mask = rng.random(shape) < 0.25
-        other = VALUES[1 + rng.integers(0, 4)]
-        out[mask] = values(rng, shape, other)[mask]
-    return np.asarray(out, np.float32)
-
-
-def var(rng, shape, kind="normal", scale=1.0):
-    return jt.array(values(rng, shape, kind, scale))
-
-
-def gates(rng, shape, kind, scale=1.0, bound=100.0):
-    """A SwiGLU's gates of the kind within +-bound: past that the plain side's autograd of silu (s (1 + g (1 - s)),
-    1 - s from a rounded s) is off by about |g| 2^-24 relative, where the fused one stays exact
-    (test_kernels.py::test_swiglu_past_exp_range checks it against float64 up to 3e7)."""
-    return jt.array(np.clip(values(rng, shape, kind, scale), -bound, bound))
-
-
-def odd(rng, low, high):
-    """A size in [low, high], odd more often than not (off any vector width)."""
-    n = int(rng.integers(low, high + 1))
-    return n | 1 if rng.random() < 0.7 else n
 
 
 @dataclass
@@ -163,11 +122,6 @@ def run_adamw(case: Case) -> float:
     return max(normwise(f, p) for f, p in zip(*results))
 
 
-def storage(rng, K: int):
-    """A base storage for a matrix of in-dimension K (nf4, uint8, where K is even: two codes a byte)."""
-    return ["float32", "bfloat16", "int8", "uint8"][rng.integers(0, 4 if K % 2 == 0 else 3)]
-
-
 def case_linear(rng, kind):
     M, K, N = odd(rng, 1, 70), odd(rng, 1, 130), odd(rng, 1, 90)
     bias = rng.random() < 0.5
@@ -186,22 +140,22 @@ def case_base_linear(rng, kind):
     x = var(rng, (M, K), kind)
     decode = rng.random() < 0.3
     if dtype == "bfloat16":
-        return Case("bf16_linear", precision.bf16_linear, [x, weight], [0], 1e-5, decode, f"{M}x{K} -> {N}")
-    name, kernel = ("int8_linear", precision.int8_linear) if dtype == "int8" else ("nf4_linear", precision.nf4_linear)
+        return Case("bf16_linear", bf16.bf16_linear, [x, weight], [0], 1e-5, decode, f"{M}x{K} -> {N}")
+    name, kernel = ("int8_linear", int8.int8_linear) if dtype == "int8" else ("nf4_linear", nf4.nf4_linear)
     return Case(name, kernel, [x, weight, scale], [0], 1e-5, decode, f"{M}x{K} -> {N}")
 
 
 def case_quantize(rng, kind):
     N, K = odd(rng, 1, 40), odd(rng, 1, 300)
     # values within one step (a half-way product rounds either way), scales to fp32
-    return Case("quantize", precision.quantize, [var(rng, (N, K), kind)], [], (1.01 / 127, 1e-6), True, f"{N}x{K}")
+    return Case("quantize", int8.quantize, [var(rng, (N, K), kind)], [], (1.01 / 127, 1e-6), True, f"{N}x{K}")
 
 
 def case_nf4_quantize(rng, kind):
     N, K = odd(rng, 1, 40), 2 * odd(rng, 1, 150)
     # the same codes and scales, bit for bit: both sides divide by the same bf16 scale and compare with the same
     # midpoints
-    return Case("nf4_quantize", precision.nf4_quantize, [var(rng, (N, K), kind)], [], (0.0, 0.0), True, f"{N}x{K}")
+    return Case("nf4_quantize", nf4.nf4_quantize, [var(rng, (N, K), kind)], [], (0.0, 0.0), True, f"{N}x{K}")
 
 
 def case_attention(rng, kind):

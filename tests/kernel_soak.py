@@ -16,7 +16,7 @@ import Utils.jittor_env  # noqa: F401,E402  (must precede the jittor import)
 import numpy as np  # noqa: E402
 
 import kernel_cases  # noqa: E402
-from kernel_inputs import denormal_mode  # noqa: E402
+from kernel_inputs import VALUES, denormal_mode  # noqa: E402
 
 
 def main():
@@ -25,7 +25,7 @@ def main():
     parser.add_argument("--seed", type=int, default=1, help="the soak's seed (each case's is drawn from it)")
     args = parser.parse_args()
     worst, failures, start = {}, [], time.time()
-    builders, kinds = kernel_cases.BUILDERS, kernel_cases.VALUES
+    builders, kinds = kernel_cases.BUILDERS, VALUES
     for i in range(args.cases):
         builder, kind, flush = builders[i % len(builders)], kinds[(i // len(builders)) % len(kinds)], i % 2 == 1
         with denormal_mode(flush) as set_again:

@@ -9,7 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
-from conftest import kv_logits, max_abs  # noqa: E402
+from tiny_models import kv_logits, max_abs  # noqa: E402
 from golden_files import golden_forward, golden_model  # noqa: E402
 import jittor as jt  # noqa: E402
 from Models import load_base_model  # noqa: E402

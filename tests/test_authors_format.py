@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 import jittor as jt
-from conftest import max_abs
+from tiny_models import max_abs
 from Models.formats import CheckpointError
 from Models.formats.adapters import (assign_strict, export_authors_adapter, import_authors_adapter, load_adapter,
                                      read_adapter, read_adapter_config)
 from Models.formats.authors import AUTHORS_PARAMS
-from Models.formats.pth import PlainNamespace, load_pth, save_pth
+from Models.formats.pth import PlainNamespace, load_pth
+from Models.formats.pth_writer import save_pth
 from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs
 from scripts import authors_adapter

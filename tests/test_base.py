@@ -14,7 +14,7 @@ from Models.LLaMA_Adapter import LLaMA_adapter
 from Models.ModelArgs import ModelArgs, parse_layer_span
 from Models.formats import CheckpointError
 from Models.formats.pth import load_pth
-from Models.formats.pth import save_pth
+from Models.formats.pth_writer import save_pth
 from Models.rope import rope_frequencies
 
 RUNTIME = dict(max_seq_len=32, max_batch_size=4, precision="fp32")  # parity is checked in fp32

@@ -1,6 +1,8 @@
 """The bench scripts' plumbing that needs no framework: side_by_side.py's GPU pairs and their refusals, the
-authors' side reading their sources from the carried archive where the mirror is absent (a GPU machine), and
-the peak GPU memory's choice between the process's figure and the device's."""
+authors' side reading their sources from the carried archive where the mirror is absent (a GPU machine), the
+peak GPU memory's choice between the process's figure and the device's, every script's bad arguments refused in
+one line, no ratios beside the authors' for different work, and scale.py's refusal of a checkpoint its disk
+cannot hold."""
 import ctypes
 import importlib
 import os
@@ -10,7 +12,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, one_error_line
+from conftest import REPO, assert_refused, one_error_line, python_program
 
 
 @pytest.fixture
@@ -136,3 +138,61 @@ def test_the_scale_benchs_random_checkpoint_is_removed_or_kept_and_reused(bench,
     with pytest.raises(SystemExit) as stop:
         scale.main()
     assert stop.value.code == 2
+
+
+@pytest.mark.slow
+def test_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path):
+    cases = [(["bench/scale.py", "--n_layers", "0"], ["--n_layers 0"]),
+             (["bench/scale.py", "--variants", "sparse,dense"], ["--variants", "dense"]),
+             (["bench/scale.py", "--llama_path", str(tmp_path)], ["--llama_path", "neither params.json", "nor config.json"]),
+             (["bench/scale.py", "--tmp_dir", str(tmp_path / "none")], ["--tmp_dir"]),
+             (["bench/quantization.py", "--bases", str(tmp_path)], ["--bases", "neither params.json"]),
+             (["bench/quantization.py", "--problems", "0"], ["--problems 0 must be at least 1"]),
+             (["bench/bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"]),
+             (["bench/bench.py", "--max_threshold", "nan"], ["--max_threshold must be a finite number"]),
+             (["bench/bench.py", "--config", "huge"], ["--config", "invalid choice"]),
+             (["bench/bench.py", "--preset", "dora"], ["--preset", "invalid choice"]),
+             (["bench/bench.py", "--recompute_rounds", "-1"], ["--recompute_rounds -1 must be at least 0"]),
+             (["bench/scale.py", "--checkpoint_dir", str(tmp_path), "--llama_path", str(tmp_path)],
+              ["--checkpoint_dir", "not with --llama_path"]),
+             (["bench/side_by_side.py", "--configs", "huge"], ["--configs"]),
+             (["bench/side_by_side.py", "--against", "peft"], ["REFVENV"]),
+             (["bench/side_by_side.py", "--against", "peft", "--variants", "soft"], ["--variants", "plain LoRA"]),
+             (["bench/peft_bench.py", "--lora_targets", "Q,W"], ["--lora_targets", "Q,W"]),
+             (["bench/peft_bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"]),
+             (["bench/decode_host.py", "--batch", "0"], ["--batch 0 must be at least 1"]),
+             (["bench/decode_host.py", "--steps", "500"], ["--steps 500 must be at most"]),
+             (["bench/loss_memory.py", "--dim", "0"], ["--dim 0 must be at least 1"])]
+    for argv, needles in cases:
+        done = subprocess.run(python_program(*argv), cwd=REPO, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "REFVENV": ""})
+        assert done.returncode == 2, (argv, done.stderr)
+        one_error_line(done.stderr, *needles)
+
+
+def test_side_by_side_gives_no_ratios_for_different_work(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the bench scripts import bench/common.py by name
+    from common import describe_optimizer
+    from side_by_side import SAME_WORK, same_work
+    ours = {"trainable_params": "118784", "base_params": "5048576", "train_tokens": "2048", "loss_tokens": "2040",
+            "decode_tokens": "256", "optimizer": describe_optimizer("AdamW", [(118784, 1e-4, (0.9, 0.95), 1e-8, 0.05)]),
+            "lora_rank": "8", "lora_alpha": "8", "lora_targets": "Q,K,V,O,FFN_UP,FFN_DOWN"}
+    assert set(ours) == set(SAME_WORK)
+    assert same_work(dict(ours), ours)[0] == []
+    no_decay = describe_optimizer("AdamW", [(118784, 1e-4, (0.9, 0.95), 1e-8, 0.0)])
+    differs, line = same_work({**ours, "optimizer": no_decay, "loss_tokens": "2048"}, ours)
+    assert differs == ["loss_tokens", "optimizer"]
+    assert line.startswith("DIFFERENT WORK") and "loss_tokens=2048|ours:2040" in line
+
+
+def test_the_scale_bench_refuses_a_random_checkpoint_its_disk_cannot_hold(tmp_path, monkeypatch, capsys):
+    """bench/scale.py says the disk its random checkpoint takes before writing a byte of it; where the folder's disk
+    has less free (df) it refuses in one line, exit 4, naming the folder, the need and what is free, and leaves no
+    folder behind (the 32B shape: 65.5 GB of tensors)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the bench scripts import bench/common.py by name
+    import scale
+    monkeypatch.setattr(scale.shutil, "disk_usage", lambda path: SimpleNamespace(free=40 * 10**9))
+    monkeypatch.setattr(sys, "argv", ["scale.py", "--arch", "qwen3-32b", "--tmp_dir", str(tmp_path)])
+    assert_refused(capsys, scale.main, f"{tmp_path}/moa-scale-", "the random qwen3-32b checkpoint needs 65.6 GB of "
+                   "disk", "40.0 GB free there", "--checkpoint_dir or --tmp_dir on a larger disk", code=4)
+    assert os.listdir(tmp_path) == []

@@ -12,13 +12,14 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DECODE_EXPERTS, MIXTURES, kv_logits, randomize_adapters
+from tiny_models import DECODE_EXPERTS, MIXTURES, kv_logits, randomize_adapters
 import jittor as jt
 from Data.tiny_base import write_random_hf_base
 from Models import LLM
 from Models.formats.base_model import base_args, build_model
 from Models.kernels import cpp
-from Models.kernels.precision import set_base_precision, to_bf16
+from Models.kernels.bf16 import to_bf16
+from Models.kernels.precision import set_base_precision
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 C_TYPES = {"float32": "float", "float64": "double", "uint64": "uint64_t", "bfloat16": "__nv_bfloat16"}  # Jittor's

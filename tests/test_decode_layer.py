@@ -4,7 +4,7 @@ included files."""
 import numpy as np
 import pytest
 
-from conftest import DECODE_EXPERTS, fused_layer_steps, kv_logits, randomize_adapters
+from tiny_models import DECODE_EXPERTS, fused_layer_steps, kv_logits, randomize_adapters
 import jittor as jt
 
 from Models import LLM

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_refused, max_abs, randomize_adapters, snapshot
+from conftest import REPO, assert_refused, snapshot
+from tiny_models import max_abs, randomize_adapters
 
 import jittor as jt
 

@@ -23,7 +23,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, SHARED, edited_base, kv_logits, max_abs, randomize_adapters
+from conftest import REPO, SHARED, edited_base
+from tiny_models import kv_logits, max_abs, randomize_adapters
 
 import jittor as jt
 

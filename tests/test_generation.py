@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import DATA, fused_layer_steps, infer_base_alone, kv_logits, one_error_line, randomize_adapters
+from conftest import DATA, infer_base_alone, one_error_line
+from tiny_models import fused_layer_steps, kv_logits, randomize_adapters
 import jittor as jt
 
 import Infer

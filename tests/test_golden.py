@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from conftest import GOLDEN, fused_layer_steps, kv_logits, max_abs
+from conftest import GOLDEN
+from tiny_models import fused_layer_steps, kv_logits, max_abs
 from golden_files import golden_forward, golden_model, golden_params, load_golden
 import jittor as jt
 from Models import LLM, Routing, load_base_model

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-from conftest import GOLDEN, kv_logits, max_abs, one_error_line, randomize_adapters, train
+from conftest import GOLDEN, one_error_line, train
+from tiny_models import kv_logits, max_abs, randomize_adapters
 from load_memory import load_peak
 
 import jittor as jt

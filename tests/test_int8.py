@@ -11,8 +11,9 @@ from Models import load_base_model
 from Models.formats import hf
 from Models.formats.reading import NonFiniteBase
 from Models.formats.tensor_bytes import bf16_bits_to_float32, float32_to_bf16_bits
-from Models.kernels.precision import (Int8Linear, cpu_has_bf16_units, dequantized, int8_linear, quantize,
-                                      set_base_precision)
+from Models.kernels.bf16 import cpu_has_bf16_units
+from Models.kernels.int8 import Int8Linear, dequantized, int8_linear, quantize
+from Models.kernels.precision import set_base_precision
 from Models.kernels.switch import DECODE_ROWS, decoding, fused_kernels_on
 from Models.ModelArgs import ModelArgs
 

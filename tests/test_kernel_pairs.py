@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kernel_cases
-from kernel_inputs import denormal_mode
+from kernel_inputs import VALUES, denormal_mode
 from Models.kernels.switch import fused_kernels_on
 
 pytestmark = pytest.mark.skipif(not fused_kernels_on(), reason="fused kernels are off (no libdnnl or a GPU run)")
@@ -19,7 +19,7 @@ CASES_PER_BUILDER = 6  # a case of each value kind, each builder
 def test_fused_equals_plain_on_random_cases(builder, flush):
     failures = []
     with denormal_mode(flush) as set_again:
-        for i, kind in enumerate(kernel_cases.VALUES[:CASES_PER_BUILDER]):
+        for i, kind in enumerate(VALUES[:CASES_PER_BUILDER]):
             rng = np.random.default_rng([len(builder.__name__), sum(map(ord, builder.__name__)), i, flush])
             case = builder(rng, kind)
             if not flush:  # compiled first, which flushes in the compiling thread

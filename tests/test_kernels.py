@@ -12,7 +12,7 @@ from Models.kernels.attention import attention, prompt_attention
 from Models.kernels.switch import DECODE_ROWS, GEMV_ROWS, decoding, fused_kernels_on
 from Models.kernels.linear import linear
 from Models.Routing import Gamma, swiglu_router, type_router, type_weights
-from Models.kernels.precision import BF16Linear, bf16_linear, cast_to, cpu_has_bf16_units, to_bf16
+from Models.kernels.bf16 import BF16Linear, bf16_linear, cast_to, cpu_has_bf16_units, to_bf16
 from Models.formats.tensor_bytes import bf16_bits_to_float32, float32_to_bf16_bits
 from Models.rope import rope_tables
 

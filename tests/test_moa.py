@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import randomize_adapters
+from tiny_models import randomize_adapters
 import jittor as jt
 from Models.formats.adapters import CheckpointError, load_adapter, save_adapter
 from Models.LLaMA_Adapter import LLaMA_adapter, is_adapter_param

@@ -11,8 +11,8 @@ from Data.tiny_base import random_base_weights
 from Models import load_base_model
 from Models.formats import hf
 from Models.formats.tensor_bytes import bf16_bits_to_float32, float32_to_bf16_bits
-from Models.kernels.precision import (NF4_CODES, Nf4Linear, cpu_has_bf16_units, nf4_dequantized, nf4_linear,
-                                      nf4_quantize)
+from Models.kernels.bf16 import cpu_has_bf16_units
+from Models.kernels.nf4 import NF4_CODES, Nf4Linear, nf4_dequantized, nf4_linear, nf4_quantize
 from Models.kernels.switch import fused_kernels_on
 from Models.ModelArgs import ModelArgs
 

@@ -9,7 +9,7 @@ from kernel_inputs import normal, stored
 import jittor as jt
 from Models.kernels import elementwise
 from Models.kernels.elementwise import silu_gate
-from Models.kernels.precision import bf16_values
+from Models.kernels.bf16 import bf16_values
 from Models.kernels.projections import (ExpertTerm, LoRAProjections, Projection, gemv_lora_projections,
                                         lora_projections, plain_lora_projections, projections_op, swiglu_down,
                                         swiglu_projection_op, swiglu_then_project)

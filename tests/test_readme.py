@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, randomize_adapters
+from conftest import REPO
+from tiny_models import randomize_adapters
 
 from Models.formats.adapters import save_adapter
 from Models.formats.base_model import base_args, build_model

@@ -6,8 +6,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import (BASELINES, MIXTURES, MOA, REPO, log_records, randomize_adapters, squeezed_memory, train,
-                      write_synthetic_splits)
+from conftest import REPO, log_records, squeezed_memory, train, write_synthetic_splits
+from tiny_models import BASELINES, MIXTURES, MOA, randomize_adapters
 
 import Utils.jittor_env  # noqa: F401
 import jittor as jt

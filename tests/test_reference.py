@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import randomize_adapters
+from tiny_models import randomize_adapters
 import jittor as jt
 
 from Models.Block import attention_mask

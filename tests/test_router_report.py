@@ -7,7 +7,7 @@ import re
 
 import matplotlib.image
 import numpy as np
-from conftest import chromium, needs_browser, page_dom
+from browser import chromium, needs_browser, page_dom
 
 from Utils import router_report
 

@@ -1,4 +1,4 @@
-"""Models/formats/pth.py: the torch-free, allow-list reader and writer of torch zip checkpoints."""
+"""Models/formats/pth.py and pth_writer.py: the torch-free, allow-list reader and the writer of torch zip checkpoints."""
 import argparse
 import collections
 import os
@@ -11,7 +11,8 @@ import pytest
 
 from conftest import GOLDEN
 from Models.formats import CheckpointError
-from Models.formats.pth import PlainNamespace, load_pth, save_pth
+from Models.formats.pth import PlainNamespace, load_pth
+from Models.formats.pth_writer import save_pth
 from Models.formats.tensor_bytes import bf16_bits_to_float32, float32_to_bf16_bits
 
 # ---- hand-built pickles: torch is not a dependency, so checkpoints are assembled from opcodes

@@ -27,15 +27,17 @@ import numpy as np
 import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
-from Utils.misc import is_main_process, read_json_object, write_json
+from Utils.file_io import read_json_object, write_json
+from Utils.misc import is_main_process
 from Utils.settings import check_values
 
 from ..LLaMA_Adapter import LLaMA_adapter, is_adapter_param
 from ..ModelArgs import ModelArgs
-from ..kernels.precision import cast_to
+from ..kernels.bf16 import cast_to
 from . import CheckpointError, peft
 from .authors import authors_params, check_authors_base, fields_from_authors, folder_of
-from .pth import PlainNamespace, load_pth, save_pth
+from .pth import PlainNamespace, load_pth
+from .pth_writer import save_pth
 from .tensor_match import check_strict
 
 ADAPTER_WEIGHTS = "adapter.pth"

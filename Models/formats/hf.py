@@ -20,7 +20,7 @@ from dataclasses import fields as dataclass_fields
 
 import numpy as np
 
-from Utils.misc import read_json_object, write_json
+from Utils.file_io import read_json_object, write_json
 from Utils.settings import check_value
 
 from ..LLaMA_Adapter import LLaMA_adapter

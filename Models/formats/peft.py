@@ -23,7 +23,7 @@ import math
 import os
 import re
 
-from Utils.misc import read_json_object
+from Utils.file_io import read_json_object
 
 from ..ModelArgs import ModelArgs
 from . import CheckpointError

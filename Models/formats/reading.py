@@ -26,7 +26,8 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from ..kernels import cpp
-from ..kernels.precision import cast_to, nf4_shapes
+from ..kernels.bf16 import cast_to
+from ..kernels.nf4 import nf4_shapes
 from . import CheckpointError
 
 # The smallest magnitude (the bits of a stored element, sign cleared) that is not finite in the model:
@@ -139,7 +140,7 @@ def checked_in_memory(value: jt.Var, stored: str, dtype: str, where: tuple) -> T
 
 def read_quantized(parts: list, shape: tuple, stored: str, head_dim: int = 0, where: tuple = ("", ""),
                    storage: str = "int8") -> TensorRead:
-    """(values [N,K] int8, scale [N] fp32), or with `storage` uint8 (nf4: precision.py) (codes [N,K/2], scales
+    """(values [N,K] int8, scale [N] fp32), or with `storage` uint8 (nf4: nf4.py) (codes [N,K/2], scales
     [N, ceil(K/64)] bf16), of the matrix of `shape` stored as `stored` (bfloat16, float16, float32) in `parts`,
     each (fd, offset, row0, rows, col0, cols): a rectangle of the matrix whose rows lie one after another in fd
     from offset. Read, counted finite and quantized a block of rows at a time when

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from Utils.misc import atomic_write, read_json_object, write_json
+from Utils.file_io import atomic_write, read_json_object, write_json
 
 from . import CheckpointError
 from .tensor_bytes import TensorSource, bf16_bits_to_float32, storage_bytes

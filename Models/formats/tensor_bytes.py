@@ -1,4 +1,4 @@
-"""Tensors as the bytes the checkpoint formats store (pth.py and safetensors.py): bfloat16 as the top
+"""Tensors as the bytes the checkpoint formats store (pth.py, pth_writer.py and safetensors.py): bfloat16 as the top
 half of an fp32's bits, and tensors a writer asks for one at a time (TensorSource)."""
 import numpy as np
 

@@ -12,7 +12,7 @@ from Utils.misc import is_main_process
 
 from . import CheckpointError
 from .adapters import adapter_arrays, assign_strict, differing_fields, write_adapter
-from .pth import save_pth
+from .pth_writer import save_pth
 
 
 def rng_state() -> dict:

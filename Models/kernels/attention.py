@@ -13,7 +13,7 @@ import jittor as jt
 from jittor import nn
 
 from . import cpp
-from .precision import cpu_has_bf16_units
+from .bf16 import cpu_has_bf16_units
 from .switch import GEMV_ROWS, Kernel
 
 # The products take the base's precision (cpp/attention.h); the causal attention's two bodies each

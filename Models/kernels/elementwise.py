@@ -10,7 +10,8 @@ import jittor as jt
 from jittor import nn
 
 from . import cpp
-from .precision import base_input_grad, base_linear, bf16_bits_input_grad
+from .bf16 import bf16_bits_input_grad
+from .precision import base_input_grad, base_linear
 from .switch import Kernel
 
 ROTATE_HEADER = cpp.source("rotate.h")

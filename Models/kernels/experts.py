@@ -15,7 +15,7 @@ from jittor import nn
 from . import cpp
 from .elementwise import silu_gate
 from .linear import linear
-from .precision import bf16_values, to_bf16
+from .bf16 import bf16_values, to_bf16
 from .switch import Kernel
 
 EXPERTS_HEADER = cpp.source("sgemm_ops.h")

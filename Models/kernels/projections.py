@@ -8,7 +8,7 @@ first and the base's product adds onto it (beta 1), and backward every projectio
 the experts' and the bases', accumulates into one dx. No expert output, no per-projection dx and
 no gradient addition exists as a tensor, and a projection without an expert is just its base
 product. The FFN's down projection reads the SwiGLU hidden (swiglu_down). All keep the bf16 rule of
-Models/kernels/precision.py for bf16 and int8 base weights.
+Models/kernels/bf16.py for bf16, int8 and nf4 base weights.
 """
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -20,7 +20,8 @@ from . import cpp
 from .elementwise import silu_gate
 from .experts import add_projected, gated_projection
 from .linear import linear
-from .precision import base_linear, bf16_rule, bf16_values, matrix_code, to_bf16
+from .bf16 import bf16_values, to_bf16
+from .precision import base_linear, bf16_rule, matrix_code
 from .switch import Kernel, decoding
 
 LORA_PROJECT_HEADER = cpp.source("lora_project.h")

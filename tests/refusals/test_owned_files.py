@@ -18,7 +18,7 @@ from Data.tiny_base import DEFAULT_BASE_DIR
 from Models.formats.adapters import save_adapter
 from Models.formats.base_model import base_args, build_model
 from scripts import build_base, compare_routers, export_hf
-from Utils import misc, output_dirs
+from Utils import file_io, output_dirs
 
 
 def dead_pid() -> int:
@@ -47,11 +47,11 @@ def test_the_sweep_removes_only_what_a_manifest_lists(tmp_path):
     run = listed(tmp_path / "run", "Math.py", "checkpoint-latest.pth", "checkpoint-best.pth", "adapter")
     make_entries(run, f".tmp{dead}.checkpoint-latest.pth", f".tmp{dead}..manifest.json",
                  f"adapter/.tmp{dead}.adapter.pth", f".tmp{dead}.notes.txt", f"notes/.tmp{dead}.draft",
-                 misc.temp_name("checkpoint-best.pth"))  # a live writer's: kept
+                 file_io.temp_name("checkpoint-best.pth"))  # a live writer's: kept
     gone = [f".tmp{dead}.eval", f".tmp{dead}.old-eval", f"run/.tmp{dead}.checkpoint-latest.pth",
             f"run/.tmp{dead}..manifest.json", f"run/adapter/.tmp{dead}.adapter.pth"]
     kept = [f".tmp{dead}.my_dataset_backup/data.json", f".tmp{dead}.notes.txt", f".tmp{dead}.kept/mine.txt",
-            f"run/.tmp{dead}.notes.txt", f"run/notes/.tmp{dead}.draft", f"run/{misc.temp_name('checkpoint-best.pth')}"]
+            f"run/.tmp{dead}.notes.txt", f"run/notes/.tmp{dead}.draft", f"run/{file_io.temp_name('checkpoint-best.pth')}"]
     removed = output_dirs.remove_stale_temp(str(tmp_path / "run")) + output_dirs.remove_stale_temp(str(tmp_path), False)
     assert sorted(os.path.relpath(p, tmp_path) for p in removed) == sorted(gone)
     assert not any((tmp_path / name).exists() for name in gone) and all((tmp_path / name).exists() for name in kept)

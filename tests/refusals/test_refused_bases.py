@@ -19,7 +19,8 @@ import Infer
 from Models import memory
 from Models.formats import CheckpointError
 from Models.formats.base_model import base_args, build_model
-from Models.formats.pth import load_pth, save_pth
+from Models.formats.pth import load_pth
+from Models.formats.pth_writer import save_pth
 from Models.formats.reading import NonFiniteBase, checked_in_memory
 from Models.formats.safetensors import read_header
 

@@ -1,7 +1,7 @@
 """Inputs, refused before the first token with one line naming the file, field, example or flag (exit 2), and
 nothing written: Math.py's and Infer.py's bad flags, data sets and labels (each scored by its rule or refused),
 adapters and bases (a tensor in several shards is one tensor), sizes checked before a byte is read, the KV cache
-checked against memory and generation bounded by the context, the bench scripts' arguments."""
+checked against memory and generation bounded by the context (the bench scripts' arguments: tests/test_bench.py)."""
 import json
 import os
 import shutil
@@ -9,8 +9,8 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import (DATA, REPO, assert_refused, edited_base, infer_base_alone, make_entries, math_refuses,
-                      one_error_line, python_program, train, write_samples)
+from conftest import (DATA, assert_refused, edited_base, infer_base_alone, make_entries, math_refuses, one_error_line,
+                      python_program, train, write_samples)
 
 import Infer
 from Data import test_sets
@@ -19,7 +19,8 @@ from Data.synthetic import make_splits
 from Data.tiny_base import write_random_base
 from Models.ModelArgs import ModelArgs
 from Models.Tokenizer import Tokenizer
-from Models.formats.pth import load_pth, save_pth
+from Models.formats.pth import load_pth
+from Models.formats.pth_writer import save_pth
 
 
 def write(path, text):
@@ -292,7 +293,7 @@ def test_cut_examples_are_counted(tiny_base, synthetic_data, tmp_path, capsys):
 def test_duplicate_tensors_across_shards(tiny_meta, tmp_path):
     from Models.formats.base_model import build_model
     from Models.formats import CheckpointError
-    from Models.formats.pth import save_pth
+    from Models.formats.pth_writer import save_pth
     full = load_pth(tiny_meta / "consolidated.00.pth")
     runtime = dict(max_seq_len=16, max_batch_size=1, precision="fp32")
     single = build_model(str(tiny_meta), ModelArgs.from_params_json(str(tiny_meta), **runtime))
@@ -334,7 +335,7 @@ def rezipped(source, target, deflate=(), replace=None):
 def test_a_records_declared_size_is_checked_before_it_is_read(tmp_path):
     import tracemalloc
     from Models.formats import CheckpointError
-    from Models.formats.pth import save_pth
+    from Models.formats.pth_writer import save_pth
     plain = tmp_path / "plain.pth"
     save_pth({"w": np.zeros(16 << 20, np.float32)}, plain)  # 64 MB of zeros: deflate makes them about 64 KB
     import pickle
@@ -357,50 +358,3 @@ def test_a_records_declared_size_is_checked_before_it_is_read(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(CheckpointError, match="not a regular file"):  # no writer: an open would block
         load_pth(fifo)
-
-
-# ---- the bench scripts -------------------------------------------------------------------------------------
-
-@pytest.mark.slow
-def test_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path):
-    cases = [(["bench/scale.py", "--n_layers", "0"], ["--n_layers 0"]),
-             (["bench/scale.py", "--variants", "sparse,dense"], ["--variants", "dense"]),
-             (["bench/scale.py", "--llama_path", str(tmp_path)], ["--llama_path", "neither params.json", "nor config.json"]),
-             (["bench/scale.py", "--tmp_dir", str(tmp_path / "none")], ["--tmp_dir"]),
-             (["bench/quantization.py", "--bases", str(tmp_path)], ["--bases", "neither params.json"]),
-             (["bench/quantization.py", "--problems", "0"], ["--problems 0 must be at least 1"]),
-             (["bench/bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"]),
-             (["bench/bench.py", "--max_threshold", "nan"], ["--max_threshold must be a finite number"]),
-             (["bench/bench.py", "--config", "huge"], ["--config", "invalid choice"]),
-             (["bench/bench.py", "--preset", "dora"], ["--preset", "invalid choice"]),
-             (["bench/bench.py", "--recompute_rounds", "-1"], ["--recompute_rounds -1 must be at least 0"]),
-             (["bench/scale.py", "--checkpoint_dir", str(tmp_path), "--llama_path", str(tmp_path)],
-              ["--checkpoint_dir", "not with --llama_path"]),
-             (["bench/side_by_side.py", "--configs", "huge"], ["--configs"]),
-             (["bench/side_by_side.py", "--against", "peft"], ["REFVENV"]),
-             (["bench/side_by_side.py", "--against", "peft", "--variants", "soft"], ["--variants", "plain LoRA"]),
-             (["bench/peft_bench.py", "--lora_targets", "Q,W"], ["--lora_targets", "Q,W"]),
-             (["bench/peft_bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"]),
-             (["bench/decode_host.py", "--batch", "0"], ["--batch 0 must be at least 1"]),
-             (["bench/decode_host.py", "--steps", "500"], ["--steps 500 must be at most"]),
-             (["bench/loss_memory.py", "--dim", "0"], ["--dim 0 must be at least 1"])]
-    for argv, needles in cases:
-        done = subprocess.run(python_program(*argv), cwd=REPO, capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "REFVENV": ""})
-        assert done.returncode == 2, (argv, done.stderr)
-        one_error_line(done.stderr, *needles)
-
-
-def test_side_by_side_gives_no_ratios_for_different_work(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the bench scripts import bench/common.py by name
-    from common import describe_optimizer
-    from side_by_side import SAME_WORK, same_work
-    ours = {"trainable_params": "118784", "base_params": "5048576", "train_tokens": "2048", "loss_tokens": "2040",
-            "decode_tokens": "256", "optimizer": describe_optimizer("AdamW", [(118784, 1e-4, (0.9, 0.95), 1e-8, 0.05)]),
-            "lora_rank": "8", "lora_alpha": "8", "lora_targets": "Q,K,V,O,FFN_UP,FFN_DOWN"}
-    assert set(ours) == set(SAME_WORK)
-    assert same_work(dict(ours), ours)[0] == []
-    no_decay = describe_optimizer("AdamW", [(118784, 1e-4, (0.9, 0.95), 1e-8, 0.0)])
-    differs, line = same_work({**ours, "optimizer": no_decay, "loss_tokens": "2048"}, ours)
-    assert differs == ["loss_tokens", "optimizer"]
-    assert line.startswith("DIFFERENT WORK") and "loss_tokens=2048|ours:2040" in line

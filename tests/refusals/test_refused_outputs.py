@@ -7,7 +7,6 @@ import math
 import os
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from conftest import (REPO, assert_refused, exit_code, infer_base_alone, log_rec
 from Data.synthetic import make_splits
 from Models.ModelArgs import ModelArgs
 from Models.formats.pth import load_pth
-from Utils import misc, output_dirs
+from Utils import file_io, output_dirs
 
 EVERY_STEP = ("--eval_interval", "1")  # validate and save checkpoint-latest after every step
 LOCK_HOLDER = """
@@ -185,7 +184,7 @@ def test_a_symlinked_evaluation_folder_is_followed(tiny_base, addsub, tmp_path, 
         assert infer_base_alone(tiny_base, link, "--data_path", addsub)["datasets"]["AddSub"]["total"] == 2
         assert link.is_symlink() and sorted(os.listdir(link)) == [".manifest.json", "AddSub_predictions.jsonl",
                                                                   "scores.json"]
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(file_io.TMP_PREFIX)]
 
 
 @pytest.mark.slow
@@ -201,7 +200,7 @@ def test_results_are_replaced_whole_never_mixed(tiny_base, two_sets, tmp_path, c
     assert json.loads((out / ".manifest.json").read_text()) == {
         "tool": "Infer.py", "written": ["AddSub_predictions.jsonl", "scores.json"]}
     assert sorted(json.loads((out / "scores.json").read_text())["datasets"]) == ["AddSub"]
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)]  # no staging left
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(file_io.TMP_PREFIX)]  # no staging left
 
     (out / "notes.txt").write_text("mine")
     before = snapshot(out)
@@ -263,7 +262,7 @@ def test_full_disk_is_one_line_and_keeps_what_was_written(tiny_base, synthetic_d
     assert train(tiny_base, synthetic_data, out, "--max_steps", 3, "--resume", "auto") == 4
     one_error_line(capsys.readouterr().err, os.path.join(out, "checkpoint-latest.pth"), "No space left on device")
     assert snapshot(out)["checkpoint-latest.pth"] == saved["checkpoint-latest.pth"]  # the last whole one
-    assert not [n for n in os.listdir(out) if n.startswith(misc.TMP_PREFIX)]
+    assert not [n for n in os.listdir(out) if n.startswith(file_io.TMP_PREFIX)]
 
 
 @pytest.mark.slow
@@ -283,7 +282,7 @@ def test_a_failed_write_keeps_the_earlier_results(tiny_base, two_sets, tmp_path,
     assert_refused(capsys, lambda: infer_base_alone(tiny_base, out, *both), "scores.json", "No space left on device",
                    code=4)
     assert snapshot(out) == before  # the SVAMP predictions already written stayed in the staging folder
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(file_io.TMP_PREFIX)]
 
 
 # ---- finite weights: no non-finite adapter is ever written or scored ---------------------------------------
@@ -386,16 +385,3 @@ def test_non_finite_weights_stop_the_run_before_they_are_saved(tiny_base, synthe
             read_adapter(str(out / "adapter-best"))
         latest = out / "checkpoint-latest.pth"
         assert (load_pth(latest)["global_step"] if latest.exists() else None) == saved_step
-
-
-def test_the_scale_bench_refuses_a_random_checkpoint_its_disk_cannot_hold(tmp_path, monkeypatch, capsys):
-    """bench/scale.py says the disk its random checkpoint takes before writing a byte of it; where the folder's disk
-    has less free (df) it refuses in one line, exit 4, naming the folder, the need and what is free, and leaves no
-    folder behind (the 32B shape: 65.5 GB of tensors)."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the bench scripts import bench/common.py by name
-    import scale
-    monkeypatch.setattr(scale.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=40 * 10**9))
-    monkeypatch.setattr(sys, "argv", ["scale.py", "--arch", "qwen3-32b", "--tmp_dir", str(tmp_path)])
-    assert_refused(capsys, scale.main, f"{tmp_path}/moa-scale-", "the random qwen3-32b checkpoint needs 65.6 GB of "
-                   "disk", "40.0 GB free there", "--checkpoint_dir or --tmp_dir on a larger disk", code=4)
-    assert os.listdir(tmp_path) == []

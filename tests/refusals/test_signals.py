@@ -23,7 +23,7 @@ import Infer
 import Math
 from Data.synthetic import make_splits
 from Models.formats.pth import load_pth
-from Utils import misc, sandbox
+from Utils import file_io, sandbox
 from Utils.sandbox import processes
 from Utils.jittor_env import Stopped
 
@@ -33,7 +33,7 @@ MPI = [pytest.mark.mpi, pytest.mark.skipif(MPIRUN is None, reason="mpirun not fo
 
 
 def no_temp_files(folder):
-    return not [n for n in os.listdir(folder) if n.startswith(misc.TMP_PREFIX)]
+    return not [n for n in os.listdir(folder) if n.startswith(file_io.TMP_PREFIX)]
 
 
 @pytest.mark.slow
@@ -289,7 +289,7 @@ def test_a_stop_signal_during_an_export_leaves_the_folder_as_it_was(tiny_qwen3, 
     assert done.returncode == 143, done.stdout + done.stderr
     one_error_line(done.stderr, "stopped by SIGTERM", "before the export was written", str(out))
     assert snapshot(out) == first and json.loads(first["config.json"])["moa"]["lora_alpha"] == 4.0
-    assert [n for n in os.listdir(tmp_path) if n.startswith(misc.TMP_PREFIX)] == [] and no_temp_files(out)
+    assert [n for n in os.listdir(tmp_path) if n.startswith(file_io.TMP_PREFIX)] == [] and no_temp_files(out)
 
 
 @pytest.mark.slow
@@ -302,14 +302,14 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, sy
         sys.path.insert(0, {str(REPO)!r})
         import Utils.jittor_env
         Utils.jittor_env.block_stop_signals()
-        import Models.formats.pth as torch_write
+        import Models.formats.pth_writer as torch_write
         import Math
         real, saves = torch_write.atomic_write, []
         def dying(path, write):
             if path.endswith("checkpoint-latest.pth"):
                 saves.append(path)
                 if len(saves) == 2:
-                    tmp = os.path.join(os.path.dirname(path), Math.misc.temp_name(os.path.basename(path)))
+                    tmp = os.path.join(os.path.dirname(path), Math.file_io.temp_name(os.path.basename(path)))
                     write(tmp)
                     os.truncate(tmp, os.path.getsize(tmp) // 2)
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -321,7 +321,7 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, sy
                                                                     *EVERY_STEP)], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    leftovers = [n for n in os.listdir(killed) if n.startswith(misc.TMP_PREFIX)]
+    leftovers = [n for n in os.listdir(killed) if n.startswith(file_io.TMP_PREFIX)]
     assert len(leftovers) == 1 and leftovers[0].endswith("checkpoint-latest.pth")
     assert load_pth(os.path.join(killed, "checkpoint-latest.pth"))["global_step"] == 1  # the last whole one
 
@@ -333,7 +333,7 @@ def test_kill_9_during_a_checkpoint_write_then_resume_is_bit_exact(tiny_base, sy
     one_error_line(err, "cannot resume", "lora_rank: checkpoint has 4, this run has 8 (--lora_rank)")
     assert len(err) < 300 and sorted(os.listdir(killed)) == before
     assert Math.main(["--resume", "auto", "--output_dir", killed]) == 0
-    assert not [n for n in os.listdir(killed) if n.startswith(misc.TMP_PREFIX)]  # removed at the start
+    assert not [n for n in os.listdir(killed) if n.startswith(file_io.TMP_PREFIX)]  # removed at the start
     a = load_pth(os.path.join(straight, "adapter", "adapter.pth"))
     b = load_pth(os.path.join(killed, "adapter", "adapter.pth"))
     assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
