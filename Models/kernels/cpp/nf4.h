@@ -116,8 +116,8 @@ static void nf4_widen_rows(const uint8_t *q, const uint16_t *s, int64_t K, int64
 #if MOA_BF16_UNITS
 // on the bf16 units: a group's 16 weights as bf16 bits, one table of 32 bytes for each scale's bits, made once a
 // process (1 MB; a matrix's scales span a few exponents, so the tables it reads stay in cache): a decode step's
-// pass is compute-bound on two cores, and a load costs less than making the table from the scale each group and
-// row (a product and a rounding). _mm512_cvtneps_pbh rounds to nearest even, as narrow().
+// pass is compute-bound, and a load costs less than making the table from the scale (a product and a rounding
+// a group and row took a fifth of the pass from cache). _mm512_cvtneps_pbh rounds to nearest even, as narrow().
 static const uint16_t *nf4_unit_tables() {
     static const std::unique_ptr<uint16_t[]> tables = [] {
         std::unique_ptr<uint16_t[]> t(new uint16_t[0x8000 * 16]);
@@ -128,16 +128,14 @@ static const uint16_t *nf4_unit_tables() {
     }();
     return tables.get();
 }
-// in both halves of the register: _mm512_permutexvar_epi16 reads an index's low 5 bits, so a code's byte widened to
-// 16 bits indexes its low nibble without a mask (bit 4, the high nibble's lowest, picks the same table's copy)
 static inline __m512i nf4_unit_table(const uint16_t *tables, uint16_t s) {  // a scale is never negative
-    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(tables + 16 * (s & 0x7fff))));
+    return _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(tables + 16 * (s & 0x7fff))));
 }
 // a group's two blocks (32 bytes) widened at once: (blocks' weights 0-15, then 16-31) as (lo, hi), each the first
 // block's 16 then the second's
 static inline void nf4_unit_group(const uint8_t *q, __m512i t, __m512bh &lo, __m512bh &hi) {
     const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
-    lo = (__m512bh)_mm512_permutexvar_epi16(b, t);
+    lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, _mm512_set1_epi16(15)), t);
     hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), t);
 }
 static inline __m512bh nf4_unit_block(const uint8_t *q, __m512i t) {
@@ -147,7 +145,7 @@ static inline __m512bh nf4_unit_block(const uint8_t *q, __m512i t) {
 }
 #endif
 // Y[m, n0..n0+NB) = X[m] . W[n0..n0+NB) for every m < M, as gemv.h's gemv_rows for an nf4 W: whole blocks through
-// the group's tables (loaded once a group), on the bf16 units 32 weights a dot-product step of bf16 pairs (X holds
+// the group's tables (built once a group), on the bf16 units 32 weights a dot-product step of bf16 pairs (X holds
 // bf16 values: exact as bits), else 16 fp32 products a step; a short last block one weight at a time
 template <int64_t M, int NB>
 static inline void gemv_rows(int64_t rows, int64_t N, int64_t K, int64_t lx, const float *X, const Nf4Matrix *W,
