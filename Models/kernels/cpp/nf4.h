@@ -114,22 +114,11 @@ static void nf4_widen_rows(const uint8_t *q, const uint16_t *s, int64_t K, int64
         nf4_widen_row(q + (n0 + n) * (K / 2), s + (n0 + n) * nf4_groups(K), K, dst + n * K);
 }
 #if MOA_BF16_UNITS
-// on the bf16 units: a group's 16 weights as bf16 bits, one table of 32 bytes for each scale's bits, made once a
-// process (1 MB; a matrix's scales span a few exponents, so the tables it reads stay in cache): a decode step's
-// pass is compute-bound, and a load costs less than making the table from the scale (a product and a rounding
-// a group and row took a fifth of the pass from cache). _mm512_cvtneps_pbh rounds to nearest even, as narrow().
-static const uint16_t *nf4_unit_tables() {
-    static const std::unique_ptr<uint16_t[]> tables = [] {
-        std::unique_ptr<uint16_t[]> t(new uint16_t[0x8000 * 16]);
-        for (int s = 0; s < 0x8000; s++)
-            _mm256_storeu_si256((__m256i *)(t.get() + 16 * s), (__m256i)_mm512_cvtneps_pbh(
-                _mm512_mul_ps(_mm512_loadu_ps(NF4_CODES), _mm512_set1_ps(widen(uint16_t(s))))));
-        return t;
-    }();
-    return tables.get();
-}
-static inline __m512i nf4_unit_table(const uint16_t *tables, uint16_t s) {  // a scale is never negative
-    return _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(tables + 16 * (s & 0x7fff))));
+// on the bf16 units: a group's 16 weights as bf16 bits (the low half), and a block's 32 codes widened through them
+// in order, for _mm512_dpbf16_ps (_mm512_cvtneps_pbh rounds to nearest even, as narrow())
+static inline __m512i nf4_unit_table(uint16_t s) {
+    const __m256bh bits = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(NF4_CODES), _mm512_set1_ps(widen(s))));
+    return _mm512_castsi256_si512((__m256i)bits);
 }
 // a group's two blocks (32 bytes) widened at once: (blocks' weights 0-15, then 16-31) as (lo, hi), each the first
 // block's 16 then the second's
@@ -154,13 +143,12 @@ static inline void gemv_rows(int64_t rows, int64_t N, int64_t K, int64_t lx, con
     const int64_t G = nf4_groups(K), whole = K / NF4_BLOCK * NF4_BLOCK;
 #if MOA_BF16_UNITS
     __m512i t[NB];
-    const uint16_t *tables = nf4_unit_tables();
     const int64_t groups = K / NF4_GROUP * NF4_GROUP;
     for (int64_t k = 0; k < groups; k += NF4_GROUP) {  // whole groups: a group's 64 weights a row in two steps
         __m512bh lo[NB], hi[NB];
         for (int j = 0; j < NB; j++) {
             const uint8_t *q = W->q + (n0 + j) * (K / 2) + k / 2;
-            nf4_unit_group(q, nf4_unit_table(tables, W->s[(n0 + j) * G + k / NF4_GROUP]), lo[j], hi[j]);
+            nf4_unit_group(q, nf4_unit_table(W->s[(n0 + j) * G + k / NF4_GROUP]), lo[j], hi[j]);
             __builtin_prefetch(q + 2 * NB * (K / 2));  // two blocks of rows ahead, as gemv.h
         }
         for (int64_t m = 0; m < M; m++) {
@@ -175,7 +163,7 @@ static inline void gemv_rows(int64_t rows, int64_t N, int64_t K, int64_t lx, con
         __m512bh w[NB];
         for (int j = 0; j < NB; j++) {
             const uint8_t *q = W->q + (n0 + j) * (K / 2) + k / 2;
-            if (k % NF4_GROUP == 0) t[j] = nf4_unit_table(tables, W->s[(n0 + j) * G + k / NF4_GROUP]);
+            if (k % NF4_GROUP == 0) t[j] = nf4_unit_table(W->s[(n0 + j) * G + k / NF4_GROUP]);
             w[j] = nf4_unit_block(q, t[j]);
             __builtin_prefetch(q + 2 * NB * (K / 2));  // two blocks of rows ahead, as gemv.h
         }
