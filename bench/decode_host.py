@@ -28,6 +28,7 @@ import jittor as jt  # noqa: E402
 from bench import model_args  # noqa: E402
 from Models.generate import feed  # noqa: E402
 from Models.LLaMA_Adapter import LLaMA_adapter  # noqa: E402
+from Models.ModelArgs import PRECISIONS  # noqa: E402
 from Utils.settings import ArgumentParser  # noqa: E402
 
 RUNS, PROFILED_STEPS = 3, 20
@@ -69,7 +70,7 @@ def main():
     """Exit codes: 0 done, 2 bad arguments (one `error:` line)."""
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="medium", help="model size")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="bf16", help="the base's storage")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16", help="the base's storage")
     parser.add_argument("--batch", type=int, default=1, help="rows a step decodes")
     parser.add_argument("--steps", type=int, default=200, help="decode steps timed per run")
     parser.add_argument("--n_layers", type=int, help="the model's depth (default: the config's)")

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scale import ARCHS, PROMPT_LEN, peak_rss_gb, random_checkpoint  # noqa: E402  (bench/scale.py)
 
-from Models.formats.base_model import base_args, build_model  # noqa: E402
+from Models.formats.base_model import LAYOUTS, base_args, build_model  # noqa: E402
 from Models.generate import generate  # noqa: E402
 from Models.ModelArgs import ModelArgs, PRECISIONS  # noqa: E402
 from Utils.settings import ArgumentParser, recipe_values  # noqa: E402
@@ -59,10 +59,17 @@ def main():
     parser.add_argument("--variant", default="sparse", choices=["sparse", "soft"], help="the math recipe's variant")
     parser.add_argument("--tmp_dir", default=None, help="where a temporary random checkpoint goes")
     opts = parser.parse_args()
-    if len(opts.precisions) < 2 or len(set(opts.precisions)) < len(opts.precisions):
-        parser.error(f"--precisions {opts.precisions}: at least two, each once")
-    if opts.rounds < 1 or opts.tokens < 2:
-        parser.error("--rounds must be at least 1 and --tokens at least 2")
+    problems = [
+        (len(opts.precisions) < 2 or len(set(opts.precisions)) < len(opts.precisions),
+         f"--precisions {' '.join(opts.precisions)}: at least two, each once"),
+        (opts.rounds < 1, f"--rounds {opts.rounds} must be at least 1"),
+        (opts.tokens < 2, f"--tokens {opts.tokens} must be at least 2"),
+        (opts.n_layers is not None and opts.n_layers < 1, f"--n_layers {opts.n_layers} must be at least 1"),
+        (opts.llama_path and not any(os.path.isfile(os.path.join(opts.llama_path, f)) for f in LAYOUTS.values()),
+         f"--llama_path {opts.llama_path}: neither params.json (Meta's layout) nor config.json (Hugging Face's) there")]
+    problem = next((message for broken, message in problems if broken), None)
+    if problem:
+        parser.error(problem)
     work = tempfile.mkdtemp(prefix="moa-decode-", dir=opts.tmp_dir)
     try:
         llama_dir = opts.llama_path or random_checkpoint(opts, work)

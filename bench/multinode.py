@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -77,7 +78,7 @@ def demo_step_seconds(repeats: int) -> float:
         optimizer.step(loss)
         jt.sync_all()
         times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    return statistics.median_high(times[1:])
 
 
 def worker(repeats: int):
@@ -96,7 +97,7 @@ def worker(repeats: int):
                 after._add_dependency([before])  # one after another, as the optimizer chains them
             jt.sync(reduced)
             times.append(time.perf_counter() - start)
-        return sorted(times[1:])[len(times[1:]) // 2]
+        return statistics.median_high(times[1:])
 
     report = {"ranks": jt.world_size}
     for shape in ("demo", "8b"):

@@ -162,7 +162,11 @@ def test_bench_scripts_refuse_bad_arguments_in_one_line(tmp_path):
              (["bench/peft_bench.py", "--lora_rank", "0"], ["--lora_rank must be at least 1"]),
              (["bench/decode_host.py", "--batch", "0"], ["--batch 0 must be at least 1"]),
              (["bench/decode_host.py", "--steps", "500"], ["--steps 500 must be at most"]),
-             (["bench/loss_memory.py", "--dim", "0"], ["--dim 0 must be at least 1"])]
+             (["bench/loss_memory.py", "--dim", "0"], ["--dim 0 must be at least 1"]),
+             (["bench/decode_in_turn.py", "--precisions", "int8"], ["--precisions int8: at least two"]),
+             (["bench/decode_in_turn.py", "--precisions", "nf4", "nf4"], ["--precisions nf4 nf4", "each once"]),
+             (["bench/decode_in_turn.py", "--rounds", "0"], ["--rounds 0 must be at least 1"]),
+             (["bench/decode_in_turn.py", "--llama_path", str(tmp_path)], ["--llama_path", "neither params.json"])]
     for argv, needles in cases:
         done = subprocess.run(python_program(*argv), cwd=REPO, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "REFVENV": ""})

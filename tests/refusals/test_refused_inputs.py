@@ -293,7 +293,6 @@ def test_cut_examples_are_counted(tiny_base, synthetic_data, tmp_path, capsys):
 def test_duplicate_tensors_across_shards(tiny_meta, tmp_path):
     from Models.formats.base_model import build_model
     from Models.formats import CheckpointError
-    from Models.formats.pth_writer import save_pth
     full = load_pth(tiny_meta / "consolidated.00.pth")
     runtime = dict(max_seq_len=16, max_batch_size=1, precision="fp32")
     single = build_model(str(tiny_meta), ModelArgs.from_params_json(str(tiny_meta), **runtime))
@@ -335,7 +334,6 @@ def rezipped(source, target, deflate=(), replace=None):
 def test_a_records_declared_size_is_checked_before_it_is_read(tmp_path):
     import tracemalloc
     from Models.formats import CheckpointError
-    from Models.formats.pth_writer import save_pth
     plain = tmp_path / "plain.pth"
     save_pth({"w": np.zeros(16 << 20, np.float32)}, plain)  # 64 MB of zeros: deflate makes them about 64 KB
     import pickle
