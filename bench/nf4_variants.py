@@ -6,13 +6,15 @@ variant quantizes the base's matrices in numpy and loads them, dequantized, into
 compared with the bf16 base's (top-1 agreement, max abs difference): `shipped` is --precision nf4's rule (a bf16
 absmax per 64 weights, the embedding bf16, the output matrix nf4; it matches --precision nf4 itself to the
 emulation's fp32 products); `fp32 scales`; `double-quantized` scales as QLoRA (the mean-centred scales in 8 bits
-per block of 256 with an fp32 scale each: linear absmax, standing in for bitsandbytes' dynamic 8-bit map); `groups
-of 32`; `int4` (plain symmetric int4, 15 levels, in place of the NF4 codes); `embedding nf4`; `output bf16` (the
-output matrix kept bf16, as transformers' bitsandbytes loading keeps lm_head). Then the floor no code reaches: `bound
-R` replaces each matrix row w (variance v) by the Gaussian test channel of R bits a weight, a w + sqrt(a D) z with
-D = v 2^(-2R) and a = 1 - D / v, z standard normal: the least mean square error any code of R bits a weight achieves
-on Gaussian weights (Shannon's distortion-rate bound; these bases' weights are Gaussian: kurtosis 2.92, entropy power
-0.998 of the variance), its top-1 agreement the mean of three draws of z. Prints a markdown table.
+per block of 256 with an fp32 scale each: linear absmax, standing in for bitsandbytes' dynamic 8-bit map);
+`least-error scales` (each group's scale the one of 16 between 0.7 and 1 times its absmax whose codes leave the
+least squared error: the same storage, a search at load); `groups of 32`; `int4` (plain symmetric int4, 15 levels,
+in place of the NF4 codes); `embedding nf4`; `output bf16` (the output matrix kept bf16, as transformers'
+bitsandbytes loading keeps lm_head). Then the floor no code reaches: `bound R` replaces each matrix row w
+(variance v) by the Gaussian test channel of R bits a weight, a w + sqrt(a D) z with D = v 2^(-2R) and
+a = 1 - D / v, z standard normal: the least mean square error any code of R bits a weight achieves on Gaussian
+weights (Shannon's distortion-rate bound; these bases' weights are Gaussian: kurtosis 2.92, entropy power 0.998 of
+the variance), its top-1 agreement the mean of three draws of z. Prints a markdown table.
 """
 import os
 import sys
@@ -31,10 +33,12 @@ from Models.kernels.precision import BaseLinear  # noqa: E402
 CODES = np.array(NF4_CODES, np.float32)
 INT4 = np.arange(-7, 8, dtype=np.float32) / np.float32(7)  # symmetric absmax int4: 15 evenly spaced levels
 VARIANTS = {"shipped": {}, "fp32 scales": dict(scales="fp32"), "double-quantized": dict(scales="dq"),
+            "least-error scales": dict(scales="mse"),
             "groups of 32": dict(group=32), "int4": dict(codebook=INT4), "embedding nf4": dict(embedding=True),
             "output bf16": dict(output=False), "bound 4.25": dict(bits=4.25), "bound 6": dict(bits=6),
             "bound 7": dict(bits=7)}
 DRAWS = 3  # of a bound's noise
+MSE_FACTORS = np.linspace(0.7, 1.0, 16)  # the least-error scales' candidates, times a group's absmax
 
 
 def bf16(a):
@@ -62,11 +66,23 @@ def nf4(w, group=64, scales="bf16", codebook=CODES):
     padded = np.zeros((N, -(-K // group) * group), np.float32)
     padded[:, :K] = w
     groups = padded.reshape(N, -1, group)
-    s = scales_of(np.abs(groups).max(2), scales)
-    s = np.where(s >= 1e-30, s, 0).astype(np.float32)
-    inv = np.where(s > 0, np.float32(1) / np.maximum(s, np.float32(1e-30)), 0).astype(np.float32)
-    codes = np.searchsorted((codebook[:-1] + codebook[1:]) / np.float32(2), groups * inv[..., None], side="left")
-    return bf16(codebook[codes] * s[..., None]).reshape(N, -1)[:, :K]
+    top = np.abs(groups).max(2)
+
+    def dequantized(s):
+        s = np.where(s >= 1e-30, s, 0).astype(np.float32)
+        inv = np.where(s > 0, np.float32(1) / np.maximum(s, np.float32(1e-30)), 0).astype(np.float32)
+        codes = np.searchsorted((codebook[:-1] + codebook[1:]) / np.float32(2), groups * inv[..., None], side="left")
+        return bf16(codebook[codes] * s[..., None])
+    if scales != "mse":
+        return dequantized(scales_of(top, scales)).reshape(N, -1)[:, :K]
+    best, least = None, None  # each group's scale the one of MSE_FACTORS x its absmax with the least squared error
+    for factor in MSE_FACTORS:
+        got = dequantized(bf16(top * np.float32(factor)))
+        error = ((got - groups) ** 2).sum(2)
+        better = error < least if least is not None else np.ones(error.shape, bool)
+        best = np.where(better[..., None], got, best if best is not None else got)
+        least = np.where(better, error, least if least is not None else error)
+    return best.reshape(N, -1)[:, :K]
 
 
 def gaussian_channel(w, bits, rng):
