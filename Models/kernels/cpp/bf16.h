@@ -1,5 +1,5 @@
 // The bf16 matmul of a frozen base projection: fp32 x [M,K] times bf16 weights, products of bf16 values
-// summed in fp32 (autocast's rule, Models/kernels/precision.py). On a CPU with bf16 units oneDNN's
+// summed in fp32 (autocast's rule, Models/kernels/bf16.py). On a CPU with bf16 units oneDNN's
 // gemm_bf16bf16f32; otherwise x rounded to bf16 values in fp32 and the weights widened a panel at a
 // time, through sgemm; a decode step's few rows through the GEMV pass over the bf16 weights.
 #ifndef MOA_BF16_H

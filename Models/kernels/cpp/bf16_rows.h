@@ -1,6 +1,6 @@
 // A decode step's product with bf16 weights for more rows than a GEMV pass holds in registers:
 // y [M,N] = beta y + x [M,K] w [N,K]^T for the M that rows_kernel_serves (at most DECODE_ROWS), under
-// the bf16 rule of Models/kernels/precision.py (x rounded to bf16, products of bf16 values summed in fp32).
+// the bf16 rule of Models/kernels/bf16.py (x rounded to bf16, products of bf16 values summed in fp32).
 // The weights cross memory once, in bf16 (oneDNN's bf16 gemm packs them anew at every call, which
 // costs as much as the product at these shapes). Threads take blocks of NB weight rows; a block is
 // read a chunk of KC columns at a time: the first tile of MT rows of x reads the chunk from memory,

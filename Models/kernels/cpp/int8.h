@@ -1,5 +1,5 @@
 // The frozen base's int8 matrices: values q [N,K] (|q| <= 127) and a scale per row s [N], row n standing
-// for q[n] * s[n] (quantize_row). Their products keep the bf16 rule of Models/kernels/precision.py on the
+// for q[n] * s[n] (quantize_row). Their products keep the bf16 rule of Models/kernels/bf16.py on the
 // values, which bf16 holds exactly (at most 7 significant bits): y = s * (bf16(x) . q) and, backwards,
 // dx = bf16(dy * s) . q, products summed in fp32. The values are widened inside the kernels: a decode
 // step's GEMV pass and rows kernel widen each one as read, so the matrix crosses memory once at a byte a

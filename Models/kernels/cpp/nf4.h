@@ -1,13 +1,13 @@
 // The frozen base's nf4 matrices (QLoRA's 4-bit NormalFloat): a code c in 0..15 per weight, two a byte, and a
 // bf16 scale s (the absmax) per group of 64 weights along a row, a row's last group holding what is left. Weight
 // k of row n stands for bf16(NF4_CODES[c] * s) (nf4_value): an nf4 matrix is a bf16 matrix in 4.25 bits a weight,
-// and its products are that bf16 matrix's under the bf16 rule of Models/kernels/precision.py (x rounded to bf16,
+// and its products are that bf16 matrix's under the bf16 rule of Models/kernels/bf16.py (x rounded to bf16,
 // products summed in fp32). A row of K weights (K even) takes K/2 bytes in blocks of 32 weights (the last block
 // holds L = what is left): byte i of a block holds its weight i in the low nibble and weight L/2 + i in the high
 // one, so 16 bytes widen to two runs of 16 weights with a mask and a shift. A decode step's GEMV pass widens each
 // weight as read through a 16-entry table per group (on the bf16 units an AVX-512 permute per 32 weights, dotted
-// as bf16 pairs), so the matrix crosses memory once at about half a byte a weight; training and prefill widen PANEL rows at a time to bf16 for oneDNN's
-// gemm on the bf16 units (to fp32 for sgemm without them), as int8.h does.
+// as bf16 pairs), so the matrix crosses memory once at about half a byte a weight; training and prefill widen
+// PANEL rows at a time to bf16 for oneDNN's gemm on the bf16 units (to fp32 for sgemm without them), as int8.h does.
 #ifndef MOA_NF4_H
 #define MOA_NF4_H
 #include "int8.h"
