@@ -75,13 +75,13 @@ def nf4(w, group=64, scales="bf16", codebook=CODES):
         return bf16(codebook[codes] * s[..., None])
     if scales != "mse":
         return dequantized(scales_of(top, scales)).reshape(N, -1)[:, :K]
-    best, least = None, None  # each group's scale the one of MSE_FACTORS x its absmax with the least squared error
-    for factor in MSE_FACTORS:
-        got = dequantized(bf16(top * np.float32(factor)))
+    # each group's scale the one of MSE_FACTORS x its absmax whose codes leave the least squared error (the first)
+    candidates = (dequantized(bf16(top * np.float32(factor))) for factor in MSE_FACTORS)
+    best = next(candidates)
+    least = ((best - groups) ** 2).sum(2)
+    for got in candidates:
         error = ((got - groups) ** 2).sum(2)
-        better = error < least if least is not None else np.ones(error.shape, bool)
-        best = np.where(better[..., None], got, best if best is not None else got)
-        least = np.where(better, error, least if least is not None else error)
+        best, least = np.where((error < least)[..., None], got, best), np.minimum(error, least)
     return best.reshape(N, -1)[:, :K]
 
 

@@ -101,7 +101,7 @@ def cpu_has_bf16_units() -> bool:
 
 
 def product_numbers(M: int, N: int, K: int, decode: bool = False) -> cpp.Numbers:
-    """A bf16 or int8 product's sizes, and whether it is a decode step's."""
+    """A bf16, int8 or nf4 product's sizes, and whether it is a decode step's."""
     return cpp.Numbers().declare(M=M, N=N, K=K).declare("bool", decode=decode)
 
 
@@ -135,6 +135,46 @@ class BF16Linear(jt.Function):
 
     def grad(self, grad_out):
         return bf16_input_grad(grad_out, self.weight, self.units), None
+
+
+class StoredLinear(jt.Function):
+    """x [M,K] fp32 @ (a base matrix stored quantized: its values and their scales)^T -> [M,N] fp32, gradient to x
+    only, by the bf16 rule on the matrix it stands for, the values widened inside the kernel. A storage's subclass
+    names its C++ (HEADER, FORWARD, BACKWARD), the in-dimension its values hold (in_features) and whether a decode
+    step's rows past GEMV_ROWS have a kernel of their own (ROWS); units False: the widening forms (see widening)."""
+    HEADER = FORWARD = BACKWARD = ""
+    ROWS = False
+
+    def __init__(self, units: bool = True):
+        self.units = units
+
+    @staticmethod
+    def in_features(values: jt.Var) -> int:
+        return values.shape[1]
+
+    def execute(self, x, values, scale):
+        (M, K), N = x.shape, values.shape[0]
+        self.saved = values, scale
+        numbers = product_numbers(M, N, K, self.ROWS and decoding(x, values))
+        return jt.code((M, N), "float32", [x, values, scale], cpu_header=widening(self.HEADER, self.units),
+                       cpu_src=numbers.code + self.FORWARD, data=numbers.data)
+
+    def grad(self, grad_out):
+        return self.input_grad(grad_out, *self.saved, self.units), None, None
+
+    @classmethod
+    def input_grad(cls, grad_out: jt.Var, values: jt.Var, scale: jt.Var, units: bool = True) -> jt.Var:
+        """grad_out [M,N] fp32 @ the stored matrix [N,K] -> [M,K] fp32 by the rule, through the fused kernel."""
+        (M, N), K = grad_out.shape, cls.in_features(values)
+        numbers = product_numbers(M, N, K)
+        return jt.code((M, K), "float32", [grad_out, values, scale], cpu_header=widening(cls.HEADER, units),
+                       cpu_src=numbers.code + cls.BACKWARD, data=numbers.data)
+
+    @classmethod
+    def fused(cls, x: jt.Var, values: jt.Var, scale: jt.Var) -> jt.Var:
+        """x [..., K] through the fused kernel: [..., N]."""
+        rows = x.shape[:-1]
+        return cls.apply(x.float32().reshape(-1, x.shape[-1]), values, scale).reshape(*rows, values.shape[0])
 
 
 def bf16_bits_input_grad(grad_bits: jt.Var, weight: jt.Var) -> jt.Var:

@@ -11,8 +11,8 @@ import jittor as jt
 from jittor import nn
 
 from . import cpp
-from .bf16 import product_numbers, rounded_to_bf16, widening
-from .switch import Kernel, decoding
+from .bf16 import StoredLinear, rounded_to_bf16
+from .switch import Kernel
 
 INT8_HEADER = cpp.source("int8.h")
 QUANTIZED_MIN = 1e-30  # rows below it quantize to zeros (cpp/int8.h)
@@ -45,31 +45,10 @@ def dequantized(values: jt.Var, scale: jt.Var) -> jt.Var:
     return values.float32() * scale.unsqueeze(1)
 
 
-def int8_input_grad(grad_out: jt.Var, values: jt.Var, scale: jt.Var, units: bool = True) -> jt.Var:
-    """bf16(grad_out [M,N] * scale) @ values [N,K] (int8) -> [M,K] fp32, through the fused kernel."""
-    (M, N), K = grad_out.shape, values.shape[1]
-    numbers = product_numbers(M, N, K)
-    return jt.code((M, K), "float32", [grad_out, values, scale], cpu_header=widening(INT8_HEADER, units),
-                   cpu_src=numbers.code + INT8_BACKWARD, data=numbers.data)
-
-
-class Int8Linear(jt.Function):
-    """x [M,K] fp32 @ (scale [N] * values [N,K] int8)^T -> [M,N] fp32, gradient to x only, by the int8 rule
-    above; units False: the widening forms (see widening). A decode step's product reads the values once
-    (cpp/int8.h)."""
-
-    def __init__(self, units: bool = True):
-        self.units = units
-
-    def execute(self, x, values, scale):
-        (M, K), N = x.shape, values.shape[0]
-        self.saved = values, scale
-        numbers = product_numbers(M, N, K, decoding(x, values))
-        return jt.code((M, N), "float32", [x, values, scale], cpu_header=widening(INT8_HEADER, self.units),
-                       cpu_src=numbers.code + INT8_FORWARD, data=numbers.data)
-
-    def grad(self, grad_out):
-        return int8_input_grad(grad_out, *self.saved, self.units), None, None
+class Int8Linear(StoredLinear):
+    """x [M,K] fp32 @ (scale [N] * values [N,K] int8)^T -> [M,N] fp32 by the int8 rule above. A decode step's
+    product reads the values once (cpp/int8.h)."""
+    HEADER, FORWARD, BACKWARD, ROWS = INT8_HEADER, INT8_FORWARD, INT8_BACKWARD, True
 
 
 class PlainInt8Linear(jt.Function):
@@ -85,11 +64,6 @@ class PlainInt8Linear(jt.Function):
         return nn.matmul(rounded_to_bf16(grad_out * scale), values.float32()), None, None
 
 
-def fused_int8_linear(x: jt.Var, values: jt.Var, scale: jt.Var) -> jt.Var:
-    rows = x.shape[:-1]
-    return Int8Linear.apply(x.float32().reshape(-1, x.shape[-1]), values, scale).reshape(*rows, values.shape[0])
-
-
 def plain_int8_linear(x: jt.Var, values: jt.Var, scale: jt.Var) -> jt.Var:
     if jt.flags.use_cuda:  # the values widened to bf16 (exactly), the GPU's half matmul, then the row scales
         return nn.matmul_transpose(x.cast("bfloat16"), values.cast("bfloat16")).float32() * scale
@@ -99,4 +73,4 @@ def plain_int8_linear(x: jt.Var, values: jt.Var, scale: jt.Var) -> jt.Var:
 
 
 # x [..., K] fp32 @ (scale [N] * values [N,K] int8)^T -> [..., N] fp32
-int8_linear = Kernel(fused_int8_linear, plain_int8_linear)
+int8_linear = Kernel(Int8Linear.fused, plain_int8_linear)

@@ -18,7 +18,7 @@ import Utils.jittor_env  # noqa: F401
 import jittor as jt
 
 from . import cpp
-from .bf16 import plain_bf16_linear, product_numbers, rounded_to_bf16, to_bf16, widening
+from .bf16 import StoredLinear, plain_bf16_linear, rounded_to_bf16, to_bf16
 from .int8 import QUANTIZED_MIN
 from .switch import Kernel
 
@@ -100,36 +100,14 @@ def nf4_dequantized(codes: jt.Var, scale: jt.Var) -> jt.Var:
     return rounded_to_bf16(jt.array(NF4_CODES, "float32")[indices] * scales)
 
 
-def nf4_input_grad(grad_out: jt.Var, codes: jt.Var, scale: jt.Var, units: bool = True) -> jt.Var:
-    """bf16(grad_out [M,N]) @ the nf4 matrix [N,K] -> [M,K] fp32, through the fused kernel."""
-    (M, N), K = grad_out.shape, 2 * codes.shape[1]
-    numbers = product_numbers(M, N, K)
-    return jt.code((M, K), "float32", [grad_out, codes, scale], cpu_header=widening(NF4_HEADER, units),
-                   cpu_src=numbers.code + NF4_BACKWARD, data=numbers.data)
+class Nf4Linear(StoredLinear):
+    """x [M,K] fp32 @ (the nf4 matrix of codes [N,K/2] and scales)^T -> [M,N] fp32 by the bf16 rule on the matrix it
+    stands for. A product of at most GEMV_ROWS rows reads the codes once, widened in registers (cpp/nf4.h)."""
+    HEADER, FORWARD, BACKWARD = NF4_HEADER, NF4_FORWARD, NF4_BACKWARD
 
-
-class Nf4Linear(jt.Function):
-    """x [M,K] fp32 @ (the nf4 matrix of codes [N,K/2] and scales)^T -> [M,N] fp32, gradient to x only, by the bf16
-    rule on the matrix it stands for; units False: the widening forms (see widening). A product of at most
-    GEMV_ROWS rows reads the codes once, widened in registers (cpp/nf4.h)."""
-
-    def __init__(self, units: bool = True):
-        self.units = units
-
-    def execute(self, x, codes, scale):
-        (M, K), N = x.shape, codes.shape[0]
-        self.saved = codes, scale
-        numbers = product_numbers(M, N, K)
-        return jt.code((M, N), "float32", [x, codes, scale], cpu_header=widening(NF4_HEADER, self.units),
-                       cpu_src=numbers.code + NF4_FORWARD, data=numbers.data)
-
-    def grad(self, grad_out):
-        return nf4_input_grad(grad_out, *self.saved, self.units), None, None
-
-
-def fused_nf4_linear(x: jt.Var, codes: jt.Var, scale: jt.Var) -> jt.Var:
-    rows = x.shape[:-1]
-    return Nf4Linear.apply(x.float32().reshape(-1, x.shape[-1]), codes, scale).reshape(*rows, codes.shape[0])
+    @staticmethod
+    def in_features(codes: jt.Var) -> int:
+        return 2 * codes.shape[1]
 
 
 def plain_nf4_linear(x: jt.Var, codes: jt.Var, scale: jt.Var) -> jt.Var:
@@ -137,4 +115,4 @@ def plain_nf4_linear(x: jt.Var, codes: jt.Var, scale: jt.Var) -> jt.Var:
 
 
 # x [..., K] fp32 @ (the nf4 matrix of codes [N,K/2] uint8 and scales [N, ceil(K/64)] bf16)^T -> [..., N] fp32
-nf4_linear = Kernel(fused_nf4_linear, plain_nf4_linear)
+nf4_linear = Kernel(Nf4Linear.fused, plain_nf4_linear)

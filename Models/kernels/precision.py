@@ -13,9 +13,9 @@ from jittor import nn
 
 from . import cpp
 from .bf16 import bf16_linear, cast_to
-from .int8 import dequantized, int8_input_grad, int8_linear, quantize
+from .int8 import Int8Linear, dequantized, int8_linear, quantize
 from .linear import fused_linear_input_grad, linear
-from .nf4 import nf4_dequantized, nf4_input_grad, nf4_linear, nf4_quantize, nf4_width
+from .nf4 import Nf4Linear, nf4_dequantized, nf4_linear, nf4_quantize, nf4_width
 
 # --precision: the frozen base matrices' storage type (int8, nf4: the projections' and an untied output's;
 # the embedding table takes bf16)
@@ -61,9 +61,9 @@ def base_linear(x: jt.Var, weight: jt.Var, scale=None) -> jt.Var:
 def base_input_grad(grad_out: jt.Var, weight: jt.Var, scale=None) -> jt.Var:
     """grad_out [M,N] fp32 @ weight [N,K] -> [M,K] fp32 for an fp32, int8 or nf4 base weight, fused."""
     if weight.dtype == "int8":
-        return int8_input_grad(grad_out, weight, scale)
+        return Int8Linear.input_grad(grad_out, weight, scale)
     if weight.dtype == "uint8":
-        return nf4_input_grad(grad_out, weight, scale)
+        return Nf4Linear.input_grad(grad_out, weight, scale)
     return fused_linear_input_grad(grad_out, weight)
 
 

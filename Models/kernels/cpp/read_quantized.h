@@ -1,5 +1,6 @@
 // A checkpoint matrix [N,K] read and quantized to int8 or nf4 a block of rows at a time (int8.h's quantize_row,
-// nf4.h's nf4_quantize_row), so a quantized base never holds a whole matrix in the checkpoint's type (Models/formats/reading.read_quantized).
+// nf4.h's nf4_quantize_row), so a quantized base never holds a whole matrix in the checkpoint's type
+// (Models/formats/reading.read_quantized).
 // The matrix may be stored in parts (Meta's model-parallel shards): each part a rectangle of it, rows
 // [row0, row0 + rows) x columns [col0, col0 + cols), contiguous in its file from `offset`.
 #ifndef MOA_READ_QUANTIZED_H
