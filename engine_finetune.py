@@ -291,9 +291,8 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
             local_targets += count
             input_tokens += tokens.size
             shapes.append(tokens.shape)
-        nll_sum, targets, input_tokens, aux_sum, stop_votes, new_shapes = all_reduce_sum(
-            [local_nll, local_targets, input_tokens, local_aux, float(ctx.stop.poll()),
-             float(progress.timed.new(shapes))])
+        nll_sum, targets, input_tokens, aux_sum, new_shapes, *stop_votes = all_reduce_sum(
+            [local_nll, local_targets, input_tokens, local_aux, float(progress.timed.new(shapes)), *ctx.stop.votes()])
         train_loss = float(nll_sum / max(targets, 1.0))
         aux_loss = float(aux_sum / (cfg.accum_iter * world)) if "aux" in parts else None
         if not math.isfinite(train_loss):
@@ -331,7 +330,7 @@ def train_one_epoch(model, dataset, optimizer, cfg: TrainArgs, ctx: RunContext, 
         if saved:
             log_step_losses(ctx, progress)  # before each checkpoint: a resumed run's log has every step before it
             validate_and_save(ctx, model, optimizer, progress)
-        if stop_votes > 0:  # summed over ranks, so every rank stops at the same step
+        if ctx.stop.agree(stop_votes):  # summed over ranks, so every rank stops at the same step
             progress.stop_reason = "signal"
         elif cfg.max_steps and progress.global_step >= cfg.max_steps and progress.stop_reason is None:
             progress.stop_reason = "max_steps"

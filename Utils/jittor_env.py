@@ -157,6 +157,20 @@ class StopFlag:
                 self.signal = signal.sigtimedwait(pending, 0).si_signo  # consume it
         return self.requested
 
+    def votes(self) -> list:
+        """This rank's vote, polled: 1.0 for the stop signal it received, one number for each of STOP_SIGNALS (summed
+        over the ranks, they go to agree)."""
+        self.poll()
+        return [float(self.signal == s) for s in STOP_SIGNALS]
+
+    def agree(self, counts) -> bool:
+        """Whether any rank voted to stop (`counts`: the votes summed over the ranks). A rank that received no signal
+        yet (mpirun forwards one to each host in turn) takes the first one voted for, so that every rank stops by
+        the signal that was sent and says so in its exit status."""
+        if self.signal is None:
+            self.signal = next((s for s, n in zip(STOP_SIGNALS, counts) if n > 0), None)
+        return self.requested
+
 
 class Stopped(Exception):
     """A stop signal ended the work before it was done; str() is the signal's name. `done`: what was

@@ -4,8 +4,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -202,6 +204,24 @@ def cache_path_on(hostname=None) -> str:
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare to "
                     "run a process under another host name")
+def test_ranks_stop_by_the_signal_one_of_them_received():
+    """mpirun forwards SIGUSR1 to each host in turn: a rank that has not received it yet when the ranks vote at a step
+    boundary stops with them, and by SIGUSR1 (exit 138), not by the SIGTERM it was never sent (143: a 2-host run
+    exited so)."""
+    from Utils.jittor_env import STOP_SIGNALS, StopFlag, stop_exit_status
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        sent, waiting = StopFlag(), StopFlag()
+        assert not waiting.agree([a + b for a, b in zip(sent.votes(), waiting.votes())])  # nothing sent yet
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # to this thread, which blocks it
+        votes = [a + b for a, b in zip(sent.votes(), waiting.votes())]  # the first rank to poll consumes it
+        assert votes == [float(s == signal.SIGUSR1) for s in STOP_SIGNALS]
+        assert sent.agree(votes) and waiting.agree(votes)
+        assert [stop_exit_status(flag.name) for flag in (sent, waiting)] == [138, 138]
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def test_the_cache_is_keyed_by_the_cpu_not_the_host_name():
     """Nodes of one kind sharing a home share Jittor's compiled cache (each compiled everything again, minutes, into
     a folder named after it); a machine with other instruction sets keys another folder."""
